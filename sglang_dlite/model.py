@@ -1,0 +1,395 @@
+"""The DLite drafter: a history-free parallel backbone plus a low-rank RNN head. Pure torch.
+
+One round (see ``ops/reference.py`` for the exact row layout)::
+
+    target hidden states of L layers at the last C committed positions   (L*C rows)
+    + the anchor token (last committed token)                            (1 row)
+    + K draft placeholders                                               (K rows)
+      -> depth embeddings mark "hidden state of target layer l" vs "token"
+      -> local RoPE positions 0..C+K, never the global position
+      -> a few pre-norm transformer layers (bidirectional or causal inside the block)
+      -> low-rank RNN head: a gated rank-r recurrence over the K positions in hidden space
+      -> final norm + the target's frozen LM head, once per position, all K positions batched.
+
+The drafter keeps no KV cache and nothing between rounds: its inputs are bounded (S rows) and
+independent of the context length. ``history="full"`` / ``"window:W"`` turn the same module into
+the history-aware teacher / sliding-window ablation: the attention then also sees the target
+features of earlier positions, injected as keys/values into every layer (DFlash-style).
+
+This module imports no sglang: the SGLang plugin, the reference engine and training all use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import ops
+from .config import DLiteConfig
+from .errors import DLiteConfigError, DLiteInputError
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+@dataclass
+class History:
+    """Target features of positions before the round's context window (teacher/window only).
+
+    hidden: [Bh, L, T, H] (Bh = 1 broadcasts one sequence's history to every anchor);
+    positions: [Bh, T] absolute positions; valid: [B, T] which history slots each row may see.
+    """
+
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+
+class DLiteLayer(nn.Module):
+    def __init__(self, cfg: DLiteConfig):
+        super().__init__()
+        H, d = cfg.target_hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.input_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(H, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(H, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(H, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, H, bias=False)
+        self.post_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, H, bias=False)
+
+    def kv(self, x):
+        B, S, _ = x.shape
+        h = self.input_norm(x)
+        k = self.k_proj(h).view(B, S, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(h).view(B, S, self.num_kv_heads, self.head_dim)
+        return k, v
+
+    def forward(self, x, attend):
+        B, S, _ = x.shape
+        h = self.input_norm(x)
+        q = self.q_proj(h).view(B, S, self.num_heads, self.head_dim)
+        k = self.k_proj(h).view(B, S, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(h).view(B, S, self.num_kv_heads, self.head_dim)
+        x = x + self.o_proj(attend(self, q, k, v).reshape(B, S, -1))
+        h = self.post_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class LowRankRNNHead(nn.Module):
+    """Restores the causal dependency inside the block with a rank-r recurrence in hidden space.
+
+    For block positions i = 0..K-1 with backbone outputs z_i (z_{-1} = the anchor row's output):
+        a_i = sigmoid(W_g z_i + b_g)                       gate      [r]
+        u_i = W_u z_{i-1}   (head_input="hidden")          input     [r]
+            = W_e emb(t_{i-1})  (head_input="token": the previous draft token, ablation)
+        s_i = a_i * s_{i-1} + (1 - a_i) * u_i              state     [r]
+        y_i = z_i + W_o s_i                                corrected hidden state [H]
+    W_o starts at zero, so an untrained head is the identity.
+    """
+
+    def __init__(self, cfg: DLiteConfig):
+        super().__init__()
+        H, r = cfg.target_hidden_size, cfg.rnn_rank
+        self.gate_proj = nn.Linear(H, r, bias=True)
+        self.in_proj = nn.Linear(H, r, bias=False)
+        self.out_proj = nn.Linear(r, H, bias=False)
+        nn.init.zeros_(self.out_proj.weight)
+
+    def forward(self, z_prev: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Hidden-input variant. z_prev = [anchor row, rows 0..K-2], z = rows 0..K-1: [B, K, H]."""
+        s = ops.lowrank_rnn_scan(self.gate_proj(z), self.in_proj(z_prev))
+        return z + self.out_proj(s)
+
+    def step(self, state, z_i, prev_token_embed):
+        """One step of the token-feedback variant: returns (new state, y_i)."""
+        a = torch.sigmoid(self.gate_proj(z_i).float())
+        s = a * state + (1 - a) * self.in_proj(prev_token_embed).float()
+        return s, z_i + self.out_proj(s.to(z_i.dtype))
+
+
+@dataclass
+class DraftProposal:
+    tokens: torch.Tensor  # [B, K] drafted token ids
+    probs: Optional[torch.Tensor]  # [B, K, V] the distribution each token was sampled from (None if greedy)
+
+
+class DLiteDrafter(nn.Module):
+    def __init__(self, config: DLiteConfig):
+        super().__init__()
+        config.validate()
+        self.config = cfg = config
+        H, L = cfg.target_hidden_size, cfg.num_capture_layers
+        self.ctx_norm_weight = nn.Parameter(torch.ones(L, H))
+        self.depth_embed = nn.Parameter(torch.randn(L + 1, H) * 0.02)
+        self.mask_embed = nn.Parameter(torch.randn(H) * 0.02)
+        self.layers = nn.ModuleList(DLiteLayer(cfg) for _ in range(cfg.num_layers))
+        self.head = LowRankRNNHead(cfg)
+        self.final_norm = RMSNorm(H, cfg.rms_norm_eps)
+        for layer in self.layers:
+            for lin in (layer.q_proj, layer.k_proj, layer.v_proj, layer.gate_proj, layer.up_proj):
+                nn.init.normal_(lin.weight, std=0.02)
+            for lin in (layer.o_proj, layer.down_proj):
+                nn.init.normal_(lin.weight, std=0.02 / (2 * cfg.num_layers) ** 0.5)
+        # The target's frozen token embedding and LM head: bound, never saved with the drafter.
+        self.register_buffer("embed_weight", torch.empty(0), persistent=False)
+        self.register_buffer("lm_head_weight", torch.empty(0), persistent=False)
+        pos = ops.round_positions(L, cfg.num_context_positions, cfg.block_size)
+        cos, sin = ops.rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    # ------------------------------------------------------------------ target binding
+    def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> "DLiteDrafter":
+        """Attach the target's (frozen) token embedding and LM head. Validates the shapes."""
+        V, H = self.config.vocab_size, self.config.target_hidden_size
+        for name, w in (("token embedding", embed_weight), ("LM head", lm_head_weight)):
+            if tuple(w.shape) != (V, H):
+                raise DLiteConfigError(
+                    f"the target's {name} has shape {tuple(w.shape)} but this drafter expects "
+                    f"({V}, {H}) (vocab_size, target_hidden_size): the drafter was built for another target."
+                )
+        self.embed_weight = embed_weight.detach()
+        self.lm_head_weight = lm_head_weight.detach()
+        return self
+
+    def bind_hf_target(self, target) -> "DLiteDrafter":
+        """Validate against a transformers causal LM and bind its embedding and LM head."""
+        tc = target.config
+        self.config.check_target(
+            hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, num_layers=tc.num_hidden_layers
+        )
+        return self.bind_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+
+    def _check_bound(self):
+        if self.embed_weight.numel() == 0:
+            raise DLiteConfigError(
+                "the drafter has no target embedding/LM head bound; call bind_target() or "
+                "bind_hf_target() first (they are the target's own, frozen, and not stored in "
+                "the drafter checkpoint)."
+            )
+
+    # ------------------------------------------------------------------ forward
+    def _local_attend(self, context_valid):
+        cfg = self.config
+
+        def attend(layer, q, k, v):
+            return ops.round_attention(
+                q, k, v, self.rope_cos.to(q.dtype), self.rope_sin.to(q.dtype), context_valid,
+                cfg.num_capture_layers, cfg.block_size, cfg.block_attention == "causal",
+            )
+
+        return attend
+
+    def _history_attend(self, context_valid, history: History, round_offset, hist_inputs):
+        """Torch path for the teacher / window variants: round rows also see history rows."""
+        cfg = self.config
+        L, C, K = cfg.num_capture_layers, cfg.num_context_positions, cfg.block_size
+        local = ops.round_positions(L, C, K, device=round_offset.device)
+        pos = round_offset[:, None] + local[None]  # [B, S] absolute positions
+        cos, sin = ops.rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
+        hpos = history.positions[:, None, :].expand(-1, L, -1).reshape(history.positions.shape[0], -1)
+        hcos, hsin = ops.rope_cos_sin(hpos, cfg.head_dim, cfg.rope_theta)
+        local_mask = ops.round_attention_mask(context_valid, L, K, cfg.block_attention == "causal")
+        hist_valid = history.valid.repeat(1, L)  # [B, L*T]
+        B, S = pos.shape
+        mask = torch.cat([hist_valid[:, None, :].expand(B, S, -1), local_mask], dim=2)[:, None]
+
+        def attend(layer, q, k, v):
+            hk, hv = layer.kv(hist_inputs)  # [Bh, L*T, Hkv, d]
+            Hq = q.shape[2]
+            q = ops.apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
+            k = ops.apply_rope(k, cos.to(q.dtype), sin.to(q.dtype))
+            hk = ops.apply_rope(hk, hcos.to(q.dtype), hsin.to(q.dtype))
+            if hk.shape[0] != B:
+                hk, hv = hk.expand(B, -1, -1, -1), hv.expand(B, -1, -1, -1)
+            keys = torch.cat([hk, k], dim=1).repeat_interleave(Hq // k.shape[2], dim=2)
+            vals = torch.cat([hv, v], dim=1).repeat_interleave(Hq // k.shape[2], dim=2)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask
+            )
+            return out.transpose(1, 2)
+
+        return attend
+
+    def backbone(self, context_hidden, context_valid, anchor_ids, history: Optional[History] = None,
+                 round_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Returns the backbone outputs of the anchor and the K placeholder rows: [B, K+1, H]."""
+        self._check_bound()
+        cfg = self.config
+        self._check_inputs(context_hidden, context_valid, anchor_ids)
+        dtype = self.mask_embed.dtype
+        context_hidden = context_hidden.to(dtype)
+        anchor = F.embedding(anchor_ids, self.embed_weight).to(dtype)
+        x = ops.assemble_round_inputs(
+            context_hidden, anchor, self.ctx_norm_weight, self.depth_embed, self.mask_embed,
+            cfg.block_size, cfg.rms_norm_eps,
+        )
+        if cfg.history_window == 0 or history is None:  # no history: the DLite path
+            attend = self._local_attend(context_valid)
+        else:
+            if round_offset is None:
+                raise DLiteInputError("history variants need round_offset (absolute position of context slot 0).")
+            Lh = history.hidden.shape[1]
+            hidden = history.hidden.to(dtype)
+            h_in = ops.rms_norm(hidden, self.ctx_norm_weight[None, :, None, :], cfg.rms_norm_eps)
+            h_in = h_in + self.depth_embed[:Lh, None, :]
+            hist_inputs = h_in.reshape(hidden.shape[0], -1, hidden.shape[-1])
+            attend = self._history_attend(context_valid, history, round_offset, hist_inputs)
+        for layer in self.layers:
+            x = layer(x, attend)
+        return x[:, cfg.num_capture_layers * cfg.num_context_positions:]
+
+    def _check_inputs(self, context_hidden, context_valid, anchor_ids):
+        cfg = self.config
+        L, C, H = cfg.num_capture_layers, cfg.num_context_positions, cfg.target_hidden_size
+        if context_hidden.dim() != 4 or tuple(context_hidden.shape[1:]) != (L, C, H):
+            raise DLiteInputError(
+                f"context_hidden must be [batch, {L} layers, {C} positions, {H}], got {tuple(context_hidden.shape)}."
+            )
+        B = context_hidden.shape[0]
+        if tuple(context_valid.shape) != (B, C) or context_valid.dtype != torch.bool:
+            raise DLiteInputError(f"context_valid must be a bool tensor [{B}, {C}], got {context_valid.dtype} {tuple(context_valid.shape)}.")
+        if tuple(anchor_ids.shape) != (B,):
+            raise DLiteInputError(f"anchor_ids must be [{B}], got {tuple(anchor_ids.shape)}.")
+
+    def lm_logits(self, y: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.final_norm(y), self.lm_head_weight.to(y.dtype))
+
+    def forward(self, context_hidden, context_valid, anchor_ids, history: Optional[History] = None,
+                round_offset=None, feedback_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Training/scoring forward: logits [B, K, V] for the K draft positions.
+
+        ``feedback_tokens`` [B, K] (token-feedback head only): the tokens the head consumes at
+        positions 0..K-1 are [anchor, feedback_tokens[:, :-1]] (teacher forcing).
+        """
+        z = self.backbone(context_hidden, context_valid, anchor_ids, history, round_offset)
+        if self.config.head_input == "hidden":
+            return self.lm_logits(self.head(z[:, :-1], z[:, 1:]))
+        if feedback_tokens is None:
+            raise DLiteInputError("the token-feedback head needs feedback_tokens in training.")
+        prev = torch.cat([anchor_ids[:, None], feedback_tokens[:, :-1]], dim=1)
+        emb = F.embedding(prev, self.embed_weight).to(z.dtype)
+        state = torch.zeros(z.shape[0], self.config.rnn_rank, device=z.device)
+        ys = []
+        for i in range(self.config.block_size):
+            state, y = self.head.step(state, z[:, 1 + i], emb[:, i])
+            ys.append(y)
+        return self.lm_logits(torch.stack(ys, 1))
+
+    @torch.no_grad()
+    def propose(self, context_hidden, context_valid, anchor_ids, *, temperature: float = 0.0,
+                top_p: float = 1.0, generator: Optional[torch.Generator] = None,
+                history: Optional[History] = None, round_offset=None) -> DraftProposal:
+        """Draft K tokens per request. Greedy when temperature == 0."""
+        z = self.backbone(context_hidden, context_valid, anchor_ids, history, round_offset)
+        K = self.config.block_size
+        if self.config.head_input == "hidden":
+            logits = self.lm_logits(self.head(z[:, :-1], z[:, 1:])).float()
+            if temperature <= 0:
+                return DraftProposal(logits.argmax(-1), None)
+            probs = logits_to_probs(logits, temperature, top_p)
+            flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
+            return DraftProposal(flat.view(probs.shape[:2]), probs)
+        # token-feedback ablation: K sequential vocabulary projections
+        state = torch.zeros(z.shape[0], self.config.rnn_rank, device=z.device)
+        prev = anchor_ids
+        toks, probs_all = [], []
+        for i in range(K):
+            emb = F.embedding(prev, self.embed_weight).to(z.dtype)
+            state, y = self.head.step(state, z[:, 1 + i], emb)
+            logits = self.lm_logits(y).float()
+            if temperature <= 0:
+                prev = logits.argmax(-1)
+            else:
+                p = logits_to_probs(logits, temperature, top_p)
+                prev = torch.multinomial(p, 1, generator=generator).squeeze(1)
+                probs_all.append(p)
+            toks.append(prev)
+        return DraftProposal(torch.stack(toks, 1), torch.stack(probs_all, 1) if probs_all else None)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_pretrained(self, path: str, dtype: Optional[torch.dtype] = None) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        self.config.save_pretrained(path)
+        state = {k: (v.to(dtype) if dtype is not None else v).contiguous()
+                 for k, v in self.state_dict().items()}
+        save_file(state, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt", "model_type": "dlite"})
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu") -> "DLiteDrafter":
+        return cls.from_config_and_state(*load_checkpoint(path), dtype=dtype, device=device)
+
+    @classmethod
+    def from_config_and_state(cls, config, state, dtype=torch.float32, device="cpu"):
+        model = cls(config)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise DLiteConfigError(
+                f"the checkpoint does not fit a DLite drafter with its own config "
+                f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(unexpected)[:5]})."
+            )
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def load_checkpoint(path: str):
+    """Read and validate (config, state dict) from a DLite checkpoint folder."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not os.path.isdir(path):
+        raise DLiteConfigError(f"no DLite checkpoint folder at {path!r}.")
+    cfg_file = os.path.join(path, "config.json")
+    w_file = os.path.join(path, WEIGHTS_NAME)
+    if not os.path.isfile(cfg_file) or not os.path.isfile(w_file):
+        raise DLiteConfigError(
+            f"{path!r} is not a DLite checkpoint: it needs config.json and {WEIGHTS_NAME}."
+        )
+    try:
+        with open(cfg_file) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DLiteConfigError(f"{cfg_file!r} is not valid JSON ({exc}).") from exc
+    if raw.get("model_type") != "dlite":
+        raise DLiteConfigError(
+            f"{path!r} holds a {raw.get('model_type')!r} model, not a DLite drafter (model_type 'dlite')."
+        )
+    raw.pop("model_type", None)
+    config = DLiteConfig(**raw)
+    try:
+        state = load_file(w_file)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise DLiteConfigError(f"{w_file!r} is not a readable safetensors file ({exc}).") from exc
+    return config, state
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """Temperature + top-p (nucleus) filtered distribution, in fp32."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        drop = cum - sorted_p > top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
