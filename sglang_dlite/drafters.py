@@ -103,3 +103,51 @@ class OracleDrafter:
             nxt = []
         nxt = nxt + [0] * (self.block_size - len(nxt))
         return DraftProposal(torch.tensor([nxt]), None)
+
+
+# ---------------------------------------------------------------------------- drafter specs
+SHIPPED_DRAFTER_DIR = __import__("os").path.join(
+    __import__("os").path.dirname(__file__), "checkpoints", "dlite-smollm2-135m"
+)
+
+
+def shipped_drafter_path() -> Optional[str]:
+    """The committed default DLite checkpoint for SmolLM2-135M-Instruct, if present."""
+    import os
+
+    ok = os.path.isfile(os.path.join(SHIPPED_DRAFTER_DIR, "model.safetensors"))
+    return SHIPPED_DRAFTER_DIR if ok else None
+
+
+def load_dlite(path: Optional[str], target, **config_overrides) -> DLiteDrafter:
+    """A DLite drafter bound to a HF target: from ``path``, else the shipped default, else a
+    randomly initialized one (with a warning: tau will be ~1 until it is trained)."""
+    import warnings
+
+    from .config import DLiteConfig
+
+    path = path or shipped_drafter_path()
+    if path:
+        model = DLiteDrafter.from_pretrained(path)
+    else:
+        warnings.warn(
+            "no trained DLite checkpoint is shipped in this build: using a randomly initialized "
+            "drafter (acceptance length ~1). Train one with `sglang-dlite train`.", stacklevel=2,
+        )
+        tc = target.config
+        torch.manual_seed(0)
+        model = DLiteDrafter(DLiteConfig(
+            target_hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
+            target_num_layers=tc.num_hidden_layers, **config_overrides,
+        )).eval()
+    return model.bind_hf_target(target)
+
+
+def make_engine_drafter(spec: str, target) -> Drafter:
+    """``--drafter`` specs: ``dlite`` | ``dlite:PATH`` (more names join as baselines land)."""
+    name, _, path = spec.partition(":")
+    if name == "dlite":
+        return DLiteEngineDrafter(load_dlite(path or None, target))
+    from .errors import DLiteInputError
+
+    raise DLiteInputError(f"unknown drafter {spec!r}; known: dlite[:PATH].")
