@@ -1,0 +1,150 @@
+"""The reference engine is lossless: greedy speculative output == the target's own greedy output.
+
+Checked with an untrained DLite drafter (tau ~ 1: every round rejects early), with a drafter that
+proposes the target's own continuation (multi-token acceptance on every round), with the history
+variants, and across the turns of multi-turn conversations that reuse the target's KV.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_dlite_config
+from sglang_dlite.drafters import DLiteEngineDrafter, DraftRequest, OracleDrafter
+from sglang_dlite.engine import ReferenceEngine
+from sglang_dlite.errors import DLiteInputError
+from sglang_dlite.model import DLiteDrafter, DraftProposal
+
+EOS = 2
+
+
+def hf_greedy(target, prompt, n):
+    """Ground truth: transformers' own greedy generate (no cache tricks of ours)."""
+    out = target.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=EOS,
+        pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(n, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+
+def dlite(target, **kw):
+    torch.manual_seed(0)
+    return DLiteDrafter(tiny_dlite_config(target, **kw)).bind_hf_target(target)
+
+
+@pytest.mark.parametrize("variant", [
+    {},
+    {"block_attention": "causal", "num_context_positions": 1},
+    {"history": "full"},
+    {"history": "window:8"},
+    {"head_input": "token", "block_size": 7},
+])
+def test_untrained_dlite_is_lossless(tiny_target, variant):
+    eng = ReferenceEngine(tiny_target, DLiteEngineDrafter(dlite(tiny_target, **variant)), [EOS])
+    for p in prompts(10 if not variant else 4, tiny_target.config.vocab_size):
+        ref = hf_greedy(tiny_target, p, 24)
+        res = eng.generate(p, 24)
+        assert res.output_ids == ref
+        assert all(1 <= r.committed <= eng.drafter.block_size + 1 for r in res.rounds)
+    eng.close()
+
+
+def test_oracle_drafter_accepts_whole_blocks_and_stays_lossless(tiny_target):
+    ps = prompts(10, tiny_target.config.vocab_size, seed=1)
+    refs = [hf_greedy(tiny_target, p, 30) for p in ps]
+    table = {tuple(p + r): None for p, r in zip(ps, refs)}
+    eng = ReferenceEngine(tiny_target, OracleDrafter(table, block_size=5), [EOS])
+    taus = []
+    for p, ref in zip(ps, refs):
+        res = eng.generate(p, 30)
+        assert res.output_ids == ref
+        taus.append(res.tau)
+    # All drafts are right, so every full round commits K + 1 = 6 tokens.
+    assert max(taus) == 6.0
+    assert sum(taus) / len(taus) > 4.0
+
+
+class _Corrupting:
+    """Wraps a drafter and flips its j-th proposal: exercises partial acceptance at every depth."""
+
+    def __init__(self, inner, vocab):
+        self.inner, self.vocab, self.calls = inner, vocab, 0
+        self.block_size = inner.block_size
+        self.capture_layer_ids = inner.capture_layer_ids
+        self.hidden_rows_needed = inner.hidden_rows_needed
+
+    def draft(self, req: DraftRequest) -> DraftProposal:
+        prop = self.inner.draft(req)
+        j = self.calls % self.block_size
+        self.calls += 1
+        toks = prop.tokens.clone()
+        toks[0, j] = (toks[0, j] + 1) % self.vocab
+        return DraftProposal(toks, None)
+
+
+def test_partial_acceptance_at_every_depth(tiny_target):
+    ps = prompts(4, tiny_target.config.vocab_size, seed=2)
+    refs = [hf_greedy(tiny_target, p, 40) for p in ps]
+    table = {tuple(p + r): None for p, r in zip(ps, refs)}
+    drafter = _Corrupting(OracleDrafter(table, block_size=4), tiny_target.config.vocab_size)
+    eng = ReferenceEngine(tiny_target, drafter, [EOS])
+    seen = set()
+    for p, ref in zip(ps, refs):
+        res = eng.generate(p, 40)
+        assert res.output_ids == ref
+        seen |= {r.accepted for r in res.rounds}
+    assert {0, 1, 2, 3} <= seen
+
+
+def test_multi_turn_session_reuses_kv_and_stays_lossless(tiny_target):
+    """A conversation: each turn = previous context + reply + a new user message."""
+    V = tiny_target.config.vocab_size
+    for variant in ({}, {"history": "full"}, {"history": "window:4"}):
+        eng = ReferenceEngine(tiny_target, DLiteEngineDrafter(dlite(tiny_target, **variant)), [EOS])
+        rng = random.Random(3)
+        sess = eng.new_session()
+        ctx = [1] + [rng.randrange(3, V) for _ in range(12)]
+        for turn in range(4):
+            res = eng.generate(ctx, 12, session=sess)
+            assert res.output_ids == hf_greedy(tiny_target, ctx, 12)
+            if turn:
+                assert res.reused_prefix > 0  # the target KV of earlier turns was reused
+            # Continue with a "recorded" reply that differs from the generated one half the time.
+            reply = res.output_ids if turn % 2 else [rng.randrange(3, V) for _ in range(5)]
+            ctx = ctx + reply + [rng.randrange(3, V) for _ in range(rng.randrange(1, 6))]
+        eng.close()
+
+
+def test_engine_rejects_bad_input(tiny_target):
+    eng = ReferenceEngine(tiny_target, DLiteEngineDrafter(dlite(tiny_target)), [EOS])
+    with pytest.raises(DLiteInputError, match="empty prompt"):
+        eng.generate([], 4)
+    with pytest.raises(DLiteInputError, match="over the target's limit"):
+        eng.generate([1] * tiny_target.config.max_position_embeddings, 4)
+    with pytest.raises(DLiteInputError, match="max_new_tokens"):
+        eng.generate([1, 5], 0)
+    eng.close()
+    bad = dlite(tiny_target)
+    bad.config.target_layer_ids = [99]
+    with pytest.raises(DLiteInputError, match="has 6 layers"):
+        ReferenceEngine(tiny_target, DLiteEngineDrafter(bad), [EOS])
+
+
+def test_generation_stops_at_limit_and_eos(tiny_target):
+    prompt = [1, 7, 8, 9]
+    ref = hf_greedy(tiny_target, prompt, 9)
+    eng = ReferenceEngine(tiny_target, OracleDrafter({tuple(prompt + ref): None}, 7), [EOS])
+    assert eng.generate(prompt, 9).output_ids == ref  # the limit falls inside a round
+    # Declare a token the target emits mid-block as EOS: generation stops right after it.
+    eos = ref[2]
+    eng2 = ReferenceEngine(tiny_target, OracleDrafter({tuple(prompt + ref): None}, 7), [eos])
+    out = eng2.generate(prompt, 9).output_ids
+    assert out == ref[: ref.index(eos) + 1]

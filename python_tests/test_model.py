@@ -1,0 +1,182 @@
+"""The DLite drafter: history-freedom, config and checkpoint validation, save/load."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import tiny_dlite_config
+from sglang_dlite.config import DLiteConfig, default_layer_ids
+from sglang_dlite.drafters import DLiteEngineDrafter, DraftRequest
+from sglang_dlite.errors import DLiteConfigError, DLiteInputError
+from sglang_dlite.model import DLiteDrafter
+
+
+def _drafter(target, **kw):
+    torch.manual_seed(0)
+    m = DLiteDrafter(tiny_dlite_config(target, **kw)).bind_hf_target(target)
+    with torch.no_grad():  # a non-trivial head, so the test covers it
+        m.head.out_proj.weight.normal_(0, 0.5)
+    return m
+
+
+def _logits_after_history(model, hist_len, local):
+    """Same local window (last C positions) + anchor after a history of hist_len positions."""
+    L, C, H = local.shape
+    g = torch.Generator().manual_seed(hist_len)
+    history = torch.randn(L, hist_len, H, generator=g)
+    hidden = torch.cat([history, local], dim=1)
+    req = DraftRequest(tokens=[5] * (hist_len + C + 1), hidden=hidden, hidden_start=0)
+    ctx, valid, hist, offset = DLiteEngineDrafter(model).context_inputs(req)
+    with torch.no_grad():
+        return model(ctx, valid, torch.tensor([7]), history=hist, round_offset=offset)
+
+
+def test_dlite_is_history_free(tiny_target):
+    m = _drafter(tiny_target)
+    local = torch.randn(2, 3, tiny_target.config.hidden_size)
+    base = _logits_after_history(m, 0, local)
+    for n in (1, 50, 400):
+        torch.testing.assert_close(_logits_after_history(m, n, local), base, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("history", ["full", "window:16"])
+def test_history_variants_see_the_history(tiny_target, history):
+    m = _drafter(tiny_target, history=history)
+    local = torch.randn(2, 3, tiny_target.config.hidden_size)
+    a = _logits_after_history(m, 20, local)
+    b = _logits_after_history(m, 40, local)
+    assert (a - b).abs().max() > 1e-3
+
+
+def test_window_variant_ignores_history_beyond_its_window(tiny_target):
+    m = _drafter(tiny_target, history="window:8")
+    H = tiny_target.config.hidden_size
+    local, recent = torch.randn(2, 3, H), torch.randn(2, 8, H)
+
+    def run(old_len):
+        old = torch.randn(2, old_len, H, generator=torch.Generator().manual_seed(old_len))
+        hidden = torch.cat([old, recent, local], dim=1)
+        req = DraftRequest(tokens=[5] * (hidden.shape[1] + 1), hidden=hidden, hidden_start=100 - old_len)
+        ctx, valid, hist, offset = DLiteEngineDrafter(m).context_inputs(req)
+        with torch.no_grad():
+            return m(ctx, valid, torch.tensor([7]), history=hist, round_offset=offset)
+
+    torch.testing.assert_close(run(5), run(30), rtol=1e-5, atol=1e-5)
+
+
+def test_invalid_context_slots_are_ignored(tiny_target):
+    m = _drafter(tiny_target)
+    ctx = torch.randn(1, 2, 3, tiny_target.config.hidden_size)
+    valid = torch.tensor([[False, True, True]])
+    other = ctx.clone()
+    other[:, :, 0] = 123.0  # garbage in an invalid slot
+    with torch.no_grad():
+        torch.testing.assert_close(m(ctx, valid, torch.tensor([4])), m(other, valid, torch.tensor([4])))
+
+
+def test_batched_forward_equals_per_request(tiny_target):
+    m = _drafter(tiny_target, block_attention="causal")
+    B = 5
+    ctx = torch.randn(B, 2, 3, tiny_target.config.hidden_size)
+    valid = torch.rand(B, 3) > 0.3
+    anchors = torch.randint(0, tiny_target.config.vocab_size, (B,))
+    with torch.no_grad():
+        full = m(ctx, valid, anchors)
+        for b in range(B):
+            torch.testing.assert_close(m(ctx[b:b + 1], valid[b:b + 1], anchors[b:b + 1]), full[b:b + 1],
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_save_and_load_round_trip(tiny_target, tmp_path):
+    m = _drafter(tiny_target)
+    m.save_pretrained(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    m2 = DLiteDrafter.from_pretrained(str(tmp_path)).bind_hf_target(tiny_target)
+    ctx = torch.randn(2, 2, 3, tiny_target.config.hidden_size)
+    valid = torch.ones(2, 3, dtype=torch.bool)
+    with torch.no_grad():
+        torch.testing.assert_close(m(ctx, valid, torch.tensor([3, 4])), m2(ctx, valid, torch.tensor([3, 4])))
+    # The target's embedding / LM head are not stored in the drafter checkpoint.
+    from safetensors.torch import load_file
+    assert not any("embed_weight" in k or "lm_head" in k for k in load_file(str(tmp_path / "model.safetensors")))
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"block_size": 0}, "K=0 is out of range"),
+    ({"block_size": 17}, "K=17 is out of range"),
+    ({"target_layer_ids": [3, 30]}, "layer id 30 is out of range"),
+    ({"target_layer_ids": [4, 4]}, "duplicates"),
+    ({"target_layer_ids": []}, "empty"),
+    ({"history": "window:0"}, "window:W"),
+    ({"history": "sometimes"}, "not understood"),
+    ({"block_attention": "diagonal"}, "block_attention"),
+    ({"num_heads": 9, "num_kv_heads": 2}, "multiple of num_kv_heads"),
+    ({"num_context_positions": 1000}, "num_context_positions"),
+])
+def test_config_errors(kw, msg):
+    with pytest.raises(DLiteConfigError, match=msg):
+        DLiteConfig(**kw)
+
+
+def test_default_layer_ids_are_proportional():
+    assert default_layer_ids(36) == [12, 14]
+    assert default_layer_ids(30) == [10, 12]
+    assert DLiteConfig(target_num_layers=30).target_layer_ids == [10, 12]
+
+
+def test_drafter_for_another_target_is_refused(tiny_target):
+    c = tiny_target.config
+    for kw, msg in (
+        ({"target_hidden_size": 128, "head_dim": 32}, "hidden size: drafter expects 128, target has 64"),
+        ({"vocab_size": 1000}, "vocabulary: drafter expects 1000 tokens"),
+        ({"target_num_layers": 40, "target_layer_ids": [20, 30]}, "out of range for a target with 6 layers"),
+    ):
+        cfg = tiny_dlite_config(tiny_target, **kw)
+        with pytest.raises(DLiteConfigError, match=msg):
+            DLiteDrafter(cfg).bind_hf_target(tiny_target)
+    assert c.num_hidden_layers == 6
+
+
+def test_unbound_drafter_and_bad_shapes(tiny_target):
+    m = DLiteDrafter(tiny_dlite_config(tiny_target))
+    ctx = torch.randn(1, 2, 3, 64)
+    with pytest.raises(DLiteConfigError, match="bind_target"):
+        m(ctx, torch.ones(1, 3, dtype=torch.bool), torch.tensor([1]))
+    m.bind_hf_target(tiny_target)
+    with pytest.raises(DLiteInputError, match="context_hidden must be"):
+        m(torch.randn(1, 2, 4, 64), torch.ones(1, 3, dtype=torch.bool), torch.tensor([1]))
+    with pytest.raises(DLiteInputError, match="context_valid must be a bool"):
+        m(ctx, torch.ones(1, 3), torch.tensor([1]))
+
+
+def test_checkpoint_errors(tiny_target, tmp_path):
+    with pytest.raises(DLiteConfigError, match="no DLite checkpoint folder"):
+        DLiteDrafter.from_pretrained(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DLiteConfigError, match="needs config.json"):
+        DLiteDrafter.from_pretrained(str(tmp_path / "empty"))
+    good = tmp_path / "good"
+    _drafter(tiny_target).save_pretrained(str(good))
+    # A checkpoint of another model type.
+    other = tmp_path / "llama"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (other / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
+    with pytest.raises(DLiteConfigError, match="not a DLite drafter"):
+        DLiteDrafter.from_pretrained(str(other))
+    # Corrupt weights.
+    (good / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(DLiteConfigError, match="not a readable safetensors"):
+        DLiteDrafter.from_pretrained(str(good))
+    # Weights that do not fit the config.
+    small = tmp_path / "small"
+    _drafter(tiny_target).save_pretrained(str(small))
+    cfg = json.loads((small / "config.json").read_text())
+    cfg["num_layers"] = 3
+    (small / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DLiteConfigError, match="does not fit"):
+        DLiteDrafter.from_pretrained(str(small))
