@@ -1,0 +1,267 @@
+"""Replay workload conversations through an engine and aggregate acceptance / speed metrics.
+
+Reusable by ``bench/acceptance.py``, the sglang end-to-end bench and the training evaluation
+(``evaluate_tau``). The engine only needs the ``ReferenceEngine`` interface:
+``generate(prompt_ids, max_new_tokens, temperature=, top_p=, seed=, session=, speculative=)``
+returning a result with ``output_ids``, ``rounds`` (``context_len``, ``accepted``, ``committed``,
+``draft_ms``, ``verify_ms``), ``prefill_ms``, ``decode_ms``, ``reused_prefix``; ``new_session()``;
+``max_positions``; ``drafter.block_size``.
+
+Per conversation one speculative ``Session`` (and one target-alone session when the
+autoregressive baseline runs), so each turn reuses the KV of the previous ones. Every turn is run
+by the target alone first (when requested), then speculatively, on the same prompt.
+
+Generated placeholders (turns with no recorded reply: MT-Bench turn 1, BFCL turns) continue with
+the **target-alone** reply when the baseline runs, else with the speculative reply. Under greedy
+decoding both are the target's greedy output for a lossless drafter, so every drafter sees
+identical contexts. Under sampling the target-alone reply (seeded per turn) still does not depend
+on the drafter, so contexts stay identical across drafters when the baseline runs; with
+``evaluate_tau`` (no baseline) at temperature > 0 they differ between drafters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+CONTEXT_BUCKETS = (("0-1k", 0, 1024), ("1-2k", 1024, 2048), ("2-4k", 2048, 4096), ("4-8k", 4096, 8192))
+MAX_MISMATCH_DETAILS = 20
+
+
+def eos_token_ids(tokenizer, target=None) -> list:
+    """EOS ids for the engine: the tokenizer's, the generation config's, and end-of-turn tokens."""
+    ids = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gc = getattr(target, "generation_config", None)
+    e = getattr(gc, "eos_token_id", None)
+    if e is not None:
+        ids.update(int(x) for x in (e if isinstance(e, (list, tuple)) else [e]))
+    vocab = tokenizer.get_vocab()
+    for t in ("<|im_end|>", "<|eot_id|>", "<|end_of_turn|>", "<end_of_turn>"):
+        if t in vocab:
+            ids.add(int(vocab[t]))
+    return sorted(ids)
+
+
+def turn_seed(seed: int, conv_id: str, index: int) -> int:
+    h = hashlib.sha256(f"{seed}:{conv_id}:{index}".encode()).digest()
+    return int.from_bytes(h[:4], "big")
+
+
+def bucket_of(context_len: int) -> str:
+    for name, lo, hi in CONTEXT_BUCKETS:
+        if lo <= context_len < hi:
+            return name
+    return ">=8k"
+
+
+@dataclass
+class _Side:
+    turns: int = 0
+    generated: int = 0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+
+    def add(self, res):
+        self.turns += 1
+        self.generated += len(res.output_ids)
+        self.prefill_ms += res.prefill_ms
+        self.decode_ms += res.decode_ms
+        self.prompt_tokens += res.prompt_len
+        self.reused_tokens += res.reused_prefix
+
+    def tokens_per_s(self) -> Optional[float]:
+        t = self.prefill_ms + self.decode_ms
+        return None if not self.turns or t <= 0 else self.generated / (t / 1e3)
+
+    def decode_tokens_per_s(self) -> Optional[float]:
+        # tokens after the first one (which comes from the prefill) over the decode time
+        return None if self.decode_ms <= 0 else (self.generated - self.turns) / (self.decode_ms / 1e3)
+
+
+@dataclass
+class ReplayStats:
+    block_size: int = 0
+    conversations: int = 0
+    skipped_turns: int = 0
+    rounds: list = field(default_factory=list)  # (context_len, accepted)
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    spec: _Side = field(default_factory=_Side)
+    ar: _Side = field(default_factory=_Side)
+    lossless_compared: int = 0
+    lossless_mismatches: int = 0
+    mismatch_details: list = field(default_factory=list)
+    per_turn: list = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def add_spec(self, res):
+        self.spec.add(res)
+        for r in res.rounds:
+            self.rounds.append((int(r.context_len), int(r.accepted)))
+            self.draft_ms += r.draft_ms
+            self.verify_ms += r.verify_ms
+
+    def to_dict(self) -> dict:
+        K = self.block_size
+        n = len(self.rounds)
+        committed = sum(a + 1 for _, a in self.rounds)
+        by_ctx, rounds_by_ctx = {}, {}
+        for name, _, _ in CONTEXT_BUCKETS + ((">=8k", 0, 0),):
+            rs = [a for c, a in self.rounds if bucket_of(c) == name]
+            if name == ">=8k" and not rs:
+                continue
+            by_ctx[name] = (sum(a + 1 for a in rs) / len(rs)) if rs else None
+            rounds_by_ctx[name] = len(rs)
+        per_pos = [(sum(1 for _, a in self.rounds if a >= i) / n) if n else None for i in range(1, K + 1)]
+        cond = []
+        for i in range(1, K + 1):
+            reach = sum(1 for _, a in self.rounds if a >= i - 1)
+            cond.append(sum(1 for _, a in self.rounds if a >= i) / reach if reach else None)
+        spec_tps, ar_tps = self.spec.tokens_per_s(), self.ar.tokens_per_s()
+        return {
+            "tau": committed / n if n else None,
+            "tau_by_context": by_ctx,
+            "rounds_by_context": rounds_by_ctx,
+            "per_position_accept": per_pos,
+            "per_position_accept_conditional": cond,
+            "block_size": K,
+            "rounds": n,
+            "conversations": self.conversations,
+            "turns": self.spec.turns,
+            "skipped_turns": self.skipped_turns,
+            "generated_tokens": self.spec.generated,
+            "prompt_tokens": self.spec.prompt_tokens,
+            "reused_prefix_tokens": self.spec.reused_tokens,
+            "draft_ms_per_round": self.draft_ms / n if n else None,
+            "verify_ms_per_round": self.verify_ms / n if n else None,
+            "spec_prefill_ms": self.spec.prefill_ms,
+            "spec_decode_ms": self.spec.decode_ms,
+            "spec_tokens_per_s": spec_tps,
+            "spec_decode_tokens_per_s": self.spec.decode_tokens_per_s(),
+            "ar_turns": self.ar.turns,
+            "ar_generated_tokens": self.ar.generated,
+            "ar_prefill_ms": self.ar.prefill_ms,
+            "ar_decode_ms": self.ar.decode_ms,
+            "ar_tokens_per_s": ar_tps,
+            "ar_decode_tokens_per_s": self.ar.decode_tokens_per_s(),
+            "speedup": (spec_tps / ar_tps) if spec_tps and ar_tps else None,
+            "lossless_compared_turns": self.lossless_compared,
+            "lossless_mismatches": self.lossless_mismatches,
+            "lossless_mismatch_details": self.mismatch_details,
+            "wall_s": self.wall_s,
+        }
+
+
+def _first_diff(a: list, b: list) -> Optional[int]:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _margin(target, ids: list) -> dict:
+    """Top-2 of the target's next-token logits after ``ids`` (fresh full forward, no cache)."""
+    import torch
+
+    with torch.no_grad():
+        logits = target(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    top = torch.topk(logits, 2)
+    return {"top1": int(top.indices[0]), "top2": int(top.indices[1]),
+            "top1_logit": float(top.values[0]), "margin": float(top.values[0] - top.values[1])}
+
+
+def replay(engine, tokenizer, conversations: list, max_new_tokens: int, *, temperature: float = 0.0,
+           top_p: float = 1.0, seed: int = 0, speculative: bool = True, autoregressive: bool = False,
+           check_lossless: bool = False, max_context_tokens: Optional[int] = None,
+           progress: bool = False, desc: str = "turns") -> ReplayStats:
+    """Replay ``conversations`` (workload records) through ``engine``; see the module docstring.
+
+    ``check_lossless`` (greedy only; implies ``autoregressive``) compares each speculative output
+    with the target-alone output token for token; each differing turn counts as one mismatch, with
+    details (position, tokens, the target's logit margin there) for the first few.
+    """
+    from .render import count_turns, render_turns
+
+    greedy = temperature <= 0
+    check = bool(check_lossless and greedy)
+    autoregressive = autoregressive or check
+    stats = ReplayStats(block_size=int(engine.drafter.block_size) if engine.drafter is not None else 0)
+    skip_ids = eos_token_ids(tokenizer, engine.target)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(count_turns(c) for c in conversations), desc=desc, unit="turn")
+    t0 = time.perf_counter()
+    for conv in conversations:
+        stats.conversations += 1
+        spec_sess = engine.new_session() if speculative else None
+        ar_sess = engine.new_session() if autoregressive else None
+
+        def gen(turn):
+            s = turn_seed(seed, turn.conv_id, turn.index)
+            kw = dict(temperature=temperature, top_p=top_p, seed=s)
+            ar_res = sp_res = None
+            if autoregressive:
+                ar_res = engine.generate(turn.prompt_ids, max_new_tokens, session=ar_sess, speculative=False, **kw)
+                stats.ar.add(ar_res)
+            if speculative:
+                sp_res = engine.generate(turn.prompt_ids, max_new_tokens, session=spec_sess, speculative=True, **kw)
+                stats.add_spec(sp_res)
+            rec = {"conv_id": turn.conv_id, "index": turn.index, "prompt_len": len(turn.prompt_ids)}
+            if sp_res is not None:
+                rec.update(tau=sp_res.tau, rounds=len(sp_res.rounds), generated=len(sp_res.output_ids),
+                           reused_prefix=sp_res.reused_prefix)
+            if check and sp_res is not None and ar_res is not None:
+                stats.lossless_compared += 1
+                pos = _first_diff(sp_res.output_ids, ar_res.output_ids)
+                rec["lossless_ok"] = pos is None
+                if pos is not None:
+                    stats.lossless_mismatches += 1
+                    if len(stats.mismatch_details) < MAX_MISMATCH_DETAILS:
+                        d = {"conv_id": turn.conv_id, "turn_index": turn.index, "prompt_len": len(turn.prompt_ids),
+                             "position": pos,
+                             "spec_token": sp_res.output_ids[pos] if pos < len(sp_res.output_ids) else None,
+                             "ar_token": ar_res.output_ids[pos] if pos < len(ar_res.output_ids) else None,
+                             "spec_len": len(sp_res.output_ids), "ar_len": len(ar_res.output_ids)}
+                        try:
+                            d.update(_margin(engine.target, list(turn.prompt_ids) + ar_res.output_ids[:pos]))
+                        except Exception as exc:  # noqa: BLE001 - diagnostics only
+                            d["margin_error"] = repr(exc)
+                        stats.mismatch_details.append(d)
+            stats.per_turn.append(rec)
+            if bar is not None:
+                bar.update(1)
+            return (ar_res or sp_res).output_ids
+
+        turns = render_turns(tokenizer, conv, max_context_tokens, max_new_tokens=max_new_tokens,
+                             model_limit=engine.max_positions, generate=gen, decode_skip_ids=skip_ids)
+        stats.skipped_turns += turns.skipped
+        if bar is not None and turns.skipped:
+            bar.update(turns.skipped)
+    stats.wall_s = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return stats
+
+
+def evaluate_tau(engine, conversations: list, max_new_tokens: int, tokenizer=None, *,
+                 temperature: float = 0.0, seed: int = 0, progress: bool = False) -> dict:
+    """Speculative-only replay (no baseline): ``{"tau", "tau_by_context", "per_position_accept",
+    "rounds", "generated_tokens", ...}`` (the keys of ``ReplayStats.to_dict``). For periodic
+    held-out tau during training, e.g. on ``load_workload("sharegpt-heldout", max_convs=8)``.
+    ``tokenizer`` defaults to the one saved with the engine's target (``config._name_or_path``)."""
+    if tokenizer is None:
+        tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(engine.target.config._name_or_path)
+    return replay(engine, tokenizer, conversations, max_new_tokens, temperature=temperature, seed=seed,
+                  speculative=True, autoregressive=False, progress=progress).to_dict()
