@@ -1,0 +1,27 @@
+"""CPU-ONLY, TEST-ONLY: runs at start-up of every Python process whose PYTHONPATH holds this
+folder (the test fixtures and the CPU demo put it there, for the sglang scheduler subprocesses).
+
+1. Chains to the venv's own torchvision op-schema fix (``cpu_support/torchvision_schemas.py``).
+2. Installs the ``torch_native`` TARGET_VERIFY hook (``dlite_cpu_verify_hook``) the moment sglang's
+   torch_native attention backend is imported.
+``sgl_kernel`` (the pure-torch stand-in beside this file) is found on the same PYTHONPATH.
+"""
+
+import os
+import sys
+
+_here = os.path.dirname(os.path.abspath(__file__))
+_parent = os.path.dirname(_here)
+if _parent not in sys.path:
+    sys.path.append(_parent)
+try:
+    import torchvision_schemas  # noqa: F401
+except ImportError:
+    pass
+
+try:
+    import dlite_cpu_verify_hook
+
+    dlite_cpu_verify_hook.install_lazy()
+except Exception as exc:  # never break interpreter start-up
+    print(f"[dlite cpu stand-ins] verify hook not installed: {exc}", file=sys.stderr)

@@ -1,0 +1,134 @@
+"""Shared helpers for the sglang tests (test_sglang_*.py), the CPU demo and bench/e2e.py.
+
+``cpu_environ()`` is the ONE place that turns on the CPU-only stand-ins for a real sglang engine
+(``cpu_support/sglang_cpu``: the ``sgl_kernel`` stand-in + the torch_native verify hook, loaded in
+every sglang subprocess through PYTHONPATH/sitecustomize). Nothing in the runtime package does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_STANDINS = REPO / "cpu_support" / "sglang_cpu"
+
+
+def cpu_environ() -> dict:
+    """Environment for sglang on this CPU: stand-ins on PYTHONPATH, CPU engine on, quiet logs."""
+    pp = os.environ.get("PYTHONPATH", "")
+    parts = [str(CPU_STANDINS)] + [p for p in pp.split(os.pathsep) if p and p != str(CPU_STANDINS)]
+    return {
+        "PYTHONPATH": os.pathsep.join(parts),
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "SGLANG_DLITE_CACHE": os.environ.get("SGLANG_DLITE_CACHE", str(REPO / "artifacts" / "cache")),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def activate_cpu_standins() -> None:
+    """Apply cpu_environ() to this process (and its children) and load the stand-ins here too."""
+    os.environ.update(cpu_environ())
+    if str(CPU_STANDINS) not in sys.path:
+        sys.path.insert(0, str(CPU_STANDINS))
+    import dlite_cpu_verify_hook
+
+    dlite_cpu_verify_hook.install_lazy()
+
+
+def engine_kwargs(model_path: str, *, dlite: str | None = None, overlap: bool = False, **extra) -> dict:
+    kw = dict(
+        model_path=str(model_path), device="cpu", attention_backend="torch_native",
+        sampling_backend="pytorch", dtype="float32", disable_cuda_graph=True,
+        max_total_tokens=extra.pop("max_total_tokens", 16384), max_running_requests=extra.pop("max_running_requests", 16),
+        mem_fraction_static=0.5, log_level=extra.pop("log_level", "error"), random_seed=0,
+        disable_overlap_schedule=not overlap, chunked_prefill_size=extra.pop("chunked_prefill_size", 4096),
+    )
+    if dlite:
+        kw.update(speculative_algorithm="DLITE", speculative_draft_model_path=str(dlite))
+    kw.update(extra)
+    return kw
+
+
+def start_engine(model_path, **kw):
+    activate_cpu_standins()
+    import sglang as sgl
+
+    return sgl.Engine(**engine_kwargs(model_path, **kw))
+
+
+def save_tiny_llama(path, seed: int = 0, **kw) -> str:
+    sys.path.insert(0, str(REPO / "python_tests"))
+    from conftest import make_tiny_llama
+
+    m = make_tiny_llama(seed=seed, **kw)
+    m.config.max_position_embeddings = 2048
+    m.save_pretrained(path)
+    return str(path)
+
+
+def save_tiny_qwen3(path, seed: int = 0, vocab: int = 96, hidden: int = 64, layers: int = 6) -> str:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    m = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.model.embed_tokens.weight.normal_(0, 1.0)
+        m.lm_head.weight.normal_(0, 0.3)
+    m.save_pretrained(path)
+    return str(path)
+
+
+def save_random_dlite(path, target_path, seed: int = 0, **overrides) -> str:
+    """A random-weight DLite drafter for the target at target_path (config from its config.json)."""
+    import torch
+    from transformers import AutoConfig
+
+    from sglang_dlite.config import DLiteConfig
+    from sglang_dlite.model import DLiteDrafter
+
+    tc = AutoConfig.from_pretrained(target_path)
+    kw = dict(target_hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
+              target_num_layers=tc.num_hidden_layers)
+    if tc.hidden_size < 256:  # tiny test target: a tiny drafter
+        kw.update(num_context_positions=3, block_size=4, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16, intermediate_size=96, rnn_rank=8)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    DLiteDrafter(DLiteConfig(**kw)).save_pretrained(str(path))
+    return str(path)
+
+
+def reference_greedy(target_path, drafter_path, prompts, max_new_tokens, eos=()):
+    """The HF reference engine's greedy outputs (the correctness oracle) for token-id prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sglang_dlite.drafters import DLiteEngineDrafter
+    from sglang_dlite.engine import ReferenceEngine
+    from sglang_dlite.model import DLiteDrafter
+
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    d = DLiteDrafter.from_pretrained(drafter_path).bind_hf_target(target)
+    eng = ReferenceEngine(target, DLiteEngineDrafter(d), eos_token_ids=eos)
+    try:
+        return [eng.generate(list(p), max_new_tokens).output_ids for p in prompts]
+    finally:
+        eng.close()
+
+
+@contextlib.contextmanager
+def engine(model_path, **kw):
+    e = start_engine(model_path, **kw)
+    try:
+        yield e
+    finally:
+        e.shutdown()

@@ -1,0 +1,91 @@
+"""The sglang plugin: ``--speculative-algorithm DLITE``.
+
+Declared in setup.py as the entry point ``sglang.srt.plugins: dlite =
+sglang_dlite.sglang_plugin:register``. sglang calls ``register()`` in the launcher
+(``launch_server``, ``sglang serve``, ``sgl.Engine``) and in every scheduler subprocess. It:
+
+1. checks the installed sglang against ``SUPPORTED_SGLANG`` (clear error outside it);
+2. registers the drafter config with transformers (``AutoConfig.register("dlite", ...)``): sglang
+   parses every draft-model path with ``AutoConfig``;
+3. registers ``DLITE`` with ``SpeculativeAlgorithm.register`` (overlap scheduling supported);
+4. hooks the target's CUDA-graph runner so TARGET_VERIFY graphs are captured with hidden-state
+   capture for DLITE (``get_spec_info``); without it verify would run eagerly on CUDA.
+
+No sglang source is edited. The CPU-only test stand-ins (``cpu_support/sglang_cpu``) are never
+loaded from here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .versions import SUPPORTED_SGLANG, check_sglang_version  # noqa: F401
+
+logger = logging.getLogger(__name__)
+
+ALGORITHM_NAME = "DLITE"
+_registered = False
+
+
+def _worker_factory(server_args):
+    from .worker import DLiteWorker
+
+    return DLiteWorker
+
+
+def _get_spec_info_hook(original, runner, *args, **kwargs):
+    """AROUND hook on DecodeCudaGraphRunner.get_spec_info: sglang returns None for a plugin
+    algorithm, so TARGET_VERIFY graphs would be captured without hidden-state output and
+    ``can_run_graph`` would refuse DLITE's FULL-capture verify."""
+    algo = getattr(runner.model_runner, "spec_algorithm", None)
+    if getattr(algo, "name", None) == ALGORITHM_NAME and not getattr(runner.model_runner, "is_draft_worker", False):
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+        from .info import DLiteVerifyInput
+
+        return DLiteVerifyInput(
+            draft_token=None, positions=None, draft_token_num=runner.captured_req_width,
+            custom_mask=None, capture_hidden_mode=CaptureHiddenMode.FULL,
+        )
+    return original(runner, *args, **kwargs)
+
+
+def register() -> None:
+    """sglang plugin entry point (idempotent)."""
+    global _registered
+    check_sglang_version()
+    if _registered:
+        return
+    from transformers import AutoConfig
+
+    from ..config import DLiteConfig
+
+    try:
+        AutoConfig.register("dlite", DLiteConfig)
+    except ValueError:  # already registered in this process
+        pass
+
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    from .spec import DLiteSpecAlgo, validate_server_args
+
+    if get_spec(ALGORITHM_NAME) is None:
+        SpeculativeAlgorithm.register(
+            ALGORITHM_NAME,
+            supports_overlap=True,
+            validate_server_args=validate_server_args,
+            spec_class=DLiteSpecAlgo,
+        )(_worker_factory)
+
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(
+            "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info",
+            _get_spec_info_hook,
+            HookType.AROUND,
+        )
+    except Exception as exc:  # pragma: no cover - only matters on CUDA
+        logger.warning("DLITE: could not hook the CUDA-graph verify spec info (%s); verify runs eagerly.", exc)
+    _registered = True

@@ -1,0 +1,386 @@
+"""The DLITE spec-v2 worker: the target forward, the DLite drafter, chain verify, accept.
+
+There is no draft model runner, no draft KV pool and no draft attention backend. Per request the
+drafter's state is the bonus token and the target's hidden states of the last C committed
+positions (``info.DLiteDraftInput``), carried through ``filter_batch`` / ``merge_batch`` and the
+overlap relay. Invariant between rounds (the same as the reference engine's,
+``sglang_dlite/engine.py``): the target KV covers ``seq_lens`` tokens; the anchor (bonus token) is
+the next one and is not yet in the KV; the context hidden states are those of positions
+``seq_lens - C .. seq_lens - 1``.
+
+Round (decode batch):
+  1. draft  : K tokens per request from (context hidden states, anchor) -- one drafter pass.
+  2. verify : one TARGET_VERIFY forward over [anchor, d_1..d_K] (W = K + 1 tokens per request),
+              written to the W KV slots the scheduler reserved (``eagle_prepare_for_decode``),
+              capturing the drafter's target layers (FULL capture).
+  3. accept : greedy longest prefix, or rejection sampling (temperature / top-p / top-k) against
+              the deterministic draft; the bonus token comes from the target.
+  4. carry  : new context = last C rows of [old context, verify rows 0..a] (anchor + accepted).
+Rejected slots need no cleanup: the next round overwrites them (chain, no KV moves).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from sglang.srt.managers.scheduler import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.runtime_context import get_schedule, get_spec
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+
+from ..errors import DLiteConfigError
+from ..model import DLiteDrafter
+from .info import DLiteDraftInput, DLiteVerifyInput
+
+logger = logging.getLogger(__name__)
+
+
+def _target_parts(model):
+    """(embedding weight, LM head weight, hf text config) of an sglang causal LM."""
+    inner = getattr(model, "model", model)
+    embed = getattr(inner, "embed_tokens", None)
+    if embed is None or not hasattr(embed, "weight"):
+        raise DLiteConfigError(f"DLITE: {type(model).__name__} exposes no model.embed_tokens.weight.")
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is None or not hasattr(lm_head, "weight"):
+        raise DLiteConfigError(f"DLITE: {type(model).__name__} exposes no lm_head.weight.")
+    return embed.weight, lm_head.weight
+
+
+class _DrafterCudaGraphs:
+    """CUDA only: the drafter's greedy propose captured once per batch-size bucket.
+
+    The drafter has no KV and no attention metadata, so a graph is a pure function of three
+    static input buffers (context, validity, anchor) and one output buffer (tokens).
+    """
+
+    def __init__(self, drafter: DLiteDrafter, max_bs: int, device, dtype):
+        cfg = drafter.config
+        self.drafter = drafter
+        self.buckets = [b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256) if b <= max_bs]
+        if not self.buckets or self.buckets[-1] < max_bs:
+            self.buckets.append(max_bs)
+        L, C, H = cfg.num_capture_layers, cfg.num_context_positions, cfg.target_hidden_size
+        n = self.buckets[-1]
+        self.ctx = torch.zeros((n, L, C, H), dtype=dtype, device=device)
+        self.valid = torch.zeros((n, C), dtype=torch.bool, device=device)
+        self.anchor = torch.zeros((n,), dtype=torch.int64, device=device)
+        self.graphs, self.outs = {}, {}
+        pool = None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.buckets):
+                for _ in range(2):  # warm-up outside the graph
+                    drafter.propose(self.ctx[:bs], self.valid[:bs], self.anchor[:bs])
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    out = drafter.propose(self.ctx[:bs], self.valid[:bs], self.anchor[:bs]).tokens
+                pool = g.pool()
+                self.graphs[bs], self.outs[bs] = g, out
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def propose(self, ctx, valid, anchor) -> Optional[torch.Tensor]:
+        bs = ctx.shape[0]
+        bucket = next((b for b in self.buckets if b >= bs), None)
+        if bucket is None:
+            return None
+        self.ctx[:bs].copy_(ctx)
+        self.valid[:bs].copy_(valid)
+        self.anchor[:bs].copy_(anchor)
+        if bucket > bs:
+            self.valid[bs:bucket].fill_(False)
+            self.anchor[bs:bucket].fill_(0)
+        self.graphs[bucket].replay()
+        return self.outs[bucket][:bs]
+
+
+class DLiteWorker(BaseSpecWorker):
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
+        super().__init__()
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self._draft_worker = None
+        self.model_runner = target_worker.model_runner
+        self.device = self.model_runner.device
+        self.enable_overlap = not get_schedule().disable_overlap_schedule
+        spec = get_spec()
+        path = spec.speculative_draft_model_path
+
+        model = self.model_runner.model
+        hf = self.model_runner.model_config.hf_text_config
+        dtype = self.model_runner.dtype
+        drafter = DLiteDrafter.from_pretrained(path, dtype=dtype, device=self.device)
+        cfg = drafter.config
+        cfg.check_target(hidden_size=hf.hidden_size, vocab_size=hf.vocab_size,
+                         num_layers=hf.num_hidden_layers)
+        if cfg.history_window != 0:
+            raise DLiteConfigError(
+                f"DLITE serves history-free drafters only; {path!r} has history={cfg.history!r} "
+                "(a teacher / sliding-window ablation checkpoint)."
+            )
+        embed_w, head_w = _target_parts(model)
+        # sglang pads the vocabulary rows (to a multiple of 64 per TP rank): bind the real ones.
+        V = cfg.vocab_size
+        drafter.bind_target(embed_w[:V], head_w[:V])
+        self.drafter = drafter
+        self.K = cfg.block_size
+        self.W = cfg.block_size + 1
+        self.C = cfg.num_context_positions
+        self.L = cfg.num_capture_layers
+        self.H = cfg.target_hidden_size
+        self.state_width = self.L * self.H + 1
+        if int(spec.speculative_num_draft_tokens) != self.W:
+            raise DLiteConfigError(
+                f"DLITE: speculative_num_draft_tokens={spec.speculative_num_draft_tokens} but the "
+                f"drafter has K={self.K} (needs {self.W})."
+            )
+        if not hasattr(model, "set_dflash_layers_to_capture"):
+            raise DLiteConfigError(
+                f"DLITE needs a target whose sglang model implements set_dflash_layers_to_capture "
+                f"(Llama, Qwen3, ...); {type(model).__name__} does not."
+            )
+        # Must run before the target's CUDA graphs are captured (init_cuda_graphs comes later).
+        model.set_dflash_layers_to_capture(list(cfg.target_layer_ids))
+        self._graphs: Optional[_DrafterCudaGraphs] = None
+        self._rng = torch.Generator(device=self.device)
+        self._rng.manual_seed(int(getattr(server_args, "random_seed", 0) or 0))
+        logger.info(
+            "DLITE drafter %s: K=%d, C=%d, target layers %s, dtype %s", path, self.K, self.C,
+            cfg.target_layer_ids, dtype,
+        )
+
+    # ------------------------------------------------------------------ scheduler protocol
+    @property
+    def draft_worker(self):
+        return None
+
+    def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None,
+                          token_to_kv_pool_allocator=None):
+        # No draft pool: the verify slots come from the target's pools.
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
+
+    def init_attention_backends(self):
+        pass
+
+    def init_cuda_graphs(self):
+        use = (
+            self.device != "cpu"
+            and torch.cuda.is_available()
+            and not getattr(self.server_args, "disable_cuda_graph", False)
+            and os.environ.get("SGLANG_DLITE_DRAFT_CUDA_GRAPH", "1") != "0"
+        )
+        if use:
+            max_bs = int(self.model_runner.max_running_requests or 64)
+            self._graphs = _DrafterCudaGraphs(self.drafter, min(max_bs, 256), self.device,
+                                              self.model_runner.dtype)
+            logger.info("DLITE drafter CUDA graphs captured for batch sizes %s", self._graphs.buckets)
+
+    def clear_cache_pool(self):
+        pass
+
+    # ------------------------------------------------------------------ helpers
+    def _idle_input(self):
+        return DLiteDraftInput.create_idle_input(self.device, self.state_width, self.C,
+                                                 self.model_runner.dtype)
+
+    def _prefill_state(self, hidden: torch.Tensor, extend_lens) -> torch.Tensor:
+        """Last C captured rows of every request's extend segment (+ validity column)."""
+        C = self.C
+        lens = torch.as_tensor(list(extend_lens), dtype=torch.int64)
+        ends = torch.cumsum(lens, 0)
+        j = torch.arange(C, dtype=torch.int64)
+        idx = ends[:, None] - C + j[None, :]  # [B, C]
+        valid = j[None, :] >= (C - torch.clamp(lens, max=C))[:, None]
+        idx = torch.where(valid, idx, torch.zeros_like(idx)).to(hidden.device)
+        valid = valid.to(hidden.device)
+        rows = hidden[idx] * valid[..., None].to(hidden.dtype)  # [B, C, L*H]
+        return torch.cat([rows, valid[..., None].to(hidden.dtype)], dim=-1)
+
+    def _draft(self, state: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        bs = state.shape[0]
+        ctx = state[..., :-1].reshape(bs, self.C, self.L, self.H).permute(0, 2, 1, 3)
+        valid = state[..., -1] > 0.5
+        anchors = anchors.to(torch.int64)
+        if self._graphs is not None:
+            out = self._graphs.propose(ctx, valid, anchors)
+            if out is not None:
+                return out.clone()
+        return self.drafter.propose(ctx.contiguous(), valid, anchors).tokens
+
+    def _accept(self, drafts: torch.Tensor, logits: torch.Tensor, sampling_info):
+        """drafts [B, K], logits [B, W, V] -> (accepted count a [B], bonus [B])."""
+        bs, K = drafts.shape
+        greedy = sampling_info is None or getattr(sampling_info, "is_all_greedy", True)
+        if greedy:
+            pred = logits.argmax(-1)  # [B, W]
+            match = (drafts == pred[:, :K]).to(torch.int64)
+            a = torch.cumprod(match, dim=1).sum(1)
+            bonus = pred.gather(1, a[:, None]).squeeze(1)
+            return a, bonus
+        # Rejection sampling against a deterministic draft (q = one-hot): accept d_j with
+        # probability p_j(d_j); on the first rejection sample from p_j with d_j removed; if all
+        # K are accepted, the bonus is sampled from p_K. Exactly the target's distribution.
+        # Greedy requests in a mixed batch have top_k = 1, so p is one-hot and this is argmax.
+        temps = sampling_info.temperatures.view(bs, 1, 1).float()
+        probs = torch.softmax(logits.float() / temps, dim=-1)
+        probs = _top_k_top_p(probs, sampling_info.top_ks.view(bs), sampling_info.top_ps.view(bs))
+        p_draft = probs[:, :K].gather(2, drafts[..., None]).squeeze(2)  # [B, K]
+        u = torch.rand((bs, K), generator=self._rng, device=logits.device)
+        acc = (u < p_draft).to(torch.int64)
+        a = torch.cumprod(acc, dim=1).sum(1)
+        rows = probs[torch.arange(bs, device=logits.device), a]  # [B, V]
+        rejected = a < K
+        if bool(rejected.any()):
+            d = drafts.gather(1, torch.clamp(a, max=K - 1)[:, None]).squeeze(1)
+            resid = rows.clone()
+            resid[torch.arange(bs, device=logits.device), d] = 0.0
+            total = resid.sum(-1, keepdim=True)
+            resid = torch.where(total > 0, resid / total.clamp_min(1e-30), rows)
+            rows = torch.where(rejected[:, None], resid, rows)
+        bonus = torch.multinomial(rows, 1, generator=self._rng).squeeze(1)
+        return a, bonus
+
+    # ------------------------------------------------------------------ the forward
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None,
+                                 pp_proxy_tensors=None) -> GenerationBatchResult:
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            return self._forward_extend(batch, on_publish, pp_proxy_tensors)
+        return self._forward_decode(batch, on_publish)
+
+    @torch.no_grad()
+    def _forward_extend(self, batch, on_publish, pp_proxy_tensors):
+        out = self._target_worker.forward_batch_generation(
+            batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=CaptureHiddenMode.FULL,
+        )
+        new_seq_lens = batch.seq_lens
+        out.new_seq_lens = new_seq_lens
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        if batch.forward_mode.is_idle():
+            out.next_draft_input = self._idle_input()
+            return out
+        hidden = out.logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("DLITE: the target returned no captured hidden states in prefill.")
+        state = self._prefill_state(hidden, batch.extend_lens)
+        out.logits_output.hidden_states = None  # keep them off the CPU copy
+        out.next_draft_input = DLiteDraftInput(
+            bonus_tokens=out.next_token_ids.to(torch.int64), hidden_states=state,
+            new_seq_lens=new_seq_lens,
+        )
+        return out
+
+    @torch.no_grad()
+    def _forward_decode(self, batch, on_publish):
+        draft_input = batch.spec_info
+        if batch.forward_mode.is_idle() or draft_input is None or len(batch.reqs) == 0:
+            empty = self._idle_input()
+            if on_publish is not None:
+                on_publish(empty.new_seq_lens)
+            return GenerationBatchResult(
+                logits_output=None, next_token_ids=torch.empty((0,), dtype=torch.int64, device=self.device),
+                accept_lens=torch.empty((0,), dtype=torch.int32, device=self.device),
+                next_draft_input=empty, can_run_cuda_graph=False,
+                speculative_num_draft_tokens=self.W, new_seq_lens=empty.new_seq_lens,
+            )
+        if not isinstance(draft_input, DLiteDraftInput):
+            raise RuntimeError(f"DLITE expected DLiteDraftInput on the running batch, got {type(draft_input)}")
+        bs = len(batch.reqs)
+        W, K = self.W, self.K
+        device = self.device
+        prefix_lens = batch.seq_lens
+        state = draft_input.hidden_states
+        anchors = draft_input.bonus_tokens.to(torch.int64)
+
+        # 1) draft
+        drafts = self._draft(state, anchors).to(torch.int64)  # [B, K]
+        block = torch.cat([anchors[:, None], drafts], dim=1)  # [B, W]
+
+        # 2) verify
+        from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+
+        offsets = torch.arange(W, device=device, dtype=prefix_lens.dtype)
+        positions = (prefix_lens[:, None] + offsets[None, :]).reshape(-1)
+        out_cache_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
+            start_offset=prefix_lens, end_offset=prefix_lens + W,
+            batch_size=bs, draft_token_num=W, device=device,
+        )
+        verify_input = DLiteVerifyInput(
+            draft_token=block.reshape(-1), positions=positions, draft_token_num=W,
+            custom_mask=None, capture_hidden_mode=CaptureHiddenMode.FULL,
+        )
+        batch.out_cache_loc = out_cache_loc
+        seq_lens_cpu_backup, seq_lens_sum_backup = batch.seq_lens_cpu, batch.seq_lens_sum
+        if seq_lens_cpu_backup is not None:
+            host = seq_lens_cpu_backup + W
+            batch.seq_lens_cpu = host
+            batch.seq_lens_sum = int(host.sum())
+        fb, _ = verify_input.prepare_for_verify(batch, self._target_worker)
+        batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu_backup, seq_lens_sum_backup
+        target_out = self._target_worker.forward_batch_generation(
+            batch=None, forward_batch=fb, is_verify=True,
+        )
+        logits_output = target_out.logits_output
+        logits = logits_output.next_token_logits.view(bs, W, -1)
+
+        # 3) accept
+        a, bonus = self._accept(drafts, logits, batch.sampling_info)
+        commit_lens = (a + 1).to(torch.int32)
+        out_tokens = torch.zeros((bs, W), dtype=torch.int64, device=device)
+        out_tokens[:, :K] = drafts
+        out_tokens.scatter_(1, a[:, None], bonus[:, None])
+        new_seq_lens = prefix_lens + commit_lens.to(prefix_lens.dtype)
+
+        if batch.return_logprob:
+            from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+
+            compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=W)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+
+        # 4) carry: last C rows of [old context, verify rows 0..a]
+        hv = logits_output.hidden_states
+        if hv is None:
+            raise RuntimeError("DLITE: the target verify returned no captured hidden states.")
+        hv = hv.view(bs, W, -1).to(state.dtype)
+        ones = torch.ones((bs, W, 1), dtype=state.dtype, device=device)
+        cat = torch.cat([state, torch.cat([hv, ones], dim=-1)], dim=1)  # [B, C+W, D+1]
+        idx = (a + 1)[:, None] + torch.arange(self.C, device=device)[None, :]
+        new_state = cat.gather(1, idx[..., None].expand(-1, -1, cat.shape[-1]))
+        logits_output.hidden_states = None
+
+        next_draft_input = DLiteDraftInput(
+            bonus_tokens=bonus, hidden_states=new_state, new_seq_lens=new_seq_lens,
+        )
+        batch.forward_mode = ForwardMode.DECODE
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=out_tokens.reshape(-1),
+            accept_lens=commit_lens,
+            can_run_cuda_graph=target_out.can_run_cuda_graph,
+            next_draft_input=next_draft_input,
+            speculative_num_draft_tokens=W,
+            new_seq_lens=new_seq_lens,
+        )
+
+
+def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """probs [B, W, V]; per-request top-k (int) and top-p (float) filters, renormalized."""
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    V = probs.shape[-1]
+    rank = torch.arange(V, device=probs.device)[None, None, :]
+    k = top_ks.to(probs.device).clamp(min=1, max=V).view(-1, 1, 1)
+    keep = rank < k
+    cum = sorted_p.cumsum(-1)
+    keep &= (cum - sorted_p) <= top_ps.to(probs.device).view(-1, 1, 1).float()
+    keep[..., 0] = True
+    sorted_p = sorted_p * keep
+    out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return out / out.sum(-1, keepdim=True)
