@@ -148,3 +148,27 @@ def test_generation_stops_at_limit_and_eos(tiny_target):
     eng2 = ReferenceEngine(tiny_target, OracleDrafter({tuple(prompt + ref): None}, 7), [eos])
     out = eng2.generate(prompt, 9).output_ids
     assert out == ref[: ref.index(eos) + 1]
+
+
+def test_real_target_lossless(real_target):
+    """The bundled SmolLM2-135M-Instruct: DLite (untrained or shipped) and the oracle drafter."""
+    from sglang_dlite.commands.generate import chat_ids
+    from sglang_dlite.drafters import load_dlite
+
+    model, tok = real_target
+    eos = [tok.eos_token_id]
+    texts = ["What is the capital of France?", "Write a Python function that reverses a list."]
+    ids = [chat_ids(tok, t) for t in texts]
+    refs = []
+    for p in ids:
+        out = model.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False,
+                             attention_mask=torch.ones(1, len(p), dtype=torch.long), eos_token_id=eos)
+        refs.append(out[0, len(p):].tolist())
+    eng = ReferenceEngine(model, DLiteEngineDrafter(load_dlite(None, model)), eos)
+    for p, ref in zip(ids, refs):
+        assert eng.generate(p, 20).output_ids == ref
+    eng.close()
+    orc = ReferenceEngine(model, OracleDrafter({tuple(p + r): None for p, r in zip(ids, refs)}, 7), eos)
+    for p, ref in zip(ids, refs):
+        res = orc.generate(p, 20)
+        assert res.output_ids == ref and res.tau > 3
