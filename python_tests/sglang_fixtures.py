@@ -59,12 +59,24 @@ def start_engine(model_path, **kw):
     return sgl.Engine(**engine_kwargs(model_path, **kw))
 
 
-def save_tiny_llama(path, seed: int = 0, **kw) -> str:
-    sys.path.insert(0, str(REPO / "python_tests"))
-    from conftest import make_tiny_llama
+def save_tiny_llama(path, seed: int = 0, vocab: int = 96, hidden: int = 64, layers: int = 6,
+                    sticky: float = 1.0) -> str:
+    """A random-weight Llama whose greedy output mixes runs of repeated tokens with jumps
+    (``lm_head = sticky * embedding + noise``): a copy-trained drafter is then accepted
+    partially, which exercises every accept length in the sglang worker."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    m = make_tiny_llama(seed=seed, **kw)
-    m.config.max_position_embeddings = 2048
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.model.embed_tokens.weight.normal_(0, 1.0)
+        m.lm_head.weight.copy_(sticky * m.model.embed_tokens.weight + torch.randn_like(m.lm_head.weight))
     m.save_pretrained(path)
     return str(path)
 
@@ -82,7 +94,7 @@ def save_tiny_qwen3(path, seed: int = 0, vocab: int = 96, hidden: int = 64, laye
     m = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
         m.model.embed_tokens.weight.normal_(0, 1.0)
-        m.lm_head.weight.normal_(0, 0.3)
+        m.lm_head.weight.copy_(m.model.embed_tokens.weight + torch.randn_like(m.lm_head.weight))
     m.save_pretrained(path)
     return str(path)
 
@@ -104,6 +116,36 @@ def save_random_dlite(path, target_path, seed: int = 0, **overrides) -> str:
     kw.update(overrides)
     torch.manual_seed(seed)
     DLiteDrafter(DLiteConfig(**kw)).save_pretrained(str(path))
+    return str(path)
+
+
+def train_copy_dlite(path, target_path, steps: int = 150, seed: int = 0) -> str:
+    """A tiny DLite drafter trained (seconds) to propose the anchor token at every position:
+    against a "sticky" target it is accepted for runs of repeats and rejected at jumps."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sglang_dlite.model import DLiteDrafter
+
+    save_random_dlite(path, target_path, seed=seed)
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32)
+    d = DLiteDrafter.from_pretrained(path).bind_hf_target(target)
+    cfg = d.config
+    opt = torch.optim.Adam([p for p in d.parameters() if p.requires_grad], lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
+    d.train()
+    for _ in range(steps):
+        anchors = torch.randint(0, cfg.vocab_size, (64,), generator=g)
+        ctx = torch.randn(64, cfg.num_capture_layers, cfg.num_context_positions, cfg.target_hidden_size, generator=g)
+        valid = torch.rand(64, cfg.num_context_positions, generator=g) > 0.2
+        logits = d(ctx, valid, anchors)
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), anchors[:, None].expand(-1, cfg.block_size).reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    d.eval()
+    d.save_pretrained(path)
     return str(path)
 
 

@@ -7,7 +7,7 @@ and returns a ``DraftProposal`` of K tokens. The DLite adapter reads only the la
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import torch
@@ -23,6 +23,10 @@ class DraftRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     generator: Optional[torch.Generator] = None
+    # Per-conversation scratch space owned by the engine's Session. DLite uses none (it keeps
+    # nothing between rounds); drafters with their own KV cache (baselines) keep it here and must
+    # crop it to ``hidden_end`` positions themselves (the engine rolls back rejected drafts).
+    state: dict = field(default_factory=dict)
 
     @property
     def hidden_end(self) -> int:

@@ -98,6 +98,7 @@ class Session:
         self.tokens: list = []  # committed tokens; cache covers tokens[:-1]
         self.hidden: Optional[torch.Tensor] = None  # [L, T, H]
         self.hidden_start = 0
+        self.drafter_state: dict = {}  # see DraftRequest.state
 
     @property
     def cache_len(self) -> int:
@@ -263,7 +264,7 @@ class ReferenceEngine:
         t0 = time.perf_counter()
         prop = self.drafter.draft(DraftRequest(
             tokens=sess.tokens, hidden=sess.hidden, hidden_start=sess.hidden_start,
-            temperature=temperature, top_p=top_p, generator=gen,
+            temperature=temperature, top_p=top_p, generator=gen, state=sess.drafter_state,
         ))
         drafts = [int(t) for t in prop.tokens[0].tolist()]
         t1 = time.perf_counter()

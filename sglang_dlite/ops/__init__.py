@@ -1,12 +1,29 @@
 """Draft-step ops behind one dispatcher.
 
-Each op has a torch reference in ``reference.py``; compiled kernels from ``csrc/`` (C++ for the
-CPU, CUDA for Ampere/Hopper) replace it when they are built. The dispatcher picks
-CUDA > C++ CPU > torch; ``SGLANG_DLITE_OPS=torch|cpp|cuda`` forces a path.
+Each op has a torch reference in ``reference.py`` (the spec); compiled kernels from ``csrc/``
+(C++ for the CPU, CUDA for Ampere/Hopper; built by ``make build-ext``) replace it when available.
+
+``SGLANG_DLITE_OPS`` picks the path:
+    auto   (default) CUDA kernel for CUDA tensors, C++ kernel for CPU tensors, else the reference
+    torch  always the torch reference
+    cpp    the C++ CPU kernels (error if not built, or if the tensors are not on the CPU)
+    cuda   the CUDA kernels (error if not built with CUDA, or if the tensors are not on a GPU)
+
+Autograd: the compiled ops have no backward. Any call that needs a gradient (grad mode on and an
+input requiring grad) runs the torch reference, whatever the mode, so training is unaffected.
+In ``auto`` mode, inputs the kernels do not take (mixed or non-float dtypes) also use the reference.
 """
 
 from __future__ import annotations
 
+import os
+from contextlib import nullcontext
+
+import torch
+
+from ..errors import DLiteInputError, MissingDependencyError
+from . import _ext
+from . import reference as _ref
 from .reference import (  # noqa: F401  (re-exported: the model uses these helpers directly)
     apply_rope,
     rms_norm,
@@ -14,16 +31,105 @@ from .reference import (  # noqa: F401  (re-exported: the model uses these helpe
     round_attention_mask,
     round_positions,
 )
-from . import reference as _ref
+
+ENV = "SGLANG_DLITE_OPS"
+MODES = ("auto", "torch", "cpp", "cuda")
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_last_impl: dict = {}
 
 
-def assemble_round_inputs(*args, **kwargs):
-    return _ref.assemble_round_inputs(*args, **kwargs)
+def ops_mode() -> str:
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise DLiteInputError(f"{ENV}={mode!r} is not understood; use one of {', '.join(MODES)}.")
+    return mode
 
 
-def round_attention(*args, **kwargs):
-    return _ref.round_attention(*args, **kwargs)
+def last_impl(op: str):
+    """Which path ('torch', 'cpp' or 'cuda') the last call of ``op`` took (tests, benchmarks)."""
+    return _last_impl.get(op)
+
+
+def available_impls() -> list:
+    """Paths usable in this process: always 'torch', plus 'cpp' / 'cuda' when built."""
+    out = ["torch"]
+    if _ext.has_cpu():
+        out.append("cpp")
+    if _ext.has_cuda():
+        out.append("cuda")
+    return out
+
+
+def _pick(op: str, floats, device: torch.device) -> str:
+    mode = ops_mode()
+    if mode == "torch":
+        return "torch"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in floats):
+        return "torch"  # no backward in the compiled ops: autograd through the reference
+    if mode == "auto":
+        dt = floats[0].dtype
+        if dt not in _FLOATS or any(t.dtype != dt for t in floats):
+            return "torch"
+        if device.type == "cuda" and _ext.has_cuda():
+            return "cuda"
+        if device.type == "cpu" and _ext.has_cpu():
+            return "cpp"
+        return "torch"
+    if mode == "cpp":
+        if not _ext.has_cpu():
+            raise MissingDependencyError(
+                f"{ENV}=cpp but the C++ ops are unavailable: {_ext.unavailable_reason()}"
+            )
+        if device.type != "cpu":
+            raise DLiteInputError(
+                f"{ENV}=cpp runs CPU kernels, but {op} got tensors on {device}; "
+                f"use {ENV}=cuda or auto for GPU tensors."
+            )
+        return "cpp"
+    # mode == "cuda"
+    if not torch.cuda.is_available():
+        raise MissingDependencyError(f"{ENV}=cuda but torch sees no CUDA device (torch {torch.__version__}).")
+    if not _ext.has_cuda():
+        raise MissingDependencyError(
+            f"{ENV}=cuda but the CUDA ops are not built: build them on a CUDA machine with "
+            f"`make build-ext` (needs a CUDA torch and nvcc). {_ext.unavailable_reason() if not _ext.has_cpu() else ''}".rstrip()
+        )
+    if device.type != "cuda":
+        raise DLiteInputError(f"{ENV}=cuda runs GPU kernels, but {op} got tensors on {device}.")
+    return "cuda"
+
+
+def _run(op: str, floats, ref_fn, args):
+    impl = _pick(op, floats, floats[0].device)
+    _last_impl[op] = impl
+    if impl == "torch":
+        return ref_fn(*args)
+    return getattr(torch.ops.sglang_dlite, op)(*args)
+
+
+def assemble_round_inputs(context_hidden, anchor_embeds, ctx_norm_weight, depth_embed, mask_embed,
+                          block_size: int, eps: float):
+    args = (context_hidden, anchor_embeds, ctx_norm_weight, depth_embed, mask_embed, int(block_size), float(eps))
+    return _run("assemble_round_inputs", args[:5], _ref.assemble_round_inputs, args)
+
+
+def round_attention(q, k, v, cos, sin, context_valid, num_layers: int, block_size: int, causal: bool):
+    args = (q, k, v, cos, sin, context_valid, int(num_layers), int(block_size), bool(causal))
+    return _run("round_attention", (q, k, v), _ref.round_attention, args)
 
 
 def lowrank_rnn_scan(gate_logits, inputs):
-    return _ref.lowrank_rnn_scan(gate_logits, inputs)
+    return _run("lowrank_rnn_scan", (gate_logits, inputs), _ref.lowrank_rnn_scan, (gate_logits, inputs))
+
+
+def lm_head_argmax(hidden, norm_weight, eps: float, lm_head_weight):
+    """Greedy drafting's final norm + vocabulary projection + argmax (fused in C++/CUDA)."""
+    args = (hidden, norm_weight, float(eps), lm_head_weight)
+    return _run("lm_head_argmax", (hidden, norm_weight, lm_head_weight), _ref.lm_head_argmax, args)
+
+
+def nvtx_range(name: str):
+    """An NVTX range (visible in nsys timelines) on CUDA builds; a no-op context otherwise."""
+    if torch.cuda.is_available():
+        return torch.cuda.nvtx.range(name)
+    return nullcontext()

@@ -1,4 +1,85 @@
-"""Build the compiled draft-step ops (csrc/). Interim: no kernels exist yet, nothing to build."""
+"""Build the compiled draft-step ops (csrc/) into build/ext/sglang_dlite_ops.so.
+
+    python -m sglang_dlite.ops.build [--verbose] [--force]     (``make build-ext`` runs this)
+
+CPU ops always (csrc/dlite_cpu.cpp: ATen + TORCH_LIBRARY only, ~15 s on 2 cores); the CUDA ops
+(csrc/dlite_cuda.cu + csrc/dlite_cuda_bindings.cpp) too when torch was built with CUDA and nvcc is
+found. Uses torch.utils.cpp_extension.load with ninja, so a second run with unchanged sources does
+nothing. The output directory is $SGLANG_DLITE_EXT_DIR or <repo>/build/ext (git-ignored).
+Compiler flags: -O3 -march=native by default (the library is built on the machine that runs it);
+set SGLANG_DLITE_CPU_FLAGS to replace ``-march=native`` (e.g. "-mavx2 -mfma" or "").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+import torch
+
+from . import _ext
+
+CUDA_GENCODE = [
+    "-gencode=arch=compute_80,code=sm_80",
+    "-gencode=arch=compute_90a,code=sm_90a",
+]
+
+
+def want_cuda() -> bool:
+    if torch.version.cuda is None:
+        return False
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return CUDA_HOME is not None or shutil.which("nvcc") is not None
+
+
+def build(verbose: bool = False, force: bool = False, cuda: bool | None = None) -> str:
+    from torch.utils.cpp_extension import load
+
+    csrc = _ext.repo_root() / "csrc"
+    out = _ext.build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    if force:
+        for p in out.iterdir():
+            if p.is_file():
+                p.unlink()
+    with_cuda = want_cuda() if cuda is None else cuda
+    sources = [str(csrc / "dlite_cpu.cpp")]
+    arch = os.environ.get("SGLANG_DLITE_CPU_FLAGS", "-march=native").split()
+    cflags = ["-O3", "-fopenmp", "-Wno-psabi", *arch]
+    if with_cuda:
+        sources += [str(csrc / "dlite_cuda.cu"), str(csrc / "dlite_cuda_bindings.cpp")]
+        cflags.append("-DDLITE_WITH_CUDA")
+    load(
+        name=_ext.LIB_NAME,
+        sources=sources,
+        extra_cflags=cflags,
+        extra_cuda_cflags=["-O3", "-lineinfo", *CUDA_GENCODE],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(out),
+        with_cuda=with_cuda,
+        is_python_module=False,
+        verbose=verbose,
+    )
+    _ext.reset()
+    return str(_ext.lib_path())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--force", action="store_true", help="rebuild from scratch")
+    ap.add_argument("--no-cuda", action="store_true", help="build the CPU ops only")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    path = build(args.verbose, args.force, cuda=False if args.no_cuda else None)
+    ok = _ext.load()
+    print(f"sglang_dlite.ops.build: {path} ({time.time() - t0:.1f} s); {_ext.status()}")
+    return 0 if ok else 1
+
 
 if __name__ == "__main__":
-    print("sglang_dlite.ops.build: no compiled ops in this build; the torch reference is used.")
+    sys.exit(main())

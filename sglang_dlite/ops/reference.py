@@ -142,3 +142,14 @@ def lowrank_rnn_scan(gate_logits: torch.Tensor, inputs: torch.Tensor) -> torch.T
         s = a[:, i] * s + (1.0 - a[:, i]) * u[:, i]
         out.append(s)
     return torch.stack(out, dim=1).to(inputs.dtype)
+
+
+def lm_head_argmax(
+    hidden: torch.Tensor,  # [..., H] head outputs
+    norm_weight: torch.Tensor,  # [H] the drafter's final RMS-norm weight
+    eps: float,
+    lm_head_weight: torch.Tensor,  # [V, H] the target's LM head
+) -> torch.Tensor:
+    """Greedy drafting: final norm + the one batched vocabulary projection + argmax. [...] int64."""
+    logits = F.linear(rms_norm(hidden, norm_weight, eps), lm_head_weight.to(hidden.dtype))
+    return logits.float().argmax(-1)
