@@ -90,6 +90,13 @@ class _Corrupting:
         return DraftProposal(toks, None)
 
 
+def test_batch_of_requests_of_different_lengths(tiny_target):
+    ps = prompts(5, tiny_target.config.vocab_size, seed=4)
+    eng = ReferenceEngine(tiny_target, DLiteEngineDrafter(dlite(tiny_target)), [EOS])
+    outs = eng.generate_batch(ps, 10)
+    assert [o.output_ids for o in outs] == [hf_greedy(tiny_target, p, 10) for p in ps]
+
+
 def test_partial_acceptance_at_every_depth(tiny_target):
     ps = prompts(4, tiny_target.config.vocab_size, seed=2)
     refs = [hf_greedy(tiny_target, p, 40) for p in ps]

@@ -258,6 +258,13 @@ class ReferenceEngine:
             sess._trim_hidden_to(len(sess.tokens) - 1)
         return res
 
+    def generate_batch(self, prompts: Sequence[list], max_new_tokens: int, **kw) -> list:
+        """A batch is a loop over requests: exact, each request with its own session (the
+        reference engine is the oracle, not the fast path; sglang batches for real)."""
+        seed = kw.pop("seed", None)
+        return [self.generate(list(p), max_new_tokens, seed=None if seed is None else seed + i, **kw)
+                for i, p in enumerate(prompts)]
+
     def _round(self, sess: Session, res: GenerationResult, temperature, top_p, gen, room: int):
         K = self.drafter.block_size
         ctx_len = len(sess.tokens)
