@@ -237,11 +237,12 @@ class DLiteDrafter(nn.Module):
         self._check_inputs(context_hidden, context_valid, anchor_ids)
         dtype = self.mask_embed.dtype
         context_hidden = context_hidden.to(dtype)
-        anchor = F.embedding(anchor_ids, self.embed_weight).to(dtype)
-        x = ops.assemble_round_inputs(
-            context_hidden, anchor, self.ctx_norm_weight, self.depth_embed, self.mask_embed,
-            cfg.block_size, cfg.rms_norm_eps,
-        )
+        with ops.nvtx_range("dlite.assemble"):
+            anchor = F.embedding(anchor_ids, self.embed_weight).to(dtype)
+            x = ops.assemble_round_inputs(
+                context_hidden, anchor, self.ctx_norm_weight, self.depth_embed, self.mask_embed,
+                cfg.block_size, cfg.rms_norm_eps,
+            )
         if cfg.history_window == 0 or history is None:  # no history: the DLite path
             attend = self._local_attend(context_valid)
         else:
@@ -253,8 +254,9 @@ class DLiteDrafter(nn.Module):
             h_in = h_in + self.depth_embed[:Lh, None, :]
             hist_inputs = h_in.reshape(hidden.shape[0], -1, hidden.shape[-1])
             attend = self._history_attend(context_valid, history, round_offset, hist_inputs)
-        for layer in self.layers:
-            x = layer(x, attend)
+        with ops.nvtx_range("dlite.backbone"):
+            for layer in self.layers:
+                x = layer(x, attend)
         return x[:, cfg.num_capture_layers * cfg.num_context_positions:]
 
     def _check_inputs(self, context_hidden, context_valid, anchor_ids):
@@ -302,9 +304,14 @@ class DLiteDrafter(nn.Module):
         z = self.backbone(context_hidden, context_valid, anchor_ids, history, round_offset)
         K = self.config.block_size
         if self.config.head_input == "hidden":
-            logits = self.lm_logits(self.head(z[:, :-1], z[:, 1:])).float()
-            if temperature <= 0:
-                return DraftProposal(logits.argmax(-1), None)
+            with ops.nvtx_range("dlite.head"):
+                y = self.head(z[:, :-1], z[:, 1:])
+            with ops.nvtx_range("dlite.projection"):
+                if temperature <= 0:  # greedy: fused final norm + LM head + argmax
+                    tokens = ops.lm_head_argmax(y, self.final_norm.weight, self.final_norm.eps,
+                                                self.lm_head_weight.to(y.dtype))
+                    return DraftProposal(tokens, None)
+                logits = self.lm_logits(y).float()
             probs = logits_to_probs(logits, temperature, top_p)
             flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
             return DraftProposal(flat.view(probs.shape[:2]), probs)

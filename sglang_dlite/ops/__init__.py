@@ -78,7 +78,8 @@ def _pick(op: str, floats, device: torch.device) -> str:
     if mode == "cpp":
         if not _ext.has_cpu():
             raise MissingDependencyError(
-                f"{ENV}=cpp but the C++ ops are unavailable: {_ext.unavailable_reason()}"
+                f"{ENV}=cpp but the C++ ops are unavailable ({_ext.unavailable_reason()}); "
+                f"{_ext.BUILD_HINT}, or use {ENV}=auto|torch."
             )
         if device.type != "cpu":
             raise DLiteInputError(
@@ -92,7 +93,7 @@ def _pick(op: str, floats, device: torch.device) -> str:
     if not _ext.has_cuda():
         raise MissingDependencyError(
             f"{ENV}=cuda but the CUDA ops are not built: build them on a CUDA machine with "
-            f"`make build-ext` (needs a CUDA torch and nvcc). {_ext.unavailable_reason() if not _ext.has_cpu() else ''}".rstrip()
+            f"`make build-ext` (needs a CUDA torch and nvcc), or use {ENV}=auto|torch."
         )
     if device.type != "cuda":
         raise DLiteInputError(f"{ENV}=cuda runs GPU kernels, but {op} got tensors on {device}.")

@@ -52,9 +52,9 @@ def load() -> bool:
                 torch.ops.load_library(str(path))
                 _state["path"] = str(path)
             except Exception as exc:  # a stale build against another torch, a bad file, ...
-                _state["error"] = f"{path} failed to load ({exc}); rebuild it: {BUILD_HINT}"
+                _state["error"] = f"{path} failed to load: {exc}"
         else:
-            _state["error"] = f"the compiled ops are not built ({path} is missing); {BUILD_HINT}"
+            _state["error"] = f"{path} is missing"
     return _state["path"] is not None and _registered()
 
 
@@ -79,10 +79,10 @@ def has_cuda() -> bool:
 def status() -> str:
     """One line for logs and benchmark reports."""
     if not load():
-        return f"torch reference only: {_state['error']}"
+        return f"torch reference only: {_state['error']}; {BUILD_HINT}"
     return f"compiled ops loaded from {_state['path']} (CPU: yes, CUDA: {'yes' if has_cuda() else 'no'})"
 
 
 def unavailable_reason() -> str:
     load()
-    return _state["error"] or "unknown"
+    return _state["error"] or "not loaded"

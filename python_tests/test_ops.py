@@ -1,0 +1,277 @@
+"""The compiled C++ CPU draft-step ops against their torch references (ops/reference.py), and the
+dispatcher (SGLANG_DLITE_OPS).
+
+Tolerances: fp32 1e-5 (abs and rel); bf16 2e-2 and fp16 2e-3 (abs and rel) — one or two units in
+the last place of the dtype, since the kernels accumulate in fp32 in another order than ATen.
+C++ tests skip (with the reason) when the library is not built: `make build-ext`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_dlite import ops
+from sglang_dlite.errors import DLiteInputError, MissingDependencyError
+from sglang_dlite.ops import _ext
+from sglang_dlite.ops import reference as R
+
+HAVE_CPP = _ext.has_cpu()
+needs_cpp = pytest.mark.skipif(not HAVE_CPP, reason=f"C++ ops not built ({_ext.unavailable_reason()}); run `make build-ext`")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+cpp = torch.ops.sglang_dlite if HAVE_CPP else None
+
+
+def close(a, b, dtype):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def strided(x: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous tensor (every other element of a wider buffer)."""
+    buf = torch.empty(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
+    out = buf[..., ::2]
+    out.copy_(x)
+    assert not out.is_contiguous()
+    return out
+
+
+# ----------------------------------------------------------------------------- RNN scan
+@needs_cpp
+@pytest.mark.parametrize("B", [1, 64])
+@pytest.mark.parametrize("K", [1, 7, 16])
+@pytest.mark.parametrize("r", [8, 72, 320, 512])
+def test_scan_fp32(B, K, r):
+    g = torch.randn(B, K, r) * 2
+    u = torch.randn(B, K, r)
+    close(cpp.lowrank_rnn_scan(g, u), R.lowrank_rnn_scan(g, u), torch.float32)
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("r", [72, 320])
+def test_scan_low_precision(dtype, r):
+    g = (torch.randn(8, 7, r) * 2).to(dtype)
+    u = torch.randn(8, 7, r).to(dtype)
+    close(cpp.lowrank_rnn_scan(g, u), R.lowrank_rnn_scan(g, u), dtype)
+
+
+@needs_cpp
+def test_scan_non_contiguous():
+    g, u = torch.randn(3, 5, 72), torch.randn(3, 5, 72)
+    gt = torch.randn(5, 3, 72).transpose(0, 1)  # non-contiguous in the batch dims
+    gt.copy_(g)
+    close(cpp.lowrank_rnn_scan(gt, strided(u)), R.lowrank_rnn_scan(g, u), torch.float32)
+
+
+# ----------------------------------------------------------------------------- assemble
+def assemble_args(B, L, C, H, K, dtype=torch.float32):
+    return (
+        torch.randn(B, L, C, H).to(dtype), torch.randn(B, H).to(dtype),
+        (torch.rand(L, H) + 0.5).to(dtype), torch.randn(L + 1, H).to(dtype), torch.randn(H).to(dtype),
+        K, 1e-5,
+    )
+
+
+@needs_cpp
+@pytest.mark.parametrize("B,L,C,K", [(1, 1, 0, 1), (1, 2, 1, 7), (64, 2, 4, 16), (3, 3, 8, 4), (2, 2, 5, 1)])
+def test_assemble_fp32(B, L, C, K):
+    args = assemble_args(B, L, C, 40, K)
+    close(cpp.assemble_round_inputs(*args), R.assemble_round_inputs(*args), torch.float32)
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_assemble_low_precision(dtype):
+    args = assemble_args(4, 2, 4, 64, 7, dtype)
+    close(cpp.assemble_round_inputs(*args), R.assemble_round_inputs(*args), dtype)
+
+
+@needs_cpp
+def test_assemble_non_contiguous():
+    ctx, anc, nw, de, me, K, eps = assemble_args(2, 2, 3, 32, 5)
+    ref = R.assemble_round_inputs(ctx, anc, nw, de, me, K, eps)
+    out = cpp.assemble_round_inputs(strided(ctx), strided(anc), strided(nw), strided(de), strided(me[None])[0], K, eps)
+    close(out, ref, torch.float32)
+
+
+# ----------------------------------------------------------------------------- attention
+def attn_args(B, L, C, K, Hq=4, Hkv=2, D=16, dtype=torch.float32, p_valid=0.7):
+    S = L * C + 1 + K
+    q, k, v = torch.randn(B, S, Hq, D), torch.randn(B, S, Hkv, D), torch.randn(B, S, Hkv, D)
+    cos, sin = R.rope_cos_sin(R.round_positions(L, C, K), D, 10000.0)
+    valid = torch.rand(B, C) < p_valid
+    return [t.to(dtype) for t in (q, k, v, cos, sin)] + [valid, L, K]
+
+
+@needs_cpp
+@pytest.mark.parametrize("C", range(0, 9))
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_contexts(C, causal):
+    args = attn_args(3, 2, C, 7)
+    close(cpp.round_attention(*args, causal), R.round_attention(*args, causal), torch.float32)
+
+
+@needs_cpp
+@pytest.mark.parametrize("B,K,Hq,Hkv", [(1, 1, 2, 2), (1, 16, 9, 3), (64, 7, 4, 1), (64, 16, 4, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_shapes(B, K, Hq, Hkv, causal):
+    args = attn_args(B, 2, 4, K, Hq, Hkv)
+    close(cpp.round_attention(*args, causal), R.round_attention(*args, causal), torch.float32)
+
+
+@needs_cpp
+def test_attention_all_context_invalid():
+    args = attn_args(2, 2, 4, 5, p_valid=0.0)
+    for causal in (False, True):
+        close(cpp.round_attention(*args, causal), R.round_attention(*args, causal), torch.float32)
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_low_precision(dtype):
+    args = attn_args(4, 2, 4, 7, 6, 2, 32, dtype)
+    close(cpp.round_attention(*args, True), R.round_attention(*args, True), dtype)
+
+
+@needs_cpp
+def test_attention_non_contiguous():
+    q, k, v, cos, sin, valid, L, K = attn_args(2, 2, 3, 4)
+    ref = R.round_attention(q, k, v, cos, sin, valid, L, K, False)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D] view of a [B, H, S, D] buffer
+    out = cpp.round_attention(qt, strided(k), strided(v), strided(cos), sin, valid, L, K, False)
+    close(out, ref, torch.float32)
+
+
+# ----------------------------------------------------------------------------- LM head argmax
+def check_argmax(y, w, nw, dtype):
+    ref_logits = torch.nn.functional.linear(R.rms_norm(y, nw, 1e-5), w).float()
+    ref = ref_logits.argmax(-1)
+    out = cpp.lm_head_argmax(y, nw, 1e-5, w)
+    assert out.dtype == torch.int64 and out.shape == ref.shape
+    # Where the top-2 margin is above the accumulation-order noise the ids must be equal; else the
+    # chosen id must be (one of) the maximum logit(s).
+    top2 = ref_logits.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 4 * TOL[dtype]
+    assert torch.equal(out[clear], ref[clear])
+    picked = ref_logits.gather(-1, out[..., None])[..., 0]
+    torch.testing.assert_close(picked, top2[..., 0], atol=4 * TOL[dtype], rtol=4 * TOL[dtype])
+
+
+@needs_cpp
+@pytest.mark.parametrize("M,H,V", [(1, 64, 1000), (7, 576, 4099), (8, 100, 333), (9, 64, 5000), (64 * 7, 48, 3000)])
+def test_lm_head_argmax_fp32(M, H, V):
+    y, w, nw = torch.randn(M, H), torch.randn(V, H), torch.rand(H) + 0.5
+    check_argmax(y, w, nw, torch.float32)
+    check_argmax(y.view(M, 1, H), w, nw, torch.float32)  # leading dims are kept
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [7, 40])
+def test_lm_head_argmax_low_precision(dtype, M):
+    y, w, nw = torch.randn(M, 64), torch.randn(2000, 64), torch.rand(64) + 0.5
+    check_argmax(y.to(dtype), w.to(dtype), nw.to(dtype), dtype)
+
+
+@needs_cpp
+def test_lm_head_argmax_non_contiguous():
+    y, w, nw = torch.randn(5, 7, 64), torch.randn(700, 64), torch.rand(64) + 0.5
+    check_argmax(strided(y), strided(w), nw, torch.float32)
+
+
+# ----------------------------------------------------------------------------- errors
+@needs_cpp
+def test_errors_name_the_problem():
+    g = torch.randn(2, 3, 8)
+    with pytest.raises(TypeError, match="gate_logits must be float32, bfloat16 or float16"):
+        cpp.lowrank_rnn_scan(g.long(), g)
+    with pytest.raises(TypeError, match="same dtype"):
+        cpp.lowrank_rnn_scan(g, g.double().to(torch.bfloat16))
+    with pytest.raises(ValueError, match="same shape"):
+        cpp.lowrank_rnn_scan(g, g[:, :2])
+    with pytest.raises(ValueError, match=r"\[B, K, r\]"):
+        cpp.lowrank_rnn_scan(g[0], g[0])
+    args = attn_args(2, 2, 3, 4)
+    with pytest.raises(ValueError, match="L\\*C\\+1\\+K"):
+        cpp.round_attention(*args[:6], 2, 5, False)
+    with pytest.raises(TypeError, match="context_valid must be a bool"):
+        cpp.round_attention(*args[:5], args[5].int(), 2, 4, False)
+    a = list(assemble_args(2, 2, 3, 16, 4))
+    a[3] = a[3][:2]
+    with pytest.raises(ValueError, match="depth_embed must be"):
+        cpp.assemble_round_inputs(*a)
+    with pytest.raises(ValueError, match="disagree on the hidden size"):
+        cpp.lm_head_argmax(torch.randn(3, 16), torch.ones(16), 1e-5, torch.randn(10, 17))
+
+
+# ----------------------------------------------------------------------------- dispatcher
+def test_forced_torch_path(monkeypatch):
+    monkeypatch.setenv(ops.ENV, "torch")
+    g, u = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    close(ops.lowrank_rnn_scan(g, u), R.lowrank_rnn_scan(g, u), torch.float32)
+    assert ops.last_impl("lowrank_rnn_scan") == "torch"
+
+
+@needs_cpp
+@pytest.mark.parametrize("mode", ["cpp", "auto"])
+def test_forced_and_auto_cpp_path(monkeypatch, mode):
+    monkeypatch.setenv(ops.ENV, mode)
+    g, u = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    close(ops.lowrank_rnn_scan(g, u), R.lowrank_rnn_scan(g, u), torch.float32)
+    assert ops.last_impl("lowrank_rnn_scan") == "cpp"
+    # a gradient-requiring call goes through the reference (the compiled ops have no backward)
+    g.requires_grad_(True)
+    ops.lowrank_rnn_scan(g, u).sum().backward()
+    assert ops.last_impl("lowrank_rnn_scan") == "torch" and g.grad is not None
+
+
+def test_unavailable_paths_error_clearly(monkeypatch):
+    g, u = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    monkeypatch.setenv(ops.ENV, "cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(MissingDependencyError, match="cuda"):
+            ops.lowrank_rnn_scan(g, u)
+    monkeypatch.setenv(ops.ENV, "cpp")
+    monkeypatch.setattr(_ext, "has_cpu", lambda: False)
+    with pytest.raises(MissingDependencyError, match="make build-ext"):
+        ops.lowrank_rnn_scan(g, u)
+    monkeypatch.setenv(ops.ENV, "auto")
+    close(ops.lowrank_rnn_scan(g, u), R.lowrank_rnn_scan(g, u), torch.float32)
+    assert ops.last_impl("lowrank_rnn_scan") == "torch"
+    monkeypatch.setenv(ops.ENV, "fast")
+    with pytest.raises(DLiteInputError, match="auto, torch, cpp, cuda"):
+        ops.lowrank_rnn_scan(g, u)
+
+
+@needs_cpp
+def test_forced_cpp_rejects_other_devices(monkeypatch):
+    monkeypatch.setenv(ops.ENV, "cpp")
+    g = torch.empty(2, 3, 8, device="meta")
+    with pytest.raises(DLiteInputError, match="CPU kernels"):
+        ops.lowrank_rnn_scan(g, g)
+
+
+# ----------------------------------------------------------------------------- model level
+@needs_cpp
+@pytest.mark.parametrize("block_attention", ["bidirectional", "causal"])
+def test_drafter_same_with_cpp_and_torch(monkeypatch, tiny_target, block_attention):
+    from conftest import tiny_dlite_config
+    from sglang_dlite.model import DLiteDrafter
+
+    torch.manual_seed(0)
+    cfg = tiny_dlite_config(tiny_target, block_attention=block_attention)
+    m = DLiteDrafter(cfg).eval().bind_hf_target(tiny_target)
+    torch.nn.init.normal_(m.head.out_proj.weight, std=0.05)
+    B, L, C, H = 5, cfg.num_capture_layers, cfg.num_context_positions, cfg.target_hidden_size
+    ctx = torch.randn(B, L, C, H)
+    valid = torch.rand(B, C) < 0.8
+    anchor = torch.randint(0, cfg.vocab_size, (B,))
+    out = {}
+    for mode in ("torch", "cpp"):
+        monkeypatch.setenv(ops.ENV, mode)
+        with torch.no_grad():
+            out[mode] = (m(ctx, valid, anchor), m.propose(ctx, valid, anchor).tokens)
+        assert ops.last_impl("round_attention") == mode and ops.last_impl("lm_head_argmax") == mode
+    close(out["cpp"][0], out["torch"][0], torch.float32)
+    assert torch.equal(out["cpp"][1], out["torch"][1])
