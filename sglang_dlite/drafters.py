@@ -148,10 +148,13 @@ def load_dlite(path: Optional[str], target, **config_overrides) -> DLiteDrafter:
 
 
 def make_engine_drafter(spec: str, target) -> Drafter:
-    """``--drafter`` specs: ``dlite`` | ``dlite:PATH`` (more names join as baselines land)."""
+    """``--drafter`` specs: ``dlite[:PATH]``, or a baseline/ablation name (``baselines/registry.py``)."""
     name, _, path = spec.partition(":")
     if name == "dlite":
         return DLiteEngineDrafter(load_dlite(path or None, target))
+    from .baselines.registry import BASELINE_NAMES, known_drafters_text, make_baseline_drafter
     from .errors import DLiteInputError
 
-    raise DLiteInputError(f"unknown drafter {spec!r}; known: dlite[:PATH].")
+    if name in BASELINE_NAMES:
+        return make_baseline_drafter(name, path or None, target)
+    raise DLiteInputError(f"unknown drafter {spec!r}; known: {known_drafters_text()}.")

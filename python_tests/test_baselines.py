@@ -1,0 +1,229 @@
+"""Baseline drafters (EAGLE-3, DFlash, DSpark, n-gram): lossless in the reference engine, their own
+KV cache exact when extended incrementally and cropped on rollback / new turns, training_forward
+consistent with what the engine drafts, checkpoints, the registry, memory per request."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_dlite_config
+from sglang_dlite.baselines.common import anchor_targets
+from sglang_dlite.baselines.ngram import NGramDrafter, lookup
+from sglang_dlite.baselines.registry import (
+    DLITE_ABLATIONS, DRAFTER_NAMES, engine_adapter, make_baseline_drafter, new_model,
+)
+from sglang_dlite.drafters import DLiteEngineDrafter, DraftRequest, make_engine_drafter
+from sglang_dlite.engine import ReferenceEngine
+from sglang_dlite.errors import DLiteConfigError, DLiteInputError
+from sglang_dlite.model import DLiteDrafter, DraftProposal
+
+EOS = 2
+KV_NAMES = ["eagle3", "dflash", "dspark"]
+TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96, block_size=4)
+
+
+def tiny_baseline(name, target, seed=0):
+    m = new_model(name, target.config, seed=seed, **TINY)
+    if name == "dspark":  # the Markov head starts at zero: give it weight so the tests see it
+        torch.nn.init.normal_(m.markov_out.weight, std=0.5)
+    return m.bind_hf_target(target).eval()
+
+
+def greedy_ref(target, prompt, n):
+    eng = ReferenceEngine(target, None, [EOS])
+    return eng.generate(prompt, n).output_ids
+
+
+class Checked:
+    """Wraps a KV baseline adapter: every round, also drafts from scratch (empty state) and checks
+    the incremental cache gives the same logits; then replaces the first j drafts (random j) by the
+    target's own continuation so rounds accept 0..K tokens and the cache sees every increment."""
+
+    def __init__(self, inner, truth: dict, rng: random.Random):
+        self.inner, self.truth, self.rng = inner, truth, rng
+        self.block_size = inner.block_size
+        self.capture_layer_ids = inner.capture_layer_ids
+        self.hidden_rows_needed = inner.hidden_rows_needed
+        self.checks = 0
+
+    def draft(self, req: DraftRequest) -> DraftProposal:
+        prop = self.inner.draft(req)
+        inc = self.inner.last_logits.clone()
+        fresh = DraftRequest(list(req.tokens), req.hidden, req.hidden_start, state={})
+        self.inner.draft(fresh)
+        torch.testing.assert_close(inc, self.inner.last_logits, atol=1e-4, rtol=1e-4)
+        self.checks += 1
+        toks = prop.tokens.clone()
+        for seq, cont in self.truth.items():
+            n = len(req.tokens)
+            if tuple(req.tokens[:len(seq)]) == seq and n >= len(seq):
+                done = n - len(seq)
+                nxt = cont[done:done + self.block_size]
+                j = min(self.rng.randrange(self.block_size + 1), len(nxt))
+                toks[0, :j] = torch.tensor(nxt[:j], dtype=toks.dtype)
+        return DraftProposal(toks, None)
+
+
+@pytest.mark.parametrize("name", KV_NAMES)
+def test_kv_baseline_lossless_incremental_cache_multi_turn(tiny_target, name):
+    rng = random.Random(1)
+    V = tiny_target.config.vocab_size
+    p1 = [1] + [rng.randrange(3, V) for _ in range(30)]
+    ref1 = greedy_ref(tiny_target, p1, 24)
+    drafter = Checked(engine_adapter(name, tiny_baseline(name, tiny_target)), {tuple(p1): ref1}, rng)
+    eng = ReferenceEngine(tiny_target, drafter, [EOS])
+    sess = eng.new_session()
+    out1 = eng.generate(p1, 24, session=sess)
+    assert out1.output_ids == ref1
+    assert max(r.accepted for r in out1.rounds) >= 2  # multi-token rounds happened
+    # turn 2 extends the conversation (prefix reuse: the drafter's cache is extended)
+    p2 = p1 + out1.output_ids + [rng.randrange(3, V) for _ in range(8)]
+    ref2 = greedy_ref(tiny_target, p2, 20)
+    drafter.truth = {tuple(p2): ref2}
+    assert eng.generate(p2, 20, session=sess).output_ids == ref2
+    # turn 3 edits an early token: the drafter must crop its cache back to the divergence
+    p3 = list(p2)
+    p3[10] = (p3[10] + 1) % V or 3
+    ref3 = greedy_ref(tiny_target, p3, 16)
+    drafter.truth = {tuple(p3): ref3}
+    assert eng.generate(p3, 16, session=sess).output_ids == ref3
+    assert drafter.checks > 10
+    eng.close()
+
+
+@pytest.mark.parametrize("name", KV_NAMES + ["ngram"])
+def test_baseline_lossless_plain_and_sampling_runs(tiny_target, name):
+    drafter = NGramDrafter(block_size=4) if name == "ngram" else engine_adapter(name, tiny_baseline(name, tiny_target))
+    eng = ReferenceEngine(tiny_target, drafter, [EOS])
+    rng = random.Random(2)
+    for _ in range(3):
+        p = [1] + [rng.randrange(3, 96) for _ in range(rng.randrange(2, 30))]
+        assert eng.generate(p, 16).output_ids == greedy_ref(tiny_target, p, 16)
+    res = eng.generate(p, 12, temperature=0.8, top_p=0.9, seed=0)  # sampling path: probs shapes
+    assert 1 <= len(res.output_ids) <= 12
+    eng.close()
+
+
+@pytest.mark.parametrize("name", KV_NAMES)
+def test_training_forward_matches_engine_draft(tiny_target, name):
+    """training_forward on [committed tokens + the engine's own greedy drafts] gives the logits the
+    engine drafted with (EAGLE-3: every unrolled step; DSpark: with the Markov bias)."""
+    m = tiny_baseline(name, tiny_target)
+    ad = engine_adapter(name, m)
+    K = m.config.block_size
+    rng = random.Random(3)
+    ids = [1] + [rng.randrange(3, 96) for _ in range(20)]
+    anchors = [5, 12, 20]
+    seqs, logits_inf = [], []
+    for a in anchors:
+        toks = ids[:a + 1]
+        with torch.no_grad():
+            hs = tiny_target(torch.tensor([toks]), output_hidden_states=True).hidden_states
+        hidden = torch.stack([hs[i + 1][0] for i in m.config.target_layer_ids])[:, :a]
+        prop = ad.draft(DraftRequest(toks, hidden, 0, state={}))
+        logits_inf.append(ad.last_logits)
+        seqs.append(toks + prop.tokens[0].tolist())
+    for a, seq, li in zip(anchors, seqs, logits_inf):
+        with torch.no_grad():
+            hs = tiny_target(torch.tensor([seq]), output_hidden_states=True).hidden_states
+            hidden = torch.stack([hs[i + 1] for i in m.config.target_layer_ids], dim=1)
+            out = m.training_forward(hidden, torch.tensor([seq]), torch.tensor([[1, a, 3]]))
+        assert out.shape == (1, 3, K, 96)
+        torch.testing.assert_close(out[0, 1], li, atol=1e-4, rtol=1e-4)
+    tgt, valid = anchor_targets(torch.tensor([seqs[0]]), torch.tensor([[anchors[0]]]), K)
+    assert tgt[0, 0].tolist() == seqs[0][anchors[0] + 1:anchors[0] + 1 + K] and valid.all()
+    # gradients flow to the drafter, not to the bound target weights
+    m.train()
+    hidden.requires_grad_(False)
+    loss = m.training_forward(hidden, torch.tensor([seqs[-1]]), torch.tensor([[2, 4]])).logsumexp(-1).mean()
+    loss.backward()
+    assert m.fc.weight.grad is not None and m.embed_weight.grad is None
+
+
+@pytest.mark.parametrize("name", KV_NAMES)
+def test_save_load_round_trip(tiny_target, name, tmp_path):
+    m = tiny_baseline(name, tiny_target)
+    m.save_pretrained(str(tmp_path / name))
+    files = sorted(p.name for p in (tmp_path / name).iterdir())
+    assert files == ["config.json", "model.safetensors"]
+    d = make_baseline_drafter(name, str(tmp_path / name), tiny_target)
+    assert d.model.config.target_layer_ids == m.config.target_layer_ids
+    for k, v in m.state_dict().items():
+        torch.testing.assert_close(d.model.state_dict()[k], v)
+    assert "embed_weight" not in m.state_dict()  # the target's, bound, not stored
+    other = "dflash" if name != "dflash" else "eagle3"
+    with pytest.raises(DLiteConfigError, match="not a"):
+        make_baseline_drafter(other, str(tmp_path / name), tiny_target)
+
+
+def test_ngram_proposes_the_continuation():
+    toks = [5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 5, 6, 7]
+    assert lookup(toks, 4) == [8, 9, 10, 11]
+    assert lookup([1, 2, 3, 1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]  # runs into its own proposals
+    assert lookup([1, 9, 3, 4, 9], 3) == [3, 4, 9]  # falls back to a 1-gram
+    assert lookup([1, 2, 3, 4], 3) is None
+    d = NGramDrafter(block_size=3)
+    assert d.draft(DraftRequest([1, 2, 3, 4], torch.zeros(1, 1, 4), 2)).tokens.tolist() == [[4, 4, 4]]
+    assert d.draft(DraftRequest(toks, torch.zeros(1, 1, 4), 11)).tokens.tolist() == [[8, 9, 10]]
+
+
+def test_ngram_accepts_repeats_in_engine(tiny_target):
+    # the target's greedy output of this prompt loops, which prompt lookup continues
+    p = [1, 5, 6, 7, 8, 9]
+    eng = ReferenceEngine(tiny_target, NGramDrafter(block_size=4), [EOS])
+    res = eng.generate(p, 24)
+    assert res.output_ids == greedy_ref(tiny_target, p, 24)
+    assert res.tau > 2.0
+
+
+def test_registry_names_and_errors(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_DLITE_BASELINES", str(tmp_path))
+    for name in ("eagle3", "dflash", "dspark", *DLITE_ABLATIONS):
+        with pytest.raises(DLiteConfigError, match="make train-baselines"):
+            make_engine_drafter(name, tiny_target)
+    with pytest.raises(DLiteConfigError, match="no checkpoint there"):
+        make_engine_drafter(f"eagle3:{tmp_path / 'nope'}", tiny_target)
+    with pytest.raises(DLiteInputError) as e:
+        make_engine_drafter("medusa", tiny_target)
+    for n in DRAFTER_NAMES:
+        assert n in str(e.value)
+    with pytest.raises(DLiteInputError, match="no checkpoint"):
+        make_engine_drafter("ngram:/x", tiny_target)
+    assert isinstance(make_engine_drafter("ngram", tiny_target), NGramDrafter)
+    # DLite ablations: DLite checkpoints whose history matches the name
+    torch.manual_seed(0)
+    DLiteDrafter(tiny_dlite_config(tiny_target, history="window:128")).save_pretrained(str(tmp_path / "dlite-window128"))
+    d = make_engine_drafter("dlite-window128", tiny_target)
+    assert isinstance(d, DLiteEngineDrafter) and d.hidden_rows_needed == 3 + 128
+    DLiteDrafter(tiny_dlite_config(tiny_target)).save_pretrained(str(tmp_path / "dlite-teacher"))
+    with pytest.raises(DLiteConfigError, match="history='full'"):
+        make_engine_drafter("dlite-teacher", tiny_target)
+    # a baseline checkpoint in the default folder is found without a path
+    tiny_baseline("dflash", tiny_target).save_pretrained(str(tmp_path / "dflash"))
+    assert make_engine_drafter("dflash", tiny_target).model.config.model_type == "dlite-dflash"
+
+
+def test_memory_per_request_grows_with_context_for_kv_baselines_not_dlite(tiny_target):
+    torch.manual_seed(0)
+    dl = DLiteEngineDrafter(DLiteDrafter(tiny_dlite_config(tiny_target)).bind_hf_target(tiny_target))
+    rng = random.Random(4)
+    ids = [1] + [rng.randrange(3, 96) for _ in range(100)]
+    with torch.no_grad():
+        hs = tiny_target(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    for name in KV_NAMES + ["dlite", "ngram"]:
+        d = dl if name == "dlite" else NGramDrafter() if name == "ngram" else engine_adapter(name, tiny_baseline(name, tiny_target))
+        sizes = []
+        for T in (20, 100):
+            state: dict = {}
+            hidden = torch.stack([hs[i + 1][0] for i in d.capture_layer_ids])[:, :T - 1]
+            d.draft(DraftRequest(ids[:T], hidden, 0, state=state))
+            sizes.append(d.memory_bytes(state) if hasattr(d, "memory_bytes") else len(state))
+        if name in KV_NAMES:
+            cfg = d.model.config
+            per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+            assert sizes == [19 * per_pos, 99 * per_pos], name  # one entry per committed position
+        else:
+            assert sizes == [0, 0], name

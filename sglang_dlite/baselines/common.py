@@ -1,0 +1,421 @@
+"""Pieces the KV-cache baselines share: config base, a Llama-style layer, a growable KV cache,
+checkpoints, sampling, and the incremental-cache bookkeeping of the engine adapters.
+
+Everything here is pure torch and imports no sglang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+
+from ..errors import DLiteConfigError, DLiteInputError
+from ..model import DraftProposal, logits_to_probs
+from ..ops.reference import apply_rope, rms_norm, rope_cos_sin
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+# ---------------------------------------------------------------------------- config
+class BaselineConfig(PretrainedConfig):
+    """Shapes shared by the EAGLE-3 / DFlash / DSpark baselines (defaults: SmolLM2-135M)."""
+
+    model_type = "dlite-baseline"
+    num_capture_layers_expected: Optional[int] = None  # EAGLE-3: exactly 3
+
+    def __init__(
+        self,
+        target_hidden_size: int = 576,
+        vocab_size: int = 49152,
+        target_num_layers: int = 30,
+        target_layer_ids: Optional[Sequence[int]] = None,
+        block_size: int = 7,
+        num_layers: int = 1,
+        num_heads: int = 9,
+        num_kv_heads: int = 3,
+        head_dim: int = 64,
+        intermediate_size: int = 1536,
+        rope_theta: float = 10000.0,
+        rms_norm_eps: float = 1e-5,
+        target_model_type: Optional[str] = None,
+        **kwargs,
+    ):
+        self.target_hidden_size = int(target_hidden_size)
+        self.vocab_size = int(vocab_size)
+        self.target_num_layers = int(target_num_layers)
+        self.target_layer_ids = (list(target_layer_ids) if target_layer_ids is not None
+                                 else self.default_layer_ids(self.target_num_layers))
+        self.block_size = int(block_size)
+        self.num_layers = int(num_layers)
+        self.num_heads = int(num_heads)
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        self.intermediate_size = int(intermediate_size)
+        self.rope_theta = float(rope_theta)
+        self.rms_norm_eps = float(rms_norm_eps)
+        self.target_model_type = target_model_type
+        kwargs.setdefault("hidden_size", self.target_hidden_size)
+        kwargs.setdefault("num_hidden_layers", self.num_layers)
+        kwargs.setdefault("num_attention_heads", self.num_heads)
+        super().__init__(**kwargs)
+        self.validate()
+
+    @staticmethod
+    def default_layer_ids(num_target_layers: int) -> list:
+        raise NotImplementedError
+
+    def validate(self) -> None:
+        def bad(msg):
+            raise DLiteConfigError(f"invalid {self.model_type} config: {msg}")
+
+        if not 1 <= self.block_size <= 16:
+            bad(f"block_size K={self.block_size} must be in [1, 16].")
+        if self.num_layers < 1:
+            bad(f"num_layers={self.num_layers} must be >= 1.")
+        ids = self.target_layer_ids
+        if not ids or len(set(ids)) != len(ids):
+            bad(f"target_layer_ids={ids} must be non-empty and without duplicates.")
+        if self.num_capture_layers_expected and len(ids) != self.num_capture_layers_expected:
+            bad(f"target_layer_ids={ids}: this drafter fuses exactly {self.num_capture_layers_expected} layers.")
+        for i in ids:
+            if not 0 <= i < self.target_num_layers:
+                bad(f"target layer id {i} is out of range for a {self.target_num_layers}-layer target.")
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            bad(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}.")
+        if self.head_dim % 2:
+            bad(f"head_dim={self.head_dim} must be even (RoPE).")
+
+    @property
+    def num_capture_layers(self) -> int:
+        return len(self.target_layer_ids)
+
+    def check_target(self, *, hidden_size: int, vocab_size: int, num_layers: int) -> None:
+        problems = []
+        if hidden_size != self.target_hidden_size:
+            problems.append(f"hidden size: drafter expects {self.target_hidden_size}, target has {hidden_size}")
+        if vocab_size != self.vocab_size:
+            problems.append(f"vocabulary: drafter expects {self.vocab_size}, target has {vocab_size}")
+        bad_ids = [i for i in self.target_layer_ids if not 0 <= i < num_layers]
+        if bad_ids:
+            problems.append(f"layer ids {bad_ids} out of range for a {num_layers}-layer target")
+        if problems:
+            raise DLiteConfigError(
+                f"this {self.model_type} drafter does not match the target model (" + "; ".join(problems)
+                + "). Train one for this target (`make train-baselines`)."
+            )
+
+    @classmethod
+    def for_target(cls, target_config, **overrides) -> "BaselineConfig":
+        """Default config for a transformers target config (hidden size, vocab, depth)."""
+        kw = dict(target_hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
+                  target_num_layers=target_config.num_hidden_layers,
+                  target_model_type=getattr(target_config, "model_type", None))
+        kw.update(overrides)
+        return cls(**kw)
+
+
+# ---------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, inter, bias=False)
+        self.up_proj = nn.Linear(dim, inter, bias=False)
+        self.down_proj = nn.Linear(inter, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """GQA projections; the attention itself is ``attend`` (keys may come from a cache)."""
+
+    def __init__(self, in_dim: int, out_dim: int, cfg: BaselineConfig):
+        super().__init__()
+        d = cfg.head_dim
+        self.nh, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(in_dim, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(in_dim, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(in_dim, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, out_dim, bias=False)
+        self.theta = cfg.rope_theta
+
+    def rope(self, x, positions):
+        cos, sin = rope_cos_sin(positions, self.d, self.theta)
+        return apply_rope(x, cos, sin)
+
+    def q(self, x, positions):
+        B, S, _ = x.shape
+        return self.rope(self.q_proj(x).view(B, S, self.nh, self.d), positions)
+
+    def kv(self, x, positions):
+        """Keys (RoPE applied at ``positions``) and values: [B, S, nkv, d] each."""
+        B, S, _ = x.shape
+        k = self.rope(self.k_proj(x).view(B, S, self.nkv, self.d), positions)
+        return k, self.v_proj(x).view(B, S, self.nkv, self.d)
+
+    def out(self, o):
+        return self.o_proj(o.reshape(*o.shape[:2], -1))
+
+
+def attend(q, k, v, mask: Optional[torch.Tensor] = None):
+    """q [B, Sq, nh, d], k/v [B, Sk, nkv, d], mask bool [Sq, Sk] or [B, Sq, Sk] (True = visible)."""
+    rep = q.shape[2] // k.shape[2]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if rep > 1:
+        kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
+    if mask is not None and mask.dim() == 3:
+        mask = mask[:, None]
+    return F.scaled_dot_product_attention(qt, kt.to(qt.dtype), vt.to(qt.dtype), attn_mask=mask).transpose(1, 2)
+
+
+def init_weights(module: nn.Module, num_layers: int) -> None:
+    for name, p in module.named_parameters():
+        if p.dim() == 2 and not name.endswith("embed"):
+            std = 0.02 / (2 * num_layers) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            nn.init.normal_(p, std=std)
+
+
+# ---------------------------------------------------------------------------- KV cache
+class KVCache:
+    """One layer's keys/values of one request, [T, nkv, d] each, grown by doubling (amortized O(1)
+    append, like a paged allocator) and cropped by moving the length back."""
+
+    def __init__(self, nkv: int, d: int, dtype=torch.float32, device="cpu", capacity: int = 256):
+        self.k = torch.empty(capacity, nkv, d, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.len = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = k.shape[0]
+        if self.len + n > self.k.shape[0]:
+            cap = max(2 * self.k.shape[0], self.len + n)
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = old.new_empty(cap, *old.shape[1:])
+                new[: self.len] = old[: self.len]
+                setattr(self, name, new)
+        self.k[self.len:self.len + n] = k
+        self.v[self.len:self.len + n] = v
+        self.len += n
+
+    def crop(self, n: int) -> None:
+        self.len = min(self.len, max(0, n))
+
+    def view(self):
+        """[1, T, nkv, d] views of the valid part."""
+        return self.k[None, : self.len], self.v[None, : self.len]
+
+    def used_bytes(self) -> int:
+        return 2 * self.len * self.k[0].numel() * self.k.element_size()
+
+    def allocated_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+# ---------------------------------------------------------------------------- binding / checkpoints
+class BoundTargetMixin:
+    """The target's frozen token embedding and LM head: bound, never saved with the drafter."""
+
+    def _init_target_buffers(self):
+        self.register_buffer("embed_weight", torch.empty(0), persistent=False)
+        self.register_buffer("lm_head_weight", torch.empty(0), persistent=False)
+
+    def bind_target(self, embed_weight, lm_head_weight):
+        V, H = self.config.vocab_size, self.config.target_hidden_size
+        for name, w in (("token embedding", embed_weight), ("LM head", lm_head_weight)):
+            if tuple(w.shape) != (V, H):
+                raise DLiteConfigError(
+                    f"the target's {name} has shape {tuple(w.shape)} but this {self.config.model_type} "
+                    f"drafter expects ({V}, {H}): it was built for another target."
+                )
+        self.embed_weight = embed_weight.detach()
+        self.lm_head_weight = lm_head_weight.detach()
+        return self
+
+    def bind_hf_target(self, target):
+        tc = target.config
+        self.config.check_target(hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
+                                 num_layers=tc.num_hidden_layers)
+        return self.bind_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+
+    def _check_bound(self):
+        if self.embed_weight.numel() == 0:
+            raise DLiteConfigError(
+                f"the {self.config.model_type} drafter has no target embedding/LM head bound; call "
+                f"bind_target() or bind_hf_target() first."
+            )
+
+    def embed(self, ids):
+        return F.embedding(ids, self.embed_weight).to(self.fc.weight.dtype)
+
+    def lm_logits(self, h):
+        return F.linear(self.final_norm(h), self.lm_head_weight.to(h.dtype))
+
+    # checkpoints: config.json + model.safetensors, like DLiteDrafter
+    def save_pretrained(self, path: str, dtype: Optional[torch.dtype] = None) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        self.config.save_pretrained(path)
+        state = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in self.state_dict().items()}
+        save_file(state, os.path.join(path, WEIGHTS_NAME),
+                  metadata={"format": "pt", "model_type": self.config.model_type})
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu"):
+        config, state = load_checkpoint(path, cls.config_class)
+        model = cls(config)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise DLiteConfigError(
+                f"the checkpoint at {path!r} does not fit a {config.model_type} drafter with its own config "
+                f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(unexpected)[:5]})."
+            )
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def read_model_type(path: str) -> Optional[str]:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def load_checkpoint(path: str, config_class):
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    want = config_class.model_type
+    cfg_file, w_file = os.path.join(path, "config.json"), os.path.join(path, WEIGHTS_NAME)
+    if not os.path.isdir(path) or not os.path.isfile(cfg_file) or not os.path.isfile(w_file):
+        raise DLiteConfigError(
+            f"{path!r} is not a {want} checkpoint: it needs config.json and {WEIGHTS_NAME}."
+        )
+    try:
+        with open(cfg_file) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DLiteConfigError(f"{cfg_file!r} is not valid JSON ({exc}).") from exc
+    if raw.get("model_type") != want:
+        raise DLiteConfigError(
+            f"{path!r} holds a {raw.get('model_type')!r} model, not a {want!r} drafter."
+        )
+    raw.pop("model_type", None)
+    config = config_class(**raw)
+    try:
+        state = load_file(w_file)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise DLiteConfigError(f"{w_file!r} is not a readable safetensors file ({exc}).") from exc
+    return config, state
+
+
+# ---------------------------------------------------------------------------- training helpers
+def anchor_targets(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int):
+    """Labels of ``training_forward``: targets[b, n, k] = input_ids[b, anchors[b, n] + 1 + k] and
+    a validity mask (False where that position is past the end of the sequence)."""
+    T = input_ids.shape[1]
+    idx = anchors[..., None] + 1 + torch.arange(block_size, device=anchors.device)
+    valid = idx < T
+    tgt = torch.gather(input_ids, 1, idx.clamp(max=T - 1).reshape(input_ids.shape[0], -1)).view(idx.shape)
+    return tgt, valid
+
+
+def check_training_inputs(cfg, hidden, input_ids, anchors, min_anchor: int = 0):
+    L, H = cfg.num_capture_layers, cfg.target_hidden_size
+    if hidden.dim() != 4 or hidden.shape[1] != L or hidden.shape[3] != H:
+        raise DLiteInputError(f"hidden must be [B, {L} capture layers, T, {H}], got {tuple(hidden.shape)}.")
+    B, _, T, _ = hidden.shape
+    if tuple(input_ids.shape) != (B, T):
+        raise DLiteInputError(f"input_ids must be [{B}, {T}], got {tuple(input_ids.shape)}.")
+    if anchors.dim() != 2 or anchors.shape[0] != B:
+        raise DLiteInputError(f"anchor_positions must be [{B}, N], got {tuple(anchors.shape)}.")
+    if anchors.numel() and (int(anchors.min()) < min_anchor or int(anchors.max()) > T - 1):
+        raise DLiteInputError(f"anchor positions must lie in [{min_anchor}, {T - 1}].")
+
+
+# ---------------------------------------------------------------------------- engine adapters
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator):
+    """logits [B, V] -> (token ids [B], probs [B, V] or None when greedy)."""
+    if temperature <= 0:
+        return logits.argmax(-1), None
+    p = logits_to_probs(logits.float(), temperature, top_p)
+    return torch.multinomial(p, 1, generator=generator).squeeze(1), p
+
+
+def proposal(tokens: list, probs: list) -> DraftProposal:
+    toks = torch.stack(tokens, dim=1)
+    return DraftProposal(toks, torch.stack(probs, dim=1) if probs and probs[0] is not None else None)
+
+
+def common_prefix_len(a: list, b: list) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # binary search on the first mismatch (prefix equality is monotone)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class CacheState:
+    """A KV baseline's per-conversation state, kept in ``DraftRequest.state[key]``.
+
+    ``kv[i]`` covers drafter positions 0..n-1 (n = ``kv[0].len``); ``tokens`` is the committed token
+    list those positions were encoded from (the engine's own list object while it only grows)."""
+
+    def __init__(self, num_layers: int, nkv: int, d: int, dtype, device):
+        self.kv = [KVCache(nkv, d, dtype, device) for _ in range(num_layers)]
+        self.tokens: list = []
+        self.tokens_len = 0  # len(tokens) when last synced
+        self.tail: list = []  # tokens[-4:] when last synced (cheap identity check)
+
+    @property
+    def n(self) -> int:
+        return self.kv[0].len
+
+    def crop(self, n: int) -> None:
+        for c in self.kv:
+            c.crop(n)
+
+    def used_bytes(self) -> int:
+        return sum(c.used_bytes() for c in self.kv)
+
+    def allocated_bytes(self) -> int:
+        return sum(c.allocated_bytes() for c in self.kv)
+
+
+def valid_cached_prefix(st: CacheState, tokens: list) -> int:
+    """How many leading committed tokens still equal the ones the cache was built from.
+
+    Fast path: the engine extends its session's token list in place between rounds and replaces
+    it (a new list object) when it truncates or starts a new turn; a same-object list that has
+    only grown and still ends the way it did is unchanged on the synced prefix."""
+    m = st.tokens_len
+    if st.tokens is tokens and len(tokens) >= m and tokens[max(0, m - 4):m] == st.tail:
+        return m
+    return common_prefix_len(st.tokens[:m], tokens)
+
+
+def mark_synced(st: CacheState, tokens: list) -> None:
+    st.tokens, st.tokens_len, st.tail = tokens, len(tokens), tokens[-4:]

@@ -1,0 +1,258 @@
+"""DFlash-style drafter (baseline) and its DSpark-style variant.
+
+DFlash: five target layers fused on the feature axis, ``c_p = ctx_norm(fc([h^{l1}_p; ...; h^{l5}_p]))``,
+injected as keys/values into every drafter layer (each layer projects c_p with its own k/v
+projections, RoPE at the global position p). The drafter keeps those context keys/values as its
+own KV cache over the whole context. One round drafts a block [anchor, MASK x K] at global
+positions a..a+K (a = the anchor's position), attention bidirectional inside the block and over
+all cached context positions < a; rows 1..K give the K draft tokens in one parallel pass::
+
+    x     = [E anchor, m, m, ..., m]                                (K+1 rows)
+    layer: h = input_norm(x);  q, k_blk, v_blk from h
+           x = x + o_proj(attn(q, [k_ctx ; k_blk], [v_ctx ; v_blk]))
+           x = x + MLP(post_norm(x))
+    logits_k = LM_head(final_norm(x_k)),  k = 1..K
+
+DSpark: the same backbone plus a rank-r Markov logit head, a V-sized bias per step from the
+previous token (the anchor for step 1, then the previous draft token): drafting is sequential over
+the K steps (one r x V product each)::
+
+    logits_k += W_out · E_markov[t_{k-1}]      (E_markov: V x r, W_out: r x V, zero-initialized)
+
+The context K/V of position p depends on the target feature at p only, so the cache is exact to
+extend incrementally; it is cropped to the committed, unchanged prefix each round.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..drafters import DraftRequest
+from ..errors import DLiteInputError
+from .common import (
+    MLP, Attention, BaselineConfig, BoundTargetMixin, CacheState, RMSNorm, attend,
+    check_training_inputs, init_weights, mark_synced, proposal, sample, valid_cached_prefix,
+)
+
+
+def dflash_layer_ids(num_target_layers: int) -> list:
+    """DFlash's [1, 9, 17, 25, 33] of 36 layers, mapped proportionally (30 -> [1, 7, 14, 21, 27])."""
+    L = num_target_layers
+    ids = [min(L - 1, max(0, round(x * (L - 1) / 35))) for x in (1, 9, 17, 25, 33)]
+    return sorted(set(ids))
+
+
+class DFlashConfig(BaselineConfig):
+    model_type = "dlite-dflash"
+
+    def __init__(self, num_layers: int = 2, **kwargs):
+        kwargs.setdefault("architectures", ["DFlashDrafter"])
+        super().__init__(num_layers=num_layers, **kwargs)
+
+    @staticmethod
+    def default_layer_ids(num_target_layers: int) -> list:
+        return dflash_layer_ids(num_target_layers)
+
+
+class DSparkConfig(DFlashConfig):
+    model_type = "dlite-dspark"
+
+    def __init__(self, markov_rank: int = 64, **kwargs):
+        self.markov_rank = int(markov_rank)
+        kwargs.setdefault("architectures", ["DSparkDrafter"])
+        super().__init__(**kwargs)
+
+    def validate(self):
+        super().validate()
+        if self.markov_rank < 1:
+            from ..errors import DLiteConfigError
+            raise DLiteConfigError(f"invalid dlite-dspark config: markov_rank={self.markov_rank} must be >= 1.")
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        H = cfg.target_hidden_size
+        self.input_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.attn = Attention(H, H, cfg)
+        self.post_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(H, cfg.intermediate_size)
+
+    def forward(self, x, pos, k_ctx, v_ctx, mask=None):
+        h = self.input_norm(x)
+        q = self.attn.q(h, pos)
+        k, v = self.attn.kv(h, pos)
+        x = x + self.attn.out(attend(q, torch.cat([k_ctx, k], 1), torch.cat([v_ctx, v], 1), mask))
+        return x + self.mlp(self.post_norm(x))
+
+
+class DFlashDrafter(BoundTargetMixin, nn.Module):
+    config_class = DFlashConfig
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        config.validate()
+        self.config = cfg = config
+        H = cfg.target_hidden_size
+        self.fc = nn.Linear(cfg.num_capture_layers * H, H, bias=False)
+        self.ctx_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mask_embed = nn.Parameter(torch.randn(H) * 0.02)
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = RMSNorm(H, cfg.rms_norm_eps)
+        init_weights(self, cfg.num_layers)
+        self._init_target_buffers()
+
+    # ------------------------------------------------------------------ building blocks
+    def context(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, L, T, H] target features -> [B, T, H] fused context features c_p."""
+        B, L, T, H = hidden.shape
+        return self.ctx_norm(self.fc(hidden.to(self.fc.weight.dtype).permute(0, 2, 1, 3).reshape(B, T, L * H)))
+
+    def context_kv(self, c: torch.Tensor, pos: torch.Tensor) -> list:
+        """Per layer (k, v) of the context features at global positions ``pos``."""
+        return [layer.attn.kv(c, pos) for layer in self.layers]
+
+    def block_inputs(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """[B, N] anchors -> [B, N*(K+1), H] rows [E anchor, mask x K] per block."""
+        K = self.config.block_size
+        a = self.embed(anchor_ids)[..., None, :]
+        m = self.mask_embed.to(a.dtype).expand(*anchor_ids.shape, K, a.shape[-1])
+        x = torch.cat([a, m], dim=-2)
+        return x.reshape(anchor_ids.shape[0], -1, x.shape[-1])
+
+    def base_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_logits(x)
+
+    def step_bias(self, prev_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        return None  # DSpark adds its Markov bias here
+
+    # ------------------------------------------------------------------ training
+    def training_forward(self, hidden: torch.Tensor, input_ids: torch.Tensor,
+                         anchor_positions: torch.Tensor) -> torch.Tensor:
+        """Logits [B, N, K, V] of N blocks per sequence, in one pass.
+
+        hidden: [B, L=5, T, H] outputs of the capture layers (HF hidden_states[l+1]) at every
+        position; input_ids: [B, T]; anchor_positions: [B, N] index a of each block's anchor
+        (0 <= a <= T-1). Block n sees the target features of positions < a only (exactly what the
+        engine gives it), its anchor token and K masks; logits[b, n, k] predicts input_ids[b, a+1+k]
+        (labels and validity: ``common.anchor_targets``). DSpark's Markov bias is teacher-forced
+        with the ground-truth previous tokens input_ids[a+k].
+        """
+        self._check_bound()
+        cfg = self.config
+        K = cfg.block_size
+        check_training_inputs(cfg, hidden, input_ids, anchor_positions)
+        B, _, T, _ = hidden.shape
+        N = anchor_positions.shape[1]
+        dev = hidden.device
+        c = self.context(hidden)
+        ctx_pos = torch.arange(T, device=dev)
+        anchors = torch.gather(input_ids, 1, anchor_positions)
+        x = self.block_inputs(anchors)
+        blk_pos = (anchor_positions[..., None] + torch.arange(K + 1, device=dev)).reshape(B, -1)
+        row_anchor = anchor_positions.repeat_interleave(K + 1, dim=1)  # [B, N(K+1)]
+        row_block = torch.arange(N, device=dev).repeat_interleave(K + 1)
+        ctx_mask = ctx_pos[None, None, :] < row_anchor[..., None]  # [B, R, T]
+        blk_mask = (row_block[:, None] == row_block[None, :]).expand(B, -1, -1)
+        mask = torch.cat([ctx_mask, blk_mask], dim=2)
+        for layer in self.layers:
+            k_ctx, v_ctx = layer.attn.kv(c, ctx_pos)
+            x = layer(x, blk_pos, k_ctx, v_ctx, mask)
+        x = x.view(B, N, K + 1, -1)[:, :, 1:]
+        logits = self.base_logits(x)
+        prev = torch.gather(input_ids, 1, (anchor_positions[..., None] + torch.arange(K, device=dev))
+                            .clamp(max=T - 1).reshape(B, -1)).view(B, N, K)
+        bias = self.step_bias(prev)
+        return logits if bias is None else logits + bias
+
+
+class DSparkDrafter(DFlashDrafter):
+    config_class = DSparkConfig
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        self.markov_embed = nn.Parameter(torch.randn(config.vocab_size, config.markov_rank) * 0.02)
+        self.markov_out = nn.Linear(config.markov_rank, config.vocab_size, bias=False)
+        nn.init.zeros_(self.markov_out.weight)
+
+    def step_bias(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """V-sized logit bias from the previous token: [...] ids -> [..., V]."""
+        return self.markov_out(F.embedding(prev_ids, self.markov_embed))
+
+
+class DFlashEngineDrafter:
+    """Engine adapter (DFlash and DSpark): the context K/V cache lives in ``req.state``."""
+
+    state_key = "dflash"
+
+    def __init__(self, model: DFlashDrafter):
+        self.model = model
+        cfg = model.config
+        self.block_size = cfg.block_size
+        self.capture_layer_ids = list(cfg.target_layer_ids)
+        self.hidden_rows_needed = None  # must see every position once, to encode it into its cache
+        self.last_logits: Optional[torch.Tensor] = None
+        self.state_key = cfg.model_type
+
+    def _state(self, req: DraftRequest) -> CacheState:
+        st = req.state.get(self.state_key)
+        if st is None:
+            cfg, w = self.model.config, self.model.fc.weight
+            st = req.state[self.state_key] = CacheState(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                        w.dtype, w.device)
+        return st
+
+    def memory_bytes(self, state: dict) -> int:
+        """Drafter-owned bytes kept per request between rounds (its context KV cache)."""
+        st = state.get(self.state_key)
+        return 0 if st is None else st.used_bytes()
+
+    def sync(self, req: DraftRequest) -> CacheState:
+        """Crop the context cache to the committed, unchanged prefix; encode the new positions."""
+        m, st = self.model, self._state(req)
+        end = req.hidden_end
+        n = min(st.n, end, valid_cached_prefix(st, req.tokens))  # position p uses tokens[:p+1]
+        if n < req.hidden_start:
+            raise DLiteInputError(
+                f"the {m.config.model_type} cache needs target features from position {n}, but the engine "
+                f"kept only positions >= {req.hidden_start} (this drafter sets hidden_rows_needed=None)."
+            )
+        st.crop(n)
+        if end > n:
+            rows = req.hidden[:, n - req.hidden_start:end - req.hidden_start]
+            c = m.context(rows[None])
+            for cache, (k, v) in zip(st.kv, m.context_kv(c, torch.arange(n, end, device=c.device))):
+                cache.append(k[0], v[0])
+        mark_synced(st, req.tokens)
+        return st
+
+    @torch.no_grad()
+    def draft(self, req: DraftRequest):
+        m, K = self.model, self.block_size
+        st = self.sync(req)
+        a = len(req.tokens) - 1
+        anchor = torch.tensor([[req.tokens[-1]]], device=m.fc.weight.device)
+        x = m.block_inputs(anchor)
+        pos = torch.arange(a, a + K + 1, device=x.device)
+        for layer, cache in zip(m.layers, st.kv):
+            k_ctx, v_ctx = cache.view()
+            x = layer(x, pos, k_ctx, v_ctx)
+        logits = m.base_logits(x[:, 1:]).float()[0]  # [K, V]
+        toks, probs, prev = [], [], anchor[:, 0]
+        out_logits = []
+        for i in range(K):  # DFlash: independent per position; DSpark: biased by the previous token
+            li = logits[i:i + 1]
+            bias = m.step_bias(prev)
+            if bias is not None:
+                li = li + bias.float()
+            out_logits.append(li[0])
+            t, p = sample(li, req.temperature, req.top_p, req.generator)
+            toks.append(t)
+            probs.append(p)
+            prev = t
+        self.last_logits = torch.stack(out_logits)
+        return proposal(toks, probs)

@@ -1,0 +1,223 @@
+"""EAGLE-3-style drafter (baseline): three target layers fused on the feature axis, one decoder
+layer with its own KV cache over the whole context, global positions, autoregressive drafting.
+
+Drafter position p pairs the target's fused feature at p with the token at p+1 and predicts the
+token at p+2 (EAGLE's one-token shift)::
+
+    f_p   = fc([h^{l1}_p ; h^{l2}_p ; h^{l3}_p])                 3H -> H
+    x_p   = [embed_norm(E t_{p+1}) ; feat_norm(f_p)]              2H  (q, k, v read this)
+    o_p   = f_p + o_proj(attn(q_p, k_{<=p}, v_{<=p}))             H   (RoPE at global p)
+    y_p   = o_p + MLP(post_norm(o_p));  logits = LM_head(final_norm(y_p))
+
+Drafting from committed tokens t_0..t_{T-1} (target features for positions < T-1): the cache holds
+k, v of pairs 0..T-2; step 0 queries pair T-2 (token t_{T-1} = the anchor) -> d_1; step k >= 1 feeds
+its own previous output y as the feature with token d_k at position T-2+k -> d_{k+1}. The draft
+steps' keys are temporary; only committed pairs stay cached (cropped when the context changes).
+
+Training (``training_forward``) is the training-time-test unroll: K steps over all positions at
+once, step i >= 1 reading the previous step's outputs shifted by one position, with the attention
+mask of what inference would see (the committed prefix of step 0 plus one key per earlier step).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..drafters import DraftRequest
+from ..errors import DLiteInputError
+from .common import (
+    MLP, Attention, BaselineConfig, BoundTargetMixin, CacheState, RMSNorm, anchor_targets,  # noqa: F401
+    attend, check_training_inputs, init_weights, mark_synced, proposal, sample, valid_cached_prefix,
+)
+
+
+def eagle3_layer_ids(num_target_layers: int) -> list:
+    """Low / middle / high layer: (2, L/2, L-3) as EAGLE-3 (30 layers -> [2, 15, 27])."""
+    L = num_target_layers
+    ids = [min(2, L - 1), L // 2, max(L - 3, 0)]
+    return sorted(set(ids)) if len(set(ids)) == 3 else list(range(min(3, L)))
+
+
+class Eagle3Config(BaselineConfig):
+    model_type = "dlite-eagle3"
+    num_capture_layers_expected = 3
+
+    def __init__(self, num_layers: int = 1, **kwargs):
+        kwargs.setdefault("architectures", ["Eagle3Drafter"])
+        super().__init__(num_layers=num_layers, **kwargs)
+
+    def validate(self):
+        super().validate()
+        if self.num_layers != 1:
+            from ..errors import DLiteConfigError
+            raise DLiteConfigError("the EAGLE-3 baseline has exactly one decoder layer (num_layers=1).")
+
+    @staticmethod
+    def default_layer_ids(num_target_layers: int) -> list:
+        return eagle3_layer_ids(num_target_layers)
+
+
+class Eagle3Drafter(BoundTargetMixin, nn.Module):
+    config_class = Eagle3Config
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        config.validate()
+        self.config = cfg = config
+        H = cfg.target_hidden_size
+        self.fc = nn.Linear(cfg.num_capture_layers * H, H, bias=False)
+        self.embed_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.feat_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.attn = Attention(2 * H, H, cfg)
+        self.post_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(H, cfg.intermediate_size)
+        self.final_norm = RMSNorm(H, cfg.rms_norm_eps)
+        init_weights(self, 1)
+        self._init_target_buffers()
+
+    # ------------------------------------------------------------------ building blocks
+    def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, L, T, H] target features -> [B, T, H] (concatenated on the feature axis, then fc)."""
+        B, L, T, H = hidden.shape
+        return self.fc(hidden.to(self.fc.weight.dtype).permute(0, 2, 1, 3).reshape(B, T, L * H))
+
+    def layer_input(self, feat: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.embed_norm(self.embed(token_ids)), self.feat_norm(feat)], dim=-1)
+
+    def finish(self, feat: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        y = feat + self.attn.out(attn_out)
+        return y + self.mlp(self.post_norm(y))
+
+    # ------------------------------------------------------------------ training
+    def training_forward(self, hidden: torch.Tensor, input_ids: torch.Tensor,
+                         anchor_positions: torch.Tensor, num_steps: Optional[int] = None) -> torch.Tensor:
+        """Training-time-test unroll. Returns logits [B, N, K, V].
+
+        hidden: [B, L=3, T, H] outputs of the capture layers (HF hidden_states[l+1]) at every
+        position of the sequences; input_ids: [B, T]; anchor_positions: [B, N] index of the anchor
+        (last committed token), 1 <= a <= T-1. logits[b, n, k] predicts input_ids[b, a+1+k]
+        (labels and validity: ``common.anchor_targets``), having seen the target features of
+        positions < a only, and (steps k >= 1) the ground-truth tokens a+1..a+k (teacher forcing)
+        with the drafter's own outputs as features. EAGLE-3 weights step i by 0.8**i.
+        """
+        self._check_bound()
+        cfg = self.config
+        K = num_steps or cfg.block_size
+        check_training_inputs(cfg, hidden, input_ids, anchor_positions, min_anchor=1)
+        B, _, T, _ = hidden.shape
+        P = T - 1  # pairs (f_p, t_{p+1}), p = 0..T-2
+        pos = torch.arange(P, device=hidden.device)
+        tok = input_ids[:, 1:]
+        feat = self.fuse(hidden[:, :, :P])
+        ks, vs, outs = [], [], []
+        for i in range(K):
+            x = self.layer_input(feat, tok)
+            q = self.attn.q(x, pos)
+            k, v = self.attn.kv(x, pos)
+            ks.append(k)
+            vs.append(v)
+            # query p of step i (anchor pair p-i) sees step-0 keys j <= p-i and, for each earlier
+            # step s in 1..i, the single key j = p-i+s.
+            j = pos[None, :]
+            p = pos[:, None]
+            blocks = [j <= p - i] + [j == p - i + s for s in range(1, i + 1)]
+            mask = torch.cat(blocks, dim=1)
+            y = self.finish(feat, attend(q, torch.cat(ks, 1), torch.cat(vs, 1), mask))
+            outs.append(y)
+            # next step's feature at p is this step's output at p-1
+            feat = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1)
+        idx = (anchor_positions - 1)[..., None] + torch.arange(K, device=hidden.device)  # [B, N, K]
+        idx = idx.clamp(max=P - 1)
+        stacked = torch.stack(outs, dim=2)  # [B, P, K, H]
+        Hd = stacked.shape[-1]
+        g = torch.gather(stacked, 1, idx.reshape(B, -1, 1, 1).expand(-1, -1, K, Hd))  # [B, N*K, K, H]
+        g = g.view(B, *idx.shape[1:], K, Hd)
+        step = torch.arange(K, device=hidden.device)
+        y = g[:, :, step, step]  # step k at position a-1+k
+        return self.lm_logits(y)
+
+
+class Eagle3EngineDrafter:
+    """Engine adapter: keeps the drafter's KV cache over the whole context in ``req.state``."""
+
+    state_key = "eagle3"
+
+    def __init__(self, model: Eagle3Drafter):
+        self.model = model
+        cfg = model.config
+        self.block_size = cfg.block_size
+        self.capture_layer_ids = list(cfg.target_layer_ids)
+        self.hidden_rows_needed = None  # must see every position once, to encode it into its cache
+        self.last_logits: Optional[torch.Tensor] = None  # [K, V] of the last draft (tests)
+
+    def _state(self, req: DraftRequest) -> CacheState:
+        st = req.state.get(self.state_key)
+        if st is None:
+            m = self.model
+            st = req.state[self.state_key] = CacheState(1, m.config.num_kv_heads, m.config.head_dim,
+                                                        m.fc.weight.dtype, m.fc.weight.device)
+        return st
+
+    def memory_bytes(self, state: dict) -> int:
+        """Drafter-owned bytes kept per request between rounds (its KV cache)."""
+        st = state.get(self.state_key)
+        return 0 if st is None else st.used_bytes()
+
+    def sync(self, req: DraftRequest) -> CacheState:
+        """Crop the cache to what is still committed and encode the pairs not yet cached; always
+        re-encodes the last pair (its query starts the draft). Returns the state; the last pair's
+        layer input is left in ``st.last``."""
+        m, st = self.model, self._state(req)
+        end = req.hidden_end  # pairs 0..end-1 have features (end = len(tokens) - 1)
+        if end < 1:
+            raise DLiteInputError("EAGLE-3 drafting needs at least one committed position with a target feature.")
+        # pair p uses tokens[:p+2]: it is valid while that prefix is unchanged
+        n = min(st.n, end - 1, valid_cached_prefix(st, req.tokens) - 1)
+        n = max(n, 0)
+        if n < req.hidden_start:
+            raise DLiteInputError(
+                f"the EAGLE-3 cache needs target features from position {n}, but the engine kept only "
+                f"positions >= {req.hidden_start} (this drafter sets hidden_rows_needed=None)."
+            )
+        st.crop(n)
+        rows = req.hidden[:, n - req.hidden_start:end - req.hidden_start]  # [L, end-n, H]
+        feat = m.fuse(rows[None])
+        toks = torch.tensor(req.tokens[n + 1:end + 1], device=feat.device)[None]
+        x = m.layer_input(feat, toks)
+        pos = torch.arange(n, end, device=feat.device)
+        k, v = m.attn.kv(x, pos)
+        st.kv[0].append(k[0], v[0])
+        st.last = (feat[:, -1:], x[:, -1:], end - 1)
+        mark_synced(st, req.tokens)
+        return st
+
+    @torch.no_grad()
+    def draft(self, req: DraftRequest):
+        m = self.model
+        st = self.sync(req)
+        feat, x, p = st.last
+        cache = st.kv[0]
+        base = cache.len
+        toks, probs, logits_all = [], [], []
+        try:
+            for step in range(self.block_size):
+                if step > 0:
+                    x = m.layer_input(feat, toks[-1][:, None])
+                    k, v = m.attn.kv(x, torch.tensor([p], device=x.device))
+                    cache.append(k[0], v[0])
+                q = m.attn.q(x, torch.tensor([p], device=x.device))
+                kk, vv = cache.view()
+                y = m.finish(feat, attend(q, kk, vv))
+                logits = m.lm_logits(y[:, -1]).float()
+                logits_all.append(logits[0])
+                t, pr = sample(logits, req.temperature, req.top_p, req.generator)
+                toks.append(t)
+                probs.append(pr)
+                feat, p = y, p + 1
+        finally:
+            cache.crop(base)  # draft keys are temporary
+        self.last_logits = torch.stack(logits_all)
+        return proposal(toks, probs)

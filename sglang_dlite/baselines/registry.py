@@ -1,0 +1,122 @@
+"""``--drafter NAME[:PATH]`` for the baselines and DLite's ablations.
+
+Without a path a name loads ``artifacts/baselines/NAME/`` (written by ``make train-baselines``;
+git-ignored; ``$SGLANG_DLITE_BASELINES`` overrides the folder). ``ngram`` needs no checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from ..errors import DLiteConfigError, DLiteInputError
+
+DLITE_ABLATIONS = {  # name -> DLiteConfig.history the checkpoint must have
+    "dlite-teacher": "full",
+    "dlite-window128": "window:128",
+    "dlite-window512": "window:512",
+    "dlite-single": "none",  # single-stage training: same architecture as DLite
+}
+KV_BASELINES = ("eagle3", "dflash", "dspark")
+BASELINE_NAMES = tuple(DLITE_ABLATIONS) + KV_BASELINES + ("ngram",)
+DRAFTER_NAMES = ("dlite",) + BASELINE_NAMES
+
+
+def known_drafters_text() -> str:
+    return ", ".join(f"{n}[:PATH]" if n != "ngram" else n for n in DRAFTER_NAMES)
+
+
+def baselines_dir() -> str:
+    env = os.environ.get("SGLANG_DLITE_BASELINES")
+    if env:
+        return env
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.join(root, "artifacts", "baselines")
+
+
+def default_checkpoint(name: str) -> str:
+    return os.path.join(baselines_dir(), name)
+
+
+def model_classes(name: str):
+    """(model class, config class) of a KV baseline name."""
+    from .dflash import DFlashConfig, DFlashDrafter, DSparkConfig, DSparkDrafter
+    from .eagle3 import Eagle3Config, Eagle3Drafter
+
+    table = {"eagle3": (Eagle3Drafter, Eagle3Config), "dflash": (DFlashDrafter, DFlashConfig),
+             "dspark": (DSparkDrafter, DSparkConfig)}
+    if name not in table:
+        raise DLiteInputError(f"{name!r} is not a KV baseline; choose one of {', '.join(table)}.")
+    return table[name]
+
+
+def new_model(name: str, target_config, seed: Optional[int] = 0, **overrides):
+    """A randomly initialized, unbound model for ``name`` sized for a target (training starts here;
+    benchmarks of cost use it as is). DLite ablation names return a ``DLiteDrafter``."""
+    import torch
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    if name in DLITE_ABLATIONS or name == "dlite":
+        from ..config import DLiteConfig
+        from ..model import DLiteDrafter
+
+        kw = dict(target_hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
+                  target_num_layers=target_config.num_hidden_layers,
+                  history=DLITE_ABLATIONS.get(name, "none"))
+        kw.update(overrides)
+        return DLiteDrafter(DLiteConfig(**kw))
+    model_cls, cfg_cls = model_classes(name)
+    return model_cls(cfg_cls.for_target(target_config, **overrides))
+
+
+def engine_adapter(name: str, model):
+    """Wrap a bound model into the engine's ``Drafter`` protocol."""
+    if name in DLITE_ABLATIONS or name == "dlite":
+        from ..drafters import DLiteEngineDrafter
+        return DLiteEngineDrafter(model)
+    if name == "eagle3":
+        from .eagle3 import Eagle3EngineDrafter
+        return Eagle3EngineDrafter(model)
+    from .dflash import DFlashEngineDrafter
+    return DFlashEngineDrafter(model)
+
+
+def _missing(name: str, path: str, explicit: bool) -> DLiteConfigError:
+    if explicit:
+        return DLiteConfigError(f"--drafter {name}:{path}: no checkpoint there (it needs config.json and "
+                                f"model.safetensors, as written by `sglang-dlite train --drafter-type {name}`).")
+    return DLiteConfigError(
+        f"--drafter {name}: no trained checkpoint at {path!r}. Baseline checkpoints are not committed; "
+        f"run `make train-baselines` (or `sglang-dlite train --drafter-type {name} --out {path}`), "
+        f"or pass {name}:PATH."
+    )
+
+
+def make_baseline_drafter(name: str, path: Optional[str], target):
+    """An engine drafter for a baseline / ablation name, bound to the HF ``target``."""
+    if name not in BASELINE_NAMES:
+        raise DLiteInputError(f"unknown drafter {name!r}; known: {known_drafters_text()}.")
+    if name == "ngram":
+        if path:
+            raise DLiteInputError("the ngram drafter has no checkpoint: use --drafter ngram (no :PATH).")
+        from .ngram import NGramDrafter
+        return NGramDrafter()
+    explicit = bool(path)
+    path = path or default_checkpoint(name)
+    if not (os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "model.safetensors"))):
+        raise _missing(name, path, explicit)
+    if name in DLITE_ABLATIONS:
+        from ..model import DLiteDrafter
+
+        model = DLiteDrafter.from_pretrained(path)
+        want = DLITE_ABLATIONS[name]
+        if model.config.history != want:
+            raise DLiteConfigError(
+                f"--drafter {name}: the checkpoint at {path!r} has history={model.config.history!r}, "
+                f"but {name} needs history={want!r}."
+            )
+        return engine_adapter(name, model.bind_hf_target(target))
+    model_cls, _ = model_classes(name)
+    model = model_cls.from_pretrained(path)
+    return engine_adapter(name, model.bind_hf_target(target))
