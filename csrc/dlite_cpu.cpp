@@ -174,6 +174,21 @@ at::Tensor assemble_round_inputs_cpu(const at::Tensor& context_hidden_, const at
   return out;
 }
 
+// 16-lane fp32 vector (GCC/Clang vector extension: AVX-512 with -mavx512f, 2x AVX2 otherwise).
+typedef float vf16 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+inline vf16 vload(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline float hsum(vf16 v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
 // ----------------------------------------------------------------------------- attention
 // Row layout (reference.py): rows [0, L*C) are context rows (slot j % C), then anchor, then K
 // placeholders. allowed(i, j) = i == j || (key_valid(j) && structural(i, j)).
@@ -255,42 +270,57 @@ at::Tensor round_attention_cpu(const at::Tensor& q_, const at::Tensor& k_, const
         dst[d + half] = rnd<T>(x2 * c[d + half] + x1 * s[d + half]);
       }
     };
+    // Keys are stored transposed ([D][Sp], fp32, Sp = S rounded up to 16 lanes, zero padded) and
+    // values as [S][Dp]: the scores of one query row and its P.V are register-blocked FMAs over
+    // 16 keys / 16 channels at a time.
+    const int64_t Sp = (S + kLanes - 1) / kLanes * kLanes, Dp = (D + kLanes - 1) / kLanes * kLanes;
     at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> kr(S * D), vf(S * D), qr(D), p(S), acc(D);
+      std::vector<float> kt(D * Sp, 0.f), kr(D), vf(S * Dp, 0.f), qr(D), p(Sp), acc(Dp);
+      std::vector<uint8_t> allowed(S * S);
       for (int64_t idx = begin; idx < end; ++idx) {
         const int64_t b = idx / Hkv, g = idx % Hkv;
         const bool* valid_b = vb + b * C;
+        for (int64_t i = 0; i < S; ++i)
+          for (int64_t j = 0; j < S; ++j)
+            allowed[i * S + j] = round_allowed(i, j, n_ctx, C, valid_b, causal);
         for (int64_t j = 0; j < S; ++j) {
           const int64_t off = ((b * S + j) * Hkv + g) * D;
-          rope(kp + off, j, kr.data() + j * D);
-          for (int64_t d = 0; d < D; ++d) vf[j * D + d] = static_cast<float>(vp[off + d]);
+          rope(kp + off, j, kr.data());
+          for (int64_t d = 0; d < D; ++d) kt[d * Sp + j] = kr[d];
+          for (int64_t d = 0; d < D; ++d) vf[j * Dp + d] = static_cast<float>(vp[off + d]);
         }
         for (int64_t t = 0; t < group; ++t) {
           const int64_t h = g * group + t;
           for (int64_t i = 0; i < S; ++i) {
             rope(qp + ((b * S + i) * Hq + h) * D, i, qr.data());
+            float* ps = p.data();
+            for (int64_t j0 = 0; j0 < Sp; j0 += kLanes) {
+              vf16 a0{}, a1{};  // two chains: D is even
+              const float* kc = kt.data() + j0;
+              for (int64_t d = 0; d < D; d += 2) {
+                a0 += qr[d] * vload(kc + d * Sp);
+                a1 += qr[d + 1] * vload(kc + (d + 1) * Sp);
+              }
+              a0 += a1;
+              std::memcpy(ps + j0, &a0, sizeof(a0));
+            }
+            const uint8_t* al = allowed.data() + i * S;
             float mx = -std::numeric_limits<float>::infinity();
             for (int64_t j = 0; j < S; ++j) {
-              if (!round_allowed(i, j, n_ctx, C, valid_b, causal)) {
-                p[j] = -std::numeric_limits<float>::infinity();
-                continue;
-              }
-              const float* kj = kr.data() + j * D;
-              float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-              for (int64_t d = 0; d < D; ++d) dot += qr[d] * kj[d];
-              p[j] = dot * scale;
-              mx = std::max(mx, p[j]);
+              ps[j] = al[j] ? ps[j] * scale : -std::numeric_limits<float>::infinity();
+              mx = std::max(mx, ps[j]);
             }
             float denom = 0.f;
-            std::fill(acc.begin(), acc.end(), 0.f);
+#pragma omp simd reduction(+ : denom)
             for (int64_t j = 0; j < S; ++j) {
-              if (p[j] == -std::numeric_limits<float>::infinity()) continue;
-              const float w = std::exp(p[j] - mx);
-              denom += w;
-              const float* vj = vf.data() + j * D;
-#pragma omp simd
-              for (int64_t d = 0; d < D; ++d) acc[d] += w * vj[d];
+              const float e = std::exp(ps[j] - mx);  // exp(-inf) = 0 for masked keys
+              ps[j] = e;
+              denom += e;
+            }
+            for (int64_t d0 = 0; d0 < Dp; d0 += kLanes) {
+              vf16 a{};
+              for (int64_t j = 0; j < S; ++j) a += ps[j] * vload(vf.data() + j * Dp + d0);
+              std::memcpy(acc.data() + d0, &a, sizeof(a));
             }
             const float inv = 1.0f / denom;
             T* dst = o + ((b * S + i) * Hq + h) * D;
@@ -347,21 +377,6 @@ at::Tensor lowrank_rnn_scan_cpu(const at::Tensor& gate_, const at::Tensor& input
 }
 
 // ----------------------------------------------------------------------------- LM head argmax
-// 16-lane fp32 vector (GCC/Clang vector extension: AVX-512 with -mavx512f, 2x AVX2 otherwise).
-typedef float vf16 __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
-
-inline vf16 vload(const float* p) {
-  vf16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline float hsum(vf16 v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
-
 // dots[a][m] = <w_a, y_m> for NV vocabulary rows and MB hidden rows (all of length H).
 template <int NV, int MB>
 inline void dot_tile(const float* w, int64_t ldw, const float* y, int64_t ldy, int64_t H,

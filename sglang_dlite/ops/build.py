@@ -49,7 +49,7 @@ def build(verbose: bool = False, force: bool = False, cuda: bool | None = None) 
     with_cuda = want_cuda() if cuda is None else cuda
     sources = [str(csrc / "dlite_cpu.cpp")]
     arch = os.environ.get("SGLANG_DLITE_CPU_FLAGS", "-march=native").split()
-    cflags = ["-O3", "-fopenmp", "-Wno-psabi", *arch]
+    cflags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi", *arch]
     if with_cuda:
         sources += [str(csrc / "dlite_cuda.cu"), str(csrc / "dlite_cuda_bindings.cpp")]
         cflags.append("-DDLITE_WITH_CUDA")
