@@ -1,0 +1,110 @@
+"""Real sglang engines on the CPU: DLITE output == no speculation == the reference engine (greedy).
+
+One engine per configuration, shared by the tests of this module (start-up ~25-40 s each on 2
+cores). Targets: a tiny random-weight "sticky" Llama (runs of repeats and jumps, so a
+copy-trained drafter is accepted for 0..K tokens: every accept length occurs), a tiny random
+Qwen3 (the Qwen3 code path) and one run on the real default target (SmolLM2-135M-Instruct).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import sglang_fixtures as F
+
+
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11],
+    [20, 21, 22],
+    [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50],
+    [60, 61, 62, 63, 64],
+    [70, 12, 71, 13, 72, 14, 73, 15, 74, 16, 75, 17, 76, 18, 77, 19, 78, 3, 4, 79, 80, 81, 82, 83, 84,
+     85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 3, 4, 5, 6],
+]
+MAX_NEW = [16, 24, 32, 20, 28]  # requests finish at different times
+
+
+def _sp(n):
+    return {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sglang_llama")
+    target = F.save_tiny_llama(d / "target")
+    drafter = F.train_copy_dlite(d / "drafter", target)
+    ref = [F.reference_greedy(target, drafter, [p], n)[0] for p, n in zip(PROMPTS, MAX_NEW)]
+    return target, drafter, ref
+
+
+def _run_batch(engine):
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=[_sp(n) for n in MAX_NEW])
+    return [o["output_ids"] for o in outs], [o["meta_info"] for o in outs]
+
+
+async def _staggered(engine):
+    """Requests join 0..4 x 0.3 s apart (while others decode) and finish at different times."""
+
+    async def one(i):
+        await asyncio.sleep(0.3 * i)
+        o = await engine.async_generate(input_ids=PROMPTS[i], sampling_params=_sp(MAX_NEW[i]))
+        return o["output_ids"]
+
+    return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+
+
+def _multi_turn(engine, ref_fn):
+    """Turn 2 = turn 1 prompt + its output + a new user message: hits the radix cache."""
+    p1 = PROMPTS[2]
+    o1 = engine.generate(input_ids=p1, sampling_params=_sp(12))
+    p2 = p1 + o1["output_ids"] + [7, 8, 9, 10, 11, 12]
+    o2 = engine.generate(input_ids=p2, sampling_params=_sp(16))
+    p3 = p2 + o2["output_ids"] + [13, 14]  # an extend shorter than the drafter's window (C=3)
+    o3 = engine.generate(input_ids=p3, sampling_params=_sp(16))
+    got = [o1["output_ids"], o2["output_ids"], o3["output_ids"]]
+    want = [ref_fn(p1, 12), ref_fn(p2, 16), ref_fn(p3, 16)]
+    cached = [o2["meta_info"].get("cached_tokens", 0), o3["meta_info"].get("cached_tokens", 0)]
+    return got, want, cached
+
+
+@pytest.fixture(scope="module")
+def nospec_outputs(llama):
+    target, _, _ = llama
+    with F.engine(target, skip_tokenizer_init=True) as e:
+        return _run_batch(e)[0]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
+def test_dlite_equals_nospec_equals_reference_llama(llama, nospec_outputs, overlap):
+    target, drafter, ref = llama
+    assert nospec_outputs == ref, "sglang without speculation differs from the HF reference"
+    with F.engine(target, dlite=drafter, overlap=overlap, skip_tokenizer_init=True) as e:
+        assert e.get_server_info()["disable_overlap_schedule"] is (not overlap)
+        got, metas = _run_batch(e)
+        assert got == ref
+        # every accept length 0..K occurs over the batch (the drafter is accepted partially)
+        hist = [0] * 5
+        for m in metas:
+            for i, c in enumerate(m["spec_correct_drafts_histogram"]):
+                hist[i] += c
+        assert hist[0] > 0 and sum(hist[1:]) > 0, hist
+        assert max(m["spec_accept_length"] for m in metas) > 1.5
+        # concurrent requests joining while others decode
+        assert e.loop.run_until_complete(_staggered(e)) == ref
+        # multi-turn conversation through the prefix cache
+        ref_fn = lambda p, n: F.reference_greedy(target, drafter, [p], n)[0]  # noqa: E731
+        got_mt, want_mt, cached = _multi_turn(e, ref_fn)
+        assert got_mt == want_mt
+        assert all(c > 0 for c in cached), f"no prefix-cache hit on later turns: {cached}"
+
+
+def test_dlite_qwen3_target(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sglang_qwen3")
+    target = F.save_tiny_qwen3(d / "target")
+    drafter = F.train_copy_dlite(d / "drafter", target, steps=40)
+    ref = [F.reference_greedy(target, drafter, [p], n)[0] for p, n in zip(PROMPTS, MAX_NEW)]
+    with F.engine(target, dlite=drafter, skip_tokenizer_init=True) as e:
+        got, _ = _run_batch(e)
+    assert got == ref

@@ -1,0 +1,64 @@
+"""`sglang-dlite serve`: a thin wrapper around ``python -m sglang.launch_server`` that fills in the
+default target (the bundled SmolLM2-135M-Instruct), the default DLite drafter (the shipped
+checkpoint) and ``--speculative-algorithm DLITE``. Every other argument goes to sglang unchanged::
+
+    sglang-dlite serve                                   # defaults, CUDA server on :30000
+    sglang-dlite serve --model-path T --draft D -- --port 8000 --mem-fraction-static 0.8
+    sglang-dlite serve --cpu -- --port 8000              # this project's CPU test stack
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-path", default="default", help="target HF checkpoint folder ('default': bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None, help="DLite checkpoint folder (default: the shipped drafter)")
+    p.add_argument("--no-spec", action="store_true", help="serve the target without speculation (baseline)")
+    p.add_argument("--cpu", action="store_true",
+                   help="run on this project's CPU stack (torch_native attention, fp32, test-only stand-ins)")
+    p.add_argument("--dry-run", action="store_true", help="print the sglang command and exit")
+    p.add_argument("sglang_args", nargs=argparse.REMAINDER, help="arguments passed to sglang.launch_server (after --)")
+
+
+def build_command(args) -> tuple[list, dict]:
+    from ..drafters import shipped_drafter_path
+    from ..errors import DLiteInputError
+    from ..target import resolve_target
+
+    target = resolve_target(args.model_path)
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", target]
+    env = dict(os.environ)
+    if not args.no_spec:
+        draft = args.draft or shipped_drafter_path()
+        if draft is None:
+            raise DLiteInputError(
+                "no DLite drafter: this build ships none yet. Pass --draft PATH (a DLite checkpoint "
+                "folder) or --no-spec."
+            )
+        cmd += ["--speculative-algorithm", "DLITE", "--speculative-draft-model-path", draft]
+    if args.cpu:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python_tests"))
+        try:
+            import sglang_fixtures
+        except ImportError as exc:  # installed without the source tree
+            raise DLiteInputError("--cpu needs the source checkout (python_tests/sglang_fixtures.py).") from exc
+        env.update(sglang_fixtures.cpu_environ())
+        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32",
+                "--disable-cuda-graph", "--sampling-backend", "pytorch"]
+    extra = list(args.sglang_args or [])
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    return cmd + extra, env
+
+
+def run(args) -> int:
+    cmd, env = build_command(args)
+    print(" ".join(cmd), flush=True)
+    if args.dry_run:
+        return 0
+    return subprocess.call(cmd, env=env)
