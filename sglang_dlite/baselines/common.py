@@ -164,24 +164,29 @@ class Attention(nn.Module):
         return self.rope(self.q_proj(x).view(B, S, self.nh, self.d), positions)
 
     def kv(self, x, positions):
-        """Keys (RoPE applied at ``positions``) and values: [B, S, nkv, d] each."""
+        """Keys (RoPE applied at ``positions``) and values, head-major: [B, nkv, S, d] each."""
         B, S, _ = x.shape
         k = self.rope(self.k_proj(x).view(B, S, self.nkv, self.d), positions)
-        return k, self.v_proj(x).view(B, S, self.nkv, self.d)
+        return k.transpose(1, 2), self.v_proj(x).view(B, S, self.nkv, self.d).transpose(1, 2)
 
     def out(self, o):
         return self.o_proj(o.reshape(*o.shape[:2], -1))
 
 
 def attend(q, k, v, mask: Optional[torch.Tensor] = None):
-    """q [B, Sq, nh, d], k/v [B, Sk, nkv, d], mask bool [Sq, Sk] or [B, Sq, Sk] (True = visible)."""
-    rep = q.shape[2] // k.shape[2]
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if rep > 1:
-        kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
-    if mask is not None and mask.dim() == 3:
-        mask = mask[:, None]
-    return F.scaled_dot_product_attention(qt, kt.to(qt.dtype), vt.to(qt.dtype), attn_mask=mask).transpose(1, 2)
+    """q [B, Sq, nh, d]; k/v head-major [B, nkv, Sk, d]; mask bool [Sq, Sk] or [B, Sq, Sk]
+    (True = visible). Returns [B, Sq, nh, d].
+
+    GQA without copying keys: the rep = nh/nkv query heads of a group are stacked along the query
+    axis of their key/value head (query head h reads key/value head h // rep)."""
+    B, Sq, nh, d = q.shape
+    nkv = k.shape[1]
+    rep = nh // nkv
+    qg = q.transpose(1, 2).reshape(B, nkv, rep * Sq, d)
+    if mask is not None:
+        mask = mask.repeat(1, rep, 1)[:, None] if mask.dim() == 3 else mask.repeat(rep, 1)
+    o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+    return o.view(B, nh, Sq, d).transpose(1, 2)
 
 
 def init_weights(module: nn.Module, num_layers: int) -> None:
@@ -193,36 +198,38 @@ def init_weights(module: nn.Module, num_layers: int) -> None:
 
 # ---------------------------------------------------------------------------- KV cache
 class KVCache:
-    """One layer's keys/values of one request, [T, nkv, d] each, grown by doubling (amortized O(1)
-    append, like a paged allocator) and cropped by moving the length back."""
+    """One layer's keys/values of one request, head-major [nkv, T, d] each (attention reads them
+    without a copy), grown by doubling (amortized O(1) append, like a paged allocator) and cropped
+    by moving the length back."""
 
     def __init__(self, nkv: int, d: int, dtype=torch.float32, device="cpu", capacity: int = 256):
-        self.k = torch.empty(capacity, nkv, d, dtype=dtype, device=device)
+        self.k = torch.empty(nkv, capacity, d, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
         self.len = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        n = k.shape[0]
-        if self.len + n > self.k.shape[0]:
-            cap = max(2 * self.k.shape[0], self.len + n)
+        """k, v: [nkv, S, d]."""
+        n = k.shape[1]
+        if self.len + n > self.k.shape[1]:
+            cap = max(2 * self.k.shape[1], self.len + n)
             for name in ("k", "v"):
                 old = getattr(self, name)
-                new = old.new_empty(cap, *old.shape[1:])
-                new[: self.len] = old[: self.len]
+                new = old.new_empty(old.shape[0], cap, old.shape[2])
+                new[:, : self.len] = old[:, : self.len]
                 setattr(self, name, new)
-        self.k[self.len:self.len + n] = k
-        self.v[self.len:self.len + n] = v
+        self.k[:, self.len:self.len + n] = k
+        self.v[:, self.len:self.len + n] = v
         self.len += n
 
     def crop(self, n: int) -> None:
         self.len = min(self.len, max(0, n))
 
     def view(self):
-        """[1, T, nkv, d] views of the valid part."""
-        return self.k[None, : self.len], self.v[None, : self.len]
+        """[1, nkv, T, d] views of the valid part."""
+        return self.k[None, :, : self.len], self.v[None, :, : self.len]
 
     def used_bytes(self) -> int:
-        return 2 * self.len * self.k[0].numel() * self.k.element_size()
+        return 2 * self.len * self.k.shape[0] * self.k.shape[2] * self.k.element_size()
 
     def allocated_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()

@@ -86,7 +86,21 @@ class DFlashLayer(nn.Module):
         h = self.input_norm(x)
         q = self.attn.q(h, pos)
         k, v = self.attn.kv(h, pos)
-        x = x + self.attn.out(attend(q, torch.cat([k_ctx, k], 1), torch.cat([v_ctx, v], 1), mask))
+        x = x + self.attn.out(attend(q, torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2), mask))
+        return x + self.mlp(self.post_norm(x))
+
+    def forward_cached(self, x, pos, cache):
+        """Inference: the block's keys join the context cache for this pass only (no copy)."""
+        h = self.input_norm(x)
+        q = self.attn.q(h, pos)
+        k, v = self.attn.kv(h, pos)
+        base = cache.len
+        cache.append(k[0], v[0])
+        try:
+            kk, vv = cache.view()
+            x = x + self.attn.out(attend(q, kk, vv))
+        finally:
+            cache.crop(base)
         return x + self.mlp(self.post_norm(x))
 
 
@@ -239,8 +253,7 @@ class DFlashEngineDrafter:
         x = m.block_inputs(anchor)
         pos = torch.arange(a, a + K + 1, device=x.device)
         for layer, cache in zip(m.layers, st.kv):
-            k_ctx, v_ctx = cache.view()
-            x = layer(x, pos, k_ctx, v_ctx)
+            x = layer.forward_cached(x, pos, cache)
         logits = m.base_logits(x[:, 1:]).float()[0]  # [K, V]
         toks, probs, prev = [], [], anchor[:, 0]
         out_logits = []

@@ -125,7 +125,7 @@ class Eagle3Drafter(BoundTargetMixin, nn.Module):
             p = pos[:, None]
             blocks = [j <= p - i] + [j == p - i + s for s in range(1, i + 1)]
             mask = torch.cat(blocks, dim=1)
-            y = self.finish(feat, attend(q, torch.cat(ks, 1), torch.cat(vs, 1), mask))
+            y = self.finish(feat, attend(q, torch.cat(ks, 2), torch.cat(vs, 2), mask))
             outs.append(y)
             # next step's feature at p is this step's output at p-1
             feat = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1)
