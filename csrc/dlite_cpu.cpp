@@ -183,10 +183,13 @@ inline vf16 vload(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
 inline float hsum(vf16 v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+  const vf8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
 // ----------------------------------------------------------------------------- attention
@@ -378,14 +381,17 @@ at::Tensor lowrank_rnn_scan_cpu(const at::Tensor& gate_, const at::Tensor& input
 
 // ----------------------------------------------------------------------------- LM head argmax
 // dots[a][m] = <w_a, y_m> for NV vocabulary rows and MB hidden rows (all of length H).
+// pf (may be null): rows to prefetch into the cache meanwhile (the next tile's rows).
 template <int NV, int MB>
 inline void dot_tile(const float* w, int64_t ldw, const float* y, int64_t ldy, int64_t H,
-                     float (&dots)[4][4]) {
+                     float (&dots)[4][4], const float* pf) {
   vf16 acc[NV][MB];
   for (int a = 0; a < NV; ++a)
     for (int m = 0; m < MB; ++m) acc[a][m] = vf16{};
   const int64_t Hv = H - H % kLanes;
   for (int64_t h = 0; h < Hv; h += kLanes) {
+    if (pf != nullptr)
+      for (int a = 0; a < NV; ++a) __builtin_prefetch(pf + a * ldw + h, 0, 0);
     vf16 wv[NV], yv[MB];
     for (int a = 0; a < NV; ++a) wv[a] = vload(w + a * ldw + h);
     for (int m = 0; m < MB; ++m) yv[m] = vload(y + m * ldy + h);
@@ -402,12 +408,12 @@ inline void dot_tile(const float* w, int64_t ldw, const float* y, int64_t ldy, i
 
 template <int NV>
 inline void dot_tile_m(int mb, const float* w, int64_t ldw, const float* y, int64_t ldy,
-                       int64_t H, float (&dots)[4][4]) {
+                       int64_t H, float (&dots)[4][4], const float* pf) {
   switch (mb) {
-    case 4: dot_tile<NV, 4>(w, ldw, y, ldy, H, dots); break;
-    case 3: dot_tile<NV, 3>(w, ldw, y, ldy, H, dots); break;
-    case 2: dot_tile<NV, 2>(w, ldw, y, ldy, H, dots); break;
-    default: dot_tile<NV, 1>(w, ldw, y, ldy, H, dots); break;
+    case 4: dot_tile<NV, 4>(w, ldw, y, ldy, H, dots, pf); break;
+    case 3: dot_tile<NV, 3>(w, ldw, y, ldy, H, dots, pf); break;
+    case 2: dot_tile<NV, 2>(w, ldw, y, ldy, H, dots, pf); break;
+    default: dot_tile<NV, 1>(w, ldw, y, ldy, H, dots, pf); break;
   }
 }
 
@@ -507,12 +513,16 @@ at::Tensor lm_head_argmax_cpu(const at::Tensor& hidden_, const at::Tensor& norm_
             for (int64_t a0 = 0; a0 < nv; a0 += 4) {
               float dots[4][4];
               const int na = static_cast<int>(std::min<int64_t>(4, nv - a0));
+              // fp32: while the first row block runs, prefetch the same rows of the next tile
+              const float* pf = (std::is_same<T, float>::value && m0 == 0 && v0 + kTile + a0 + 4 <= v_end)
+                                    ? wt + (kTile + a0) * H
+                                    : nullptr;
               if (na == 4) {
-                dot_tile_m<4>(mb, wt + a0 * H, H, ym, H, H, dots);
+                dot_tile_m<4>(mb, wt + a0 * H, H, ym, H, H, dots, pf);
               } else {
                 for (int a = 0; a < na; ++a) {
                   float d1[4][4];
-                  dot_tile_m<1>(mb, wt + (a0 + a) * H, H, ym, H, H, d1);
+                  dot_tile_m<1>(mb, wt + (a0 + a) * H, H, ym, H, H, d1, nullptr);
                   for (int m = 0; m < mb; ++m) dots[a][m] = d1[0][m];
                 }
               }
