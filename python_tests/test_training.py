@@ -1,0 +1,223 @@
+"""Training pipeline: losses vs hand-computed values, a tiny end-to-end run, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_tiny_llama, tiny_dlite_config
+from sglang_dlite.training import losses
+from sglang_dlite.training.data import DataError, load_shard, save_shard, write_manifest
+from sglang_dlite.training.features import compute_features, save_features
+
+
+# ---------------------------------------------------------------------------- losses
+def test_position_weights_hand_computed():
+    w = losses.position_weights(4, 2.0)
+    assert torch.allclose(w, torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0), math.exp(-1.5)]))
+    assert torch.allclose(losses.position_weights(3, 0), torch.ones(3))
+
+
+def test_weighted_ce_hand_computed():
+    # one anchor, K=2, V=2: logits [0, 0] -> CE ln 2; logits [ln 3, 0] label 0 -> CE ln(4/3)
+    logits = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0]]])
+    labels = torch.tensor([[1, 0]])
+    valid = torch.tensor([[True, True]])
+    w = torch.tensor([1.0, 0.5])
+    want = (1.0 * math.log(2) + 0.5 * math.log(4 / 3)) / 1.5
+    assert abs(float(losses.weighted_ce(logits, labels, valid, w)) - want) < 1e-6
+    # an invalid position is ignored
+    valid2 = torch.tensor([[True, False]])
+    assert abs(float(losses.weighted_ce(logits, labels, valid2, w)) - math.log(2)) < 1e-6
+
+
+def test_forward_kl_and_tv_hand_computed():
+    # teacher p = [0.75, 0.25] (logits [ln 3, 0]); student q = [0.5, 0.5]
+    t = torch.tensor([[[math.log(3.0), 0.0]]])
+    s = torch.tensor([[[0.0, 0.0]]])
+    valid = torch.tensor([[True]])
+    w = torch.ones(1)
+    kl = 0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5)
+    assert abs(float(losses.forward_kl(t, s, valid, w)) - kl) < 1e-6
+    p = torch.softmax(t, -1)
+    assert abs(float(losses.tv_distance(p, s, valid, w)) - 0.25) < 1e-6
+    # forward KL is KL(teacher || student), not the reverse
+    rev = 0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(0.5 / 0.25)
+    assert abs(kl - rev) > 1e-3
+    # position weights combine: two positions with TV 0.25 and 0 and weights 1, e^-1
+    s2 = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0]]])
+    p2 = torch.softmax(torch.tensor([[[math.log(3.0), 0.0], [math.log(3.0), 0.0]]]), -1)
+    w2 = losses.position_weights(2, 1.0)
+    want = (1.0 * 0.25 + math.exp(-1) * 0.0) / (1 + math.exp(-1))
+    assert abs(float(losses.tv_distance(p2, s2, torch.ones(1, 2, dtype=torch.bool), w2)) - want) < 1e-6
+
+
+def test_greedy_accept_length():
+    d = torch.tensor([[1, 2, 3], [1, 9, 3], [5, 2, 3]])
+    lab = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    v = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
+    assert losses.greedy_accept_length(d, lab, v).tolist() == [3.0, 2.0, 1.0]
+
+
+# ---------------------------------------------------------------------------- tiny data
+def _tiny_data(tmp_path, target, n_seqs=6, prompt_len=6, gen_len=40, with_features=True):
+    torch.manual_seed(1)
+    seqs, masks = [], []
+    for _ in range(n_seqs):
+        prompt = torch.randint(3, target.config.vocab_size, (1, prompt_len))
+        with torch.no_grad():
+            out = target.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=gen_len,
+                                  min_new_tokens=gen_len, do_sample=False, pad_token_id=0)
+        ids = out[0].tolist()
+        seqs.append(ids)
+        masks.append([0] * prompt_len + [1] * (len(ids) - prompt_len))
+    d = tmp_path / "data"
+    d.mkdir()
+    info = save_shard(str(d / "tiny_00000.npz"), seqs, masks)
+    write_manifest(str(d), {"recipe": {"target": "tiny"}, "shards": [info]})
+    if with_features:
+        layers = tiny_dlite_config(target).target_layer_ids
+        off = np.cumsum([0] + [len(s) for s in seqs])
+        save_features(str(d / "tiny_00000.npz"), compute_features(target, seqs, layers), off, layers,
+                      target.config.hidden_size)
+    return str(d)
+
+
+def _opts(**kw):
+    from sglang_dlite.training.train import TrainOptions
+
+    c = tiny_dlite_config(make_tiny_llama())
+    ov = dict(num_context_positions=c.num_context_positions, block_size=c.block_size, num_layers=2, num_heads=4,
+              num_kv_heads=2, head_dim=16, intermediate_size=96, rnn_rank=8)
+    base = dict(steps={"teacher": 30, "distill": 20, "stabilize": 30}, lr=3e-3, batch_size=32, seqs_per_batch=2,
+                eval_every=1000, eval_anchors=64, save_every=10, progress=False, config_overrides=ov)
+    base.update(kw)
+    return TrainOptions(**base)
+
+
+def test_features_match_hf_hidden_states(tiny_target):
+    seqs = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    feats = compute_features(tiny_target, seqs, [1, 3])
+    with torch.no_grad():
+        hs = tiny_target(input_ids=torch.tensor([seqs[0]]), output_hidden_states=True).hidden_states
+    assert np.allclose(feats[0][:, 0], hs[2][0].numpy(), atol=1e-2)
+    assert np.allclose(feats[0][:, 1], hs[4][0].numpy(), atol=1e-2)
+    assert np.allclose(feats[0][:, 2], hs[-1][0].numpy(), atol=1e-2)  # final-norm output
+
+
+def test_tiny_end_to_end_lowers_loss(tmp_path, tiny_target):
+    from sglang_dlite.training.train import train_pipeline
+
+    data = _tiny_data(tmp_path, tiny_target)
+    out = str(tmp_path / "run")
+    done = train_pipeline(tiny_target, data, out, _opts())
+    assert set(done) == {"teacher", "distill", "stabilize"}
+    recs = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    for st in ("teacher", "stabilize"):
+        tr = [r["loss"] for r in recs if r.get("stage") == st and "loss" in r]
+        assert tr[-1] < tr[0] * 0.9, (st, tr)
+    ev = [r for r in recs if "tau_proxy" in r]
+    assert ev and all(1.0 <= r["tau_proxy"] <= 8.0 for r in ev)
+    assert os.path.isfile(os.path.join(out, "curve.png"))
+    # the final checkpoint is a DLite (history-free) drafter that serves in the reference engine
+    from sglang_dlite.drafters import DLiteEngineDrafter
+    from sglang_dlite.engine import ReferenceEngine
+    from sglang_dlite.model import DLiteDrafter
+
+    m = DLiteDrafter.from_pretrained(done["stabilize"]).bind_hf_target(tiny_target)
+    assert m.config.history == "none"
+    eng = ReferenceEngine(tiny_target, DLiteEngineDrafter(m))
+    res = eng.generate([5, 6, 7], 16)
+    base = ReferenceEngine(tiny_target).generate([5, 6, 7], 16)
+    assert res.output_ids == base.output_ids  # lossless
+    # resume: finished stages are skipped, nothing is lost
+    done2 = train_pipeline(tiny_target, data, out, _opts(resume=True))
+    assert done2 == done
+
+
+def test_resume_mid_stage(tmp_path, tiny_target):
+    from sglang_dlite.training.train import train_pipeline
+
+    data = _tiny_data(tmp_path, tiny_target, n_seqs=3)
+    out = str(tmp_path / "run")
+    train_pipeline(tiny_target, data, out, _opts(stages=["stabilize"], steps={"stabilize": 10}))
+    ck = torch.load(os.path.join(out, "stabilize", "ckpt.pt"), weights_only=False)
+    assert ck["step"] == 10
+    os.remove(os.path.join(out, "stabilize", "DONE.json"))
+    # extend: a resumed run continues from step 10, not from 0
+    train_pipeline(tiny_target, data, out, _opts(stages=["stabilize"], steps={"stabilize": 10}, resume=True))
+    assert torch.load(os.path.join(out, "stabilize", "ckpt.pt"), weights_only=False)["step"] == 10
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_missing_and_corrupt_shards(tmp_path, tiny_target):
+    from sglang_dlite.training.train import train_pipeline
+
+    data = _tiny_data(tmp_path, tiny_target, n_seqs=2, with_features=False)
+    shard = os.path.join(data, "tiny_00000.npz")
+    with open(shard, "wb") as f:
+        f.write(b"not a zip")
+    with pytest.raises(DataError, match="corrupt"):
+        load_shard(shard)
+    with pytest.raises(DataError, match="corrupt"):
+        train_pipeline(tiny_target, data, str(tmp_path / "r1"), _opts(stages=["stabilize"]))
+    os.remove(shard)
+    with pytest.raises(DataError, match="missing"):
+        train_pipeline(tiny_target, data, str(tmp_path / "r2"), _opts(stages=["stabilize"]))
+    with pytest.raises(DataError, match="manifest"):
+        train_pipeline(tiny_target, str(tmp_path), str(tmp_path / "r3"), _opts(stages=["stabilize"]))
+
+
+def test_features_computed_when_missing(tmp_path, tiny_target):
+    from sglang_dlite.training.train import FeatureData
+
+    data = _tiny_data(tmp_path, tiny_target, n_seqs=2, with_features=False)
+    layers = tiny_dlite_config(tiny_target).target_layer_ids
+    fd = FeatureData(data, layers, model_loader=lambda: tiny_target, progress=False)
+    assert fd.num_train_anchors > 0
+    assert os.path.isfile(os.path.join(data, "tiny_00000.feat.npy"))
+
+
+def test_empty_prompt_source(tmp_path):
+    from sglang_dlite.errors import DLiteInputError
+    from sglang_dlite.training.gen_data import load_prompts
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DLiteInputError, match="no prompts"):
+        load_prompts(f"jsonl:{empty}", 0, 2)
+    with pytest.raises(DLiteInputError, match="unknown prompt source"):
+        load_prompts("nosuch:3", 0, 2)
+
+
+def test_mismatched_drafter_config(tiny_target):
+    from sglang_dlite.config import DLiteConfig
+    from sglang_dlite.errors import DLiteConfigError
+    from sglang_dlite.model import DLiteDrafter
+
+    m = DLiteDrafter(DLiteConfig(target_hidden_size=32, vocab_size=tiny_target.config.vocab_size,
+                                 target_num_layers=6, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+                                 rnn_rank=4))
+    with pytest.raises(DLiteConfigError, match="does not match the target"):
+        m.bind_hf_target(tiny_target)
+
+
+def test_disk_full_keeps_finished_shards(tmp_path, monkeypatch):
+    d = tmp_path / "d"
+    d.mkdir()
+    save_shard(str(d / "a_00000.npz"), [[1, 2, 3]], [[0, 1, 1]])
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", boom)
+    with pytest.raises(DataError, match="free disk space"):
+        save_shard(str(d / "a_00001.npz"), [[1, 2]], [[0, 1]])
+    assert not os.path.exists(d / "a_00001.npz")
+    ids, mask, off = load_shard(str(d / "a_00000.npz"))
+    assert ids.tolist() == [1, 2, 3]

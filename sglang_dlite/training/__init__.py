@@ -1,0 +1,1 @@
+"""Training pipeline for DLite drafters: data regeneration, target features, losses, stages."""

@@ -1,0 +1,136 @@
+"""Target features for training, cached on disk as memory-mapped fp16 arrays.
+
+For shard ``X.npz`` the features live in ``X.feat.npy``: float16 ``[N, L + 1, H]`` aligned with the
+shard's concatenated ids, where rows ``0..L-1`` are the outputs of the captured decoder layers
+(``target_layer_ids``, = HF ``hidden_states[l + 1]``) and row ``L`` is the output of the target's
+final norm (so the target's logits at any position are the frozen LM head applied on the fly).
+The last position of each sequence has no features (nothing reads them): its row is zero.
+
+``X.feat.json`` records which layers were captured. gen-data captures the features while it
+generates (hooks; no second target pass); ``sglang-dlite train`` computes missing ones with one
+batched forward pass per shard (``ensure_features``). Training reads them with ``np.load(...,
+mmap_mode="r")``: no target forward during training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from .data import DataError, load_shard
+
+
+def feature_modules(model, layer_ids):
+    inner = getattr(model, "model", model)
+    layers = inner.layers
+    bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+    if bad:
+        raise DataError(f"layers {bad} do not exist in a target with {len(layers)} layers.")
+    return [layers[i] for i in layer_ids] + [inner.norm]
+
+
+def feat_paths(shard_path: str):
+    base = shard_path[:-4] if shard_path.endswith(".npz") else shard_path
+    return base + ".feat.npy", base + ".feat.json"
+
+
+def save_features(shard_path: str, feats: list, offsets, layer_ids, hidden: int) -> None:
+    """feats[s]: array [len_s - 1 (or more), L+1, H] for sequence s."""
+    npy, meta = feat_paths(shard_path)
+    N = int(offsets[-1])
+    tmp = npy + ".tmp"
+    try:
+        arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(N, len(layer_ids) + 1, hidden))
+        for s, f in enumerate(feats):
+            a, b = int(offsets[s]), int(offsets[s + 1])
+            f = np.asarray(f, dtype=np.float16)
+            n = min(len(f), b - a)
+            arr[a:a + n] = f[:n]
+            if n < b - a:
+                arr[a + n:b] = 0
+        arr.flush()
+        del arr
+        os.replace(tmp, npy)
+        with open(meta + ".tmp", "w") as fh:
+            json.dump({"layer_ids": list(layer_ids), "hidden": hidden, "num_tokens": N}, fh)
+        os.replace(meta + ".tmp", meta)
+    except OSError as exc:
+        for p in (tmp, meta + ".tmp"):
+            if os.path.exists(p):
+                os.remove(p)
+        raise DataError(f"could not write features for {shard_path!r} ({exc}); free disk space and rerun.") from exc
+
+
+def load_features(shard_path: str, layer_ids, num_tokens: int):
+    """Memory-mapped features of a shard, validated against the layers the drafter captures."""
+    npy, meta = feat_paths(shard_path)
+    if not (os.path.isfile(npy) and os.path.isfile(meta)):
+        return None
+    try:
+        with open(meta) as fh:
+            m = json.load(fh)
+        arr = np.load(npy, mmap_mode="r")
+    except (OSError, ValueError, json.JSONDecodeError) as exc:
+        raise DataError(f"features of {shard_path!r} are corrupt ({exc}); delete {npy!r} and rerun to recompute them.") from exc
+    if list(m.get("layer_ids", [])) != list(layer_ids):
+        return None  # captured for other layers: recompute
+    if arr.ndim != 3 or arr.shape[0] != num_tokens or arr.shape[1] != len(layer_ids) + 1:
+        raise DataError(f"features {npy!r} have shape {arr.shape}, expected [{num_tokens}, {len(layer_ids) + 1}, H]; delete it to recompute.")
+    return arr
+
+
+def compute_features(model, seqs, layer_ids, batch_tokens: int = 4096):
+    """One batched (right-padded) target forward per group of sequences -> list of fp16 arrays."""
+    import torch
+
+    mods = feature_modules(model, layer_ids)
+    buf = {}
+    hooks = [m.register_forward_hook(lambda mod, a, o, k=k: buf.__setitem__(k, (o[0] if isinstance(o, tuple) else o)))
+             for k, m in enumerate(mods)]
+    out = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    try:
+        i = 0
+        while i < len(order):
+            group = [order[i]]
+            while i + len(group) < len(order) and len(seqs[order[i + len(group)]]) * (len(group) + 1) <= batch_tokens:
+                group.append(order[i + len(group)])
+            i += len(group)
+            Lmax = max(len(seqs[g]) for g in group)
+            ids = torch.zeros(len(group), Lmax, dtype=torch.long)
+            att = torch.zeros(len(group), Lmax, dtype=torch.long)
+            for r, g in enumerate(group):
+                ids[r, :len(seqs[g])] = torch.as_tensor(np.asarray(seqs[g], dtype=np.int64))
+                att[r, :len(seqs[g])] = 1
+            with torch.no_grad():
+                inner = getattr(model, "model", model)
+                inner(input_ids=ids, attention_mask=att, use_cache=False)
+            stack = torch.stack([buf[k] for k in range(len(mods))], dim=2).to(torch.float16)  # [B, T, L+1, H]
+            for r, g in enumerate(group):
+                out[g] = stack[r, :len(seqs[g])].numpy()
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def ensure_features(data_dir: str, shards: list, model_loader, layer_ids, progress=True):
+    """Compute features for the shards that lack them (resumable: one file per shard)."""
+    from tqdm.auto import tqdm
+
+    model = None
+    todo = []
+    for sh in shards:
+        path = os.path.join(data_dir, sh["file"])
+        ids, mask, off = load_shard(path)
+        if load_features(path, layer_ids, len(ids)) is None:
+            todo.append((path, ids, off))
+    for path, ids, off in tqdm(todo, desc="features", unit="shard", disable=not progress or not todo):
+        if model is None:
+            model = model_loader()
+        seqs = [ids[off[s]:off[s + 1]] for s in range(len(off) - 1)]
+        feats = compute_features(model, seqs, layer_ids)
+        save_features(path, feats, off, layer_ids, model.config.hidden_size)
+    return len(todo)

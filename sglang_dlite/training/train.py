@@ -1,0 +1,561 @@
+"""`sglang-dlite train`: the two-stage DLite recipe on cached target features.
+
+Stages (``--stages``, default ``teacher,distill,stabilize``):
+
+1. **teacher**   the history-aware teacher (``history=full``: the same backbone, whose attention
+   also sees the target features of every earlier position), token-level cross-entropy over the
+   K draft positions of many random anchors per sequence.
+2. **distill**   DLite (``history=none``, or ``--history window:W`` for the sliding-window
+   ablation), initialized from the teacher's weights (the two share every parameter), trained
+   with forward KL(teacher || student), position weights w_i = exp(-(i-1)/gamma).
+3. **stabilize** no teacher: CE + total-variation distance to the target's distribution (the
+   frozen LM head applied to the cached final-norm hidden states), same weights.
+
+``--single-stage`` = stabilization only, from scratch (the ablation).
+
+Round semantics (as the engine runs them): an anchor at position n sees the captured hidden
+states of positions n-C..n-1 (invalid below 0), the anchor token x_n, and predicts x_{n+1..n+K};
+the target's distribution for draft position i is its prediction at position n+i-1. Only anchors
+whose next token lies in a generated (assistant) span count; label positions outside such spans
+are ignored.
+
+Everything reads the memory-mapped features: the target never runs during training (features
+missing for a shard are computed once, with one batched forward pass, and cached).
+Each stage writes ``OUT/<stage>/ckpt.pt`` (model + optimizer + step, every ``--save-every``
+steps; ``--resume`` continues from it) and ``OUT/<stage>/model/`` when it finishes; a finished
+stage is skipped on resume. ``OUT/metrics.jsonl`` and ``OUT/curve.png`` record loss and tau.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..config import DLiteConfig
+from ..errors import DLiteConfigError, DLiteInputError
+from ..model import DLiteDrafter, History
+from .data import DataError, load_shard, read_manifest
+from .features import ensure_features, load_features
+from .losses import forward_kl, greedy_accept_length, position_weights, tv_distance, weighted_ce
+
+STAGES = ("teacher", "distill", "stabilize")
+
+
+# ---------------------------------------------------------------------------- data
+class FeatureData:
+    """All sequences of a gen-data folder with their memory-mapped target features."""
+
+    def __init__(self, data_dir: str, layer_ids, heldout_mod: int = 16, model_loader=None, progress=True):
+        man = read_manifest(data_dir)
+        shards = man.get("shards", [])
+        if not shards:
+            raise DataError(f"{data_dir!r} lists no finished shards; run `sglang-dlite gen-data` first.")
+        if model_loader is not None:
+            ensure_features(data_dir, shards, model_loader, layer_ids, progress=progress)
+        self.L = len(layer_ids)
+        self.shards = []  # (ids, mask, feats)
+        self.seqs = []  # (shard index, start, length, anchors array)
+        for k, sh in enumerate(shards):
+            path = os.path.join(data_dir, sh["file"])
+            ids, mask, off = load_shard(path)
+            feats = load_features(path, layer_ids, len(ids))
+            if feats is None:
+                raise DataError(f"no features for {path!r} (layers {list(layer_ids)}); run train with the target to compute them.")
+            self.shards.append((ids, mask, feats))
+            for s in range(len(off) - 1):
+                a, b = int(off[s]), int(off[s + 1])
+                m = mask[a:b]
+                n = np.arange(1, b - a - 1)
+                anchors = n[m[n + 1] == 1] if len(n) else n
+                if len(anchors):
+                    self.seqs.append((k, a, b - a, anchors, f"{sh['file']}:{s}"))
+        if not self.seqs:
+            raise DataError(f"{data_dir!r} has no sequence with a loss-masked (generated) span.")
+        self.hidden = self.shards[0][2].shape[-1]
+        held = [i for i, s in enumerate(self.seqs)
+                if heldout_mod and int(hashlib.sha256(s[4].encode()).hexdigest(), 16) % heldout_mod == 0]
+        if len(held) == len(self.seqs) or not held:  # tiny data: hold out the last sequence
+            held = [len(self.seqs) - 1] if len(self.seqs) > 1 else []
+        self.eval_idx = held
+        self.train_idx = [i for i in range(len(self.seqs)) if i not in set(held)] or list(range(len(self.seqs)))
+        self.num_train_anchors = int(sum(len(self.seqs[i][3]) for i in self.train_idx))
+
+    def group(self, seq_i: int, anchors, C: int, K: int, history: Optional[int], want_target: bool):
+        """Tensors for anchors of one sequence. history: 0 none, None full, W window."""
+        k, start, length, _, _ = self.seqs[seq_i]
+        ids, mask, feats = self.shards[k]
+        n = np.asarray(anchors, dtype=np.int64)
+        B = len(n)
+        L, H = self.L, self.hidden
+        cpos = n[:, None] - C + np.arange(C)[None]  # [B, C]
+        cvalid = cpos >= 0
+        ctx = np.asarray(feats[start + np.clip(cpos, 0, None).reshape(-1), :L], dtype=np.float32).reshape(B, C, L, H)
+        ctx[~cvalid] = 0
+        lpos = n[:, None] + 1 + np.arange(K)[None]  # [B, K]
+        inside = lpos < length
+        lp = np.clip(lpos, 0, length - 1)
+        labels = ids[start + lp].astype(np.int64)
+        lvalid = inside & (mask[start + lp] == 1)
+        out = {
+            "context_hidden": torch.from_numpy(ctx).permute(0, 2, 1, 3).contiguous(),
+            "context_valid": torch.from_numpy(cvalid),
+            "anchor_ids": torch.from_numpy(ids[start + n].astype(np.int64)),
+            "labels": torch.from_numpy(labels),
+            "valid": torch.from_numpy(lvalid),
+            "round_offset": torch.from_numpy(n - C),
+        }
+        if want_target:
+            tpos = np.clip(n[:, None] + np.arange(K)[None], 0, length - 2)
+            out["target_hidden"] = torch.from_numpy(
+                np.asarray(feats[start + tpos.reshape(-1), L], dtype=np.float32).reshape(B, K, H))
+        if history != 0:
+            T = max(int(n.max()) - C, 0)
+            if T > 0:
+                hid = np.asarray(feats[start:start + T, :L], dtype=np.float32)  # [T, L, H]
+                hpos = np.arange(T)
+                hv = hpos[None, :] < (n[:, None] - C)
+                if history is not None:
+                    hv &= hpos[None, :] >= (n[:, None] - C - history)
+                out["history"] = History(
+                    hidden=torch.from_numpy(hid).permute(1, 0, 2)[None].contiguous(),
+                    positions=torch.from_numpy(hpos)[None], valid=torch.from_numpy(hv),
+                )
+        return out
+
+
+def _hist_mode(cfg: DLiteConfig):
+    return cfg.history_window  # 0 none, None full, W window
+
+
+def sample_batch(data: FeatureData, rng: np.random.Generator, batch_size: int, seqs_per_batch: int):
+    """[(seq index, anchors)]: seqs_per_batch random training sequences, random anchors in each."""
+    per = max(1, batch_size // seqs_per_batch)
+    chosen = rng.choice(len(data.train_idx), size=min(seqs_per_batch, len(data.train_idx)), replace=False)
+    groups = []
+    for c in chosen:
+        si = data.train_idx[c]
+        anchors = data.seqs[si][3]
+        take = rng.choice(anchors, size=min(per, len(anchors)), replace=False)
+        groups.append((si, np.sort(take)))
+    return groups
+
+
+def eval_groups(data: FeatureData, max_anchors: int, seed: int = 1234):
+    """A fixed set of held-out anchors, grouped by sequence."""
+    rng = np.random.default_rng(seed)
+    idx = data.eval_idx or data.train_idx[:1]
+    per = max(1, max_anchors // max(len(idx), 1))
+    out = []
+    for si in idx:
+        a = data.seqs[si][3]
+        out.append((si, np.sort(rng.choice(a, size=min(per, len(a)), replace=False))))
+    return out
+
+
+# ---------------------------------------------------------------------------- model pieces
+def bind(model: DLiteDrafter, embed_w, head_w) -> DLiteDrafter:
+    return model.bind_target(embed_w, head_w)
+
+
+def target_probs(head_w, target_hidden, dtype):
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(target_hidden.to(dtype), head_w.to(dtype))
+        return torch.softmax(logits.float(), dim=-1)
+
+
+def concat_groups(batches: list) -> dict:
+    out = {}
+    for key in batches[0]:
+        if key == "history":
+            continue
+        out[key] = torch.cat([b[key] for b in batches], 0)
+    return out
+
+
+def model_forward(model, b):
+    return model(b["context_hidden"], b["context_valid"], b["anchor_ids"], history=b.get("history"),
+                 round_offset=b["round_offset"], feedback_tokens=b["labels"] if model.config.head_input == "token" else None)
+
+
+@torch.no_grad()
+def evaluate(model: DLiteDrafter, data: FeatureData, groups, autocast) -> dict:
+    """Expected greedy tau on held-out anchors (1 + leading drafts equal to the target's greedy
+    tokens) and per-position accuracy. The data is greedy-regenerated, so labels are the target's
+    greedy continuation."""
+    cfg = model.config
+    model.eval()
+    C, K = cfg.num_context_positions, cfg.block_size
+    hist = _hist_mode(cfg)
+    taus, accs, ws = [], [], []
+    bs = [data.group(si, a, C, K, hist, False) for si, a in groups]
+    if hist == 0:
+        bs = [concat_groups(bs)]
+    for b in bs:
+        with autocast():
+            logits = model_forward(model, b)
+        draft = logits.float().argmax(-1)
+        taus.append(greedy_accept_length(draft, b["labels"], b["valid"]))
+        accs.append(((draft == b["labels"]) & b["valid"]).float().sum(0))
+        ws.append(b["valid"].float().sum(0))
+    model.train()
+    tau = torch.cat(taus)
+    acc = (torch.stack(accs).sum(0) / torch.stack(ws).sum(0).clamp(min=1)).tolist()
+    return {"tau_proxy": float(tau.mean()), "acc_per_pos": [round(x, 4) for x in acc], "eval_anchors": int(len(tau))}
+
+
+def lr_at(step: int, total: int, base: float, warmup: int, min_ratio: float = 0.1) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    p = (step - warmup) / max(1, total - warmup)
+    return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(p, 1.0))))
+
+
+# ---------------------------------------------------------------------------- stages
+@dataclass
+class StageSpec:
+    name: str
+    steps: int
+    lr: float
+    loss: str  # "ce" | "kl" | "ce+tv"
+    history: str  # model history mode
+
+
+@dataclass
+class TrainOptions:
+    stages: list = field(default_factory=lambda: list(STAGES))
+    steps: dict = field(default_factory=lambda: {"teacher": 300, "distill": 300, "stabilize": 300})
+    lr: float = 1e-3
+    batch_size: int = 64
+    seqs_per_batch: int = 4
+    warmup_frac: float = 0.05
+    gamma: float = 4.0
+    ce_weight: float = 1.0
+    tv_weight: float = 1.0
+    clip: float = 1.0
+    weight_decay: float = 0.01
+    bf16: bool = False
+    eval_every: int = 100
+    eval_anchors: int = 256
+    save_every: int = 50
+    seed: int = 0
+    student_history: str = "none"
+    distill_init: str = "teacher"
+    resume: bool = False
+    progress: bool = True
+    config_overrides: dict = field(default_factory=dict)
+    engine_eval: Optional[callable] = None  # fn(model, stage, step) -> dict of extra metrics
+    time_budget_s: Optional[dict] = None  # per stage wall budget: stop early (cosine compressed)
+
+
+def _log(out_dir, rec):
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def plot_curves(out_dir: str) -> Optional[str]:
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    recs = [json.loads(x) for x in open(path) if x.strip()]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    offset, last_stage, g = 0, None, 0
+    for st in STAGES:
+        tr = [r for r in recs if r.get("stage") == st and "loss" in r]
+        ev = [r for r in recs if r.get("stage") == st and "tau_proxy" in r]
+        if not tr and not ev:
+            continue
+        if tr:
+            ax[0].plot([offset + r["step"] for r in tr], [r["loss"] for r in tr], label=st)
+        if ev:
+            ax[1].plot([offset + r["step"] for r in ev], [r["tau_proxy"] for r in ev], marker="o", label=st)
+        offset += max([r["step"] for r in tr + ev] + [0])
+    ax[0].set_xlabel("step (stages concatenated)"); ax[0].set_ylabel("training loss"); ax[0].set_yscale("log"); ax[0].legend()
+    ax[1].set_xlabel("step"); ax[1].set_ylabel("held-out tau (greedy, expected)"); ax[1].legend()
+    fig.tight_layout()
+    png = os.path.join(out_dir, "curve.png")
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    return png
+
+
+def make_config(target_cfg, history: str, overrides: dict) -> DLiteConfig:
+    kw = dict(target_hidden_size=target_cfg.hidden_size, vocab_size=target_cfg.vocab_size,
+              target_num_layers=target_cfg.num_hidden_layers, target_model_type=getattr(target_cfg, "model_type", None))
+    kw.update(overrides)
+    kw["history"] = history
+    return DLiteConfig(**kw)
+
+
+def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: str, opts: TrainOptions,
+              embed_w, head_w, teacher: Optional[DLiteDrafter] = None) -> DLiteDrafter:
+    from tqdm.auto import tqdm
+
+    sdir = os.path.join(out_dir, spec.name)
+    os.makedirs(sdir, exist_ok=True)
+    cfg = model.config
+    C, K = cfg.num_context_positions, cfg.block_size
+    weights = position_weights(K, opts.gamma)
+    hist = _hist_mode(cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": opts.weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}], lr=spec.lr, betas=(0.9, 0.95))
+    step = 0
+    rng = np.random.default_rng(opts.seed + STAGES.index(spec.name) if spec.name in STAGES else opts.seed)
+    ckpt = os.path.join(sdir, "ckpt.pt")
+    total = spec.steps
+    wall_used = 0.0
+    if opts.resume and os.path.isfile(ckpt):
+        try:
+            st = torch.load(ckpt, map_location="cpu", weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - a corrupt checkpoint: say so
+            raise DataError(f"checkpoint {ckpt!r} is unreadable ({exc}); delete it to restart the stage.") from exc
+        model.load_state_dict(st["model"], strict=False)
+        optim.load_state_dict(st["optim"])
+        step, total, wall_used = st["step"], st.get("total", total), st.get("wall", 0.0)
+        rng.bit_generator.state = st["rng"]
+        torch.set_rng_state(st["torch_rng"])
+        print(f"train[{spec.name}]: resumed at step {step}/{total}")
+    warmup = max(1, int(opts.warmup_frac * total))
+    use_bf16 = opts.bf16
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16) if use_bf16 else nullcontext()
+
+    def save(final=False):
+        tmp = ckpt + ".tmp"
+        torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step, "total": total,
+                    "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "wall": wall_used}, tmp)
+        os.replace(tmp, ckpt)
+
+    egroups = eval_groups(data, opts.eval_anchors, seed=opts.seed + 99)
+    budget = (opts.time_budget_s or {}).get(spec.name)
+    model.train()
+    if teacher is not None:
+        teacher.eval()
+    bar = tqdm(total=total, initial=step, desc=f"train[{spec.name}]", disable=not opts.progress, unit="step")
+    t_last, n_anchor, loss_acc, n_acc = time.time(), 0, 0.0, 0
+    while step < total:
+        t0 = time.time()
+        lr = lr_at(step, total, spec.lr, warmup)
+        for g in optim.param_groups:
+            g["lr"] = lr
+        groups = sample_batch(data, rng, opts.batch_size, opts.seqs_per_batch)
+        want_t = "tv" in spec.loss
+        bs = [data.group(si, a, C, K, hist, want_t) for si, a in groups]
+        tbs = None
+        if teacher is not None:
+            tbs = [data.group(si, a, C, K, _hist_mode(teacher.config), False) for si, a in groups]
+        if hist == 0:
+            bs = [concat_groups(bs)]
+        n_total = sum(int(b["valid"].sum()) for b in bs)
+        optim.zero_grad(set_to_none=True)
+        loss_val = 0.0
+        t_logits_all = None
+        if teacher is not None:
+            with torch.no_grad(), autocast():
+                t_logits_all = torch.cat([model_forward(teacher, tb).float() for tb in tbs], 0)
+        row = 0
+        for b in bs:
+            with autocast():
+                logits = model_forward(model, b)
+            w = b["valid"].sum().item() / max(n_total, 1)
+            if spec.loss == "ce":
+                loss = weighted_ce(logits, b["labels"], b["valid"], weights)
+            elif spec.loss == "kl":
+                tl = t_logits_all[row:row + logits.shape[0]]
+                loss = forward_kl(tl, logits, b["valid"], weights)
+            else:
+                p = target_probs(head_w, b["target_hidden"], torch.bfloat16 if use_bf16 else torch.float32)
+                loss = opts.ce_weight * weighted_ce(logits, b["labels"], b["valid"], weights) + \
+                    opts.tv_weight * tv_distance(p, logits, b["valid"], weights)
+            row += logits.shape[0]
+            (loss * w).backward()
+            loss_val += float(loss.detach()) * w
+            n_anchor += logits.shape[0]
+        gn = torch.nn.utils.clip_grad_norm_(params, opts.clip)
+        optim.step()
+        step += 1
+        dt = time.time() - t0
+        wall_used += dt
+        loss_acc += loss_val
+        n_acc += 1
+        bar.update(1)
+        el = time.time() - t_last
+        bar.set_postfix_str(f"loss {loss_val:.3f} lr {lr:.2e} {n_anchor / max(el, 1e-9):.0f} anchors/s")
+        if step % 10 == 0 or step == total:
+            _log(out_dir, {"stage": spec.name, "step": step, "loss": loss_acc / n_acc, "lr": lr,
+                           "grad_norm": float(gn), "anchors_per_s": round(n_anchor / max(el, 1e-9), 1),
+                           "wall_s": round(wall_used, 1)})
+            loss_acc, n_acc, n_anchor, t_last = 0.0, 0, 0, time.time()
+        if budget is not None and wall_used > budget and step < total:
+            # out of wall time: shorten the schedule so the cosine ends now-ish (recorded)
+            total = step
+        if step % opts.eval_every == 0 or step >= total:
+            ev = evaluate(model, data, egroups, autocast)
+            rec = {"stage": spec.name, "step": step, **ev}
+            if opts.engine_eval is not None and step >= total:
+                rec.update(opts.engine_eval(model, spec.name, step) or {})
+            _log(out_dir, rec)
+            bar.write(f"train[{spec.name}] step {step}: held-out tau~{ev['tau_proxy']:.3f} acc/pos {ev['acc_per_pos']}")
+            plot_curves(out_dir)
+        if step % opts.save_every == 0 or step >= total:
+            save()
+    bar.close()
+    model.save_pretrained(os.path.join(sdir, "model"))
+    with open(os.path.join(sdir, "DONE.json"), "w") as f:
+        json.dump({"steps": step, "wall_s": round(wall_used, 1), "loss": spec.loss, "lr": spec.lr,
+                   "history": cfg.history}, f)
+    plot_curves(out_dir)
+    return model
+
+
+def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> dict:
+    """Run the stages; returns {stage: model folder}. ``target``: a HF causal LM (frozen)."""
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(opts.seed)
+    tc = target.config
+    student_cfg = make_config(tc, opts.student_history, opts.config_overrides)
+    layer_ids = student_cfg.target_layer_ids
+    data = FeatureData(data_dir, layer_ids, model_loader=lambda: target, progress=opts.progress)
+    embed_w = target.get_input_embeddings().weight.detach()
+    head_w = target.get_output_embeddings().weight.detach()
+    stages = list(opts.stages)
+    for s in stages:
+        if s not in STAGES:
+            raise DLiteInputError(f"unknown stage {s!r}; stages are {','.join(STAGES)}.")
+    if "distill" in stages and "teacher" not in stages and not os.path.isfile(os.path.join(out_dir, "teacher", "DONE.json")):
+        raise DLiteInputError("the distill stage needs a trained teacher: include 'teacher' in --stages (or train it first into the same --out).")
+    info = {"data": data_dir, "train_sequences": len(data.train_idx), "eval_sequences": len(data.eval_idx),
+            "train_anchors": data.num_train_anchors, "options": {k: v for k, v in opts.__dict__.items() if k != "engine_eval"}}
+    with open(os.path.join(out_dir, "train_info.json"), "w") as f:
+        json.dump(info, f, indent=1, default=str)
+    print(f"train: {len(data.train_idx)} train / {len(data.eval_idx)} held-out sequences, "
+          f"{data.num_train_anchors} training anchors")
+    done = {}
+    teacher = None
+    student = None
+
+    def finished(name):
+        return os.path.isfile(os.path.join(out_dir, name, "DONE.json"))
+
+    def load_done(name):
+        return bind(DLiteDrafter.from_pretrained(os.path.join(out_dir, name, "model")), embed_w, head_w).train()
+
+    if "teacher" in stages or "distill" in stages:
+        if finished("teacher"):
+            teacher = load_done("teacher")
+        else:
+            teacher = bind(DLiteDrafter(make_config(tc, "full", opts.config_overrides)), embed_w, head_w)
+            teacher = run_stage(StageSpec("teacher", opts.steps["teacher"], opts.lr, "ce", "full"), teacher, data,
+                                out_dir, opts, embed_w, head_w)
+        done["teacher"] = os.path.join(out_dir, "teacher", "model")
+    if "distill" in stages:
+        if finished("distill"):
+            student = load_done("distill")
+        else:
+            student = bind(DLiteDrafter(student_cfg), embed_w, head_w)
+            if opts.distill_init == "teacher" and teacher is not None:
+                student.load_state_dict(teacher.state_dict(), strict=False)
+            for p in teacher.parameters():
+                p.requires_grad_(False)
+            student = run_stage(StageSpec("distill", opts.steps["distill"], opts.lr, "kl", opts.student_history),
+                                student, data, out_dir, opts, embed_w, head_w, teacher=teacher)
+        done["distill"] = os.path.join(out_dir, "distill", "model")
+    if "stabilize" in stages:
+        if finished("stabilize"):
+            student = load_done("stabilize")
+        else:
+            if student is None:
+                student = bind(DLiteDrafter(student_cfg), embed_w, head_w)
+            lr = opts.lr if "distill" not in stages else opts.lr * 0.5
+            student = run_stage(StageSpec("stabilize", opts.steps["stabilize"], lr, "ce+tv", opts.student_history),
+                                student, data, out_dir, opts, embed_w, head_w)
+        done["stabilize"] = os.path.join(out_dir, "stabilize", "model")
+    plot_curves(out_dir)
+    return done
+
+
+# ---------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="gen-data output folder")
+    p.add_argument("--out", required=True, help="training output folder (checkpoints, metrics, curve.png)")
+    p.add_argument("--target", default="default")
+    p.add_argument("--stages", default="teacher,distill,stabilize")
+    p.add_argument("--single-stage", action="store_true", help="stabilization only, from scratch (ablation)")
+    p.add_argument("--history", default="none", help="student history: none (DLite) | window:W (ablation)")
+    p.add_argument("--steps-teacher", type=int, default=300)
+    p.add_argument("--steps-distill", type=int, default=300)
+    p.add_argument("--steps-stabilize", type=int, default=300)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=64, help="anchors per optimizer step")
+    p.add_argument("--seqs-per-batch", type=int, default=4)
+    p.add_argument("--gamma", type=float, default=4.0)
+    p.add_argument("--ce-weight", type=float, default=1.0)
+    p.add_argument("--tv-weight", type=float, default=1.0)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--warmup-frac", type=float, default=0.05)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (faster on these CPUs)")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-anchors", type=int, default=256)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--num-context-positions", type=int, default=None)
+    p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--target-layer-ids", default=None)
+    p.add_argument("--stage-budget-min", type=float, default=None, help="wall-time cap per stage (minutes)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def options_from_args(args) -> TrainOptions:
+    stages = ["stabilize"] if args.single_stage else [s.strip() for s in args.stages.split(",") if s.strip()]
+    ov = {}
+    if args.num_context_positions is not None:
+        ov["num_context_positions"] = args.num_context_positions
+    if args.num_layers is not None:
+        ov["num_layers"] = args.num_layers
+    if args.target_layer_ids:
+        ov["target_layer_ids"] = [int(x) for x in args.target_layer_ids.split(",")]
+    budget = None
+    if args.stage_budget_min:
+        budget = {s: args.stage_budget_min * 60 for s in STAGES}
+    return TrainOptions(
+        stages=stages, steps={"teacher": args.steps_teacher, "distill": args.steps_distill, "stabilize": args.steps_stabilize},
+        lr=args.lr, batch_size=args.batch_size, seqs_per_batch=args.seqs_per_batch, warmup_frac=args.warmup_frac,
+        gamma=args.gamma, ce_weight=args.ce_weight, tv_weight=args.tv_weight, clip=args.clip, bf16=args.bf16,
+        eval_every=args.eval_every, eval_anchors=args.eval_anchors, save_every=args.save_every, seed=args.seed,
+        student_history=args.history, resume=args.resume, progress=not args.no_progress, config_overrides=ov,
+        time_budget_s=budget,
+    )
+
+
+def run(args) -> int:
+    from ..target import load_target
+
+    torch.set_num_threads(args.threads)
+    target, _ = load_target(args.target)
+    opts = options_from_args(args)
+    done = train_pipeline(target, args.data, args.out, opts)
+    for k, v in done.items():
+        print(f"train: {k} -> {v}")
+    return 0
