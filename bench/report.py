@@ -1,0 +1,298 @@
+#!/usr/bin/env python
+"""Turn the benchmark JSON files into bench/RESULTS.md (tables) and PNG plots.
+
+    python bench/report.py [--results artifacts/results] [--out bench/RESULTS.md] [--plots bench/plots]
+
+Reads whatever exists (any subset is fine):
+  - acceptance results ``acc_*.json`` written by ``bench/acceptance.py`` (one per drafter x workload
+    [x engine]; when several files share drafter, workload, engine and temperature, the newest wins);
+  - draft-cost results ``draft_cost*.json`` written by ``bench/draft_cost.py`` (the newest is used).
+Writes: tau per drafter x workload; tau per context bucket (all workloads pooled, rounds-weighted)
+and per workload; per-position acceptance; end-to-end tokens/s vs autoregressive; draft ms and
+drafter memory vs context; the commands that produced each file. Plots (bench/plots/):
+tau_vs_context.png, draft_ms_vs_context.png, speedup_per_workload.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKETS = ("0-1k", "1-2k", "2-4k", "4-8k", ">=8k")
+DRAFTER_ORDER = ("dlite", "dlite-teacher", "dlite-window128", "dlite-window512", "dlite-single",
+                 "eagle3", "dflash", "dspark", "ngram")
+
+
+def fmt(x, spec=".2f", none="-"):
+    return none if x is None else format(x, spec)
+
+
+def drafter_key(name: str):
+    base = name.split(":", 1)[0]
+    return (DRAFTER_ORDER.index(base) if base in DRAFTER_ORDER else len(DRAFTER_ORDER), name)
+
+
+def load_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"warning: skipping {path}: {exc}", file=sys.stderr)
+        return None
+
+
+def load_acceptance(results_dir: str):
+    """{(engine, drafter, workload, temperature): result} keeping the newest file per key."""
+    files = sorted(glob.glob(os.path.join(results_dir, "acc_*.json")), key=os.path.getmtime)
+    out, skipped = OrderedDict(), []
+    for f in files:
+        r = load_json(f)
+        if not r or "tau" not in r or "drafter" not in r or "workload" not in r:
+            skipped.append(f)
+            continue
+        key = (r.get("engine", "reference"), r["drafter"], os.path.basename(str(r["workload"])),
+               r.get("temperature", 0.0))
+        r["_file"] = os.path.relpath(f, ROOT) if os.path.isabs(f) else f
+        out[key] = r  # newest last
+    return out, skipped
+
+
+def load_draft_cost(results_dir: str):
+    files = sorted(glob.glob(os.path.join(results_dir, "draft_cost*.json")), key=os.path.getmtime)
+    for f in reversed(files):
+        r = load_json(f)
+        if r and r.get("kind") == "draft_cost" and r.get("results"):
+            r["_file"] = f
+            return r
+    return None
+
+
+# ---------------------------------------------------------------------------- tables
+def pooled_by_context(rs):
+    """Rounds-weighted tau per context bucket over several result files."""
+    tot, n = {}, {}
+    for r in rs:
+        for b, t in (r.get("tau_by_context") or {}).items():
+            k = (r.get("rounds_by_context") or {}).get(b, 0)
+            if t is not None and k:
+                tot[b] = tot.get(b, 0.0) + t * k
+                n[b] = n.get(b, 0) + k
+    return {b: (tot[b] / n[b], n[b]) for b in tot}
+
+
+def pooled_per_position(rs):
+    K = max((len(r.get("per_position_accept") or []) for r in rs), default=0)
+    out = []
+    for i in range(K):
+        num = den = 0.0
+        for r in rs:
+            pp = r.get("per_position_accept") or []
+            if i < len(pp) and pp[i] is not None and r.get("rounds"):
+                num += pp[i] * r["rounds"]
+                den += r["rounds"]
+        out.append(num / den if den else None)
+    return out
+
+
+def tables_acceptance(acc) -> list:
+    lines = []
+    groups = OrderedDict()
+    for (engine, drafter, workload, temp), r in acc.items():
+        groups.setdefault((engine, temp), {})[(drafter, workload)] = r
+    for (engine, temp), rs in groups.items():
+        drafters = sorted({d for d, _ in rs}, key=drafter_key)
+        workloads = sorted({w for _, w in rs})
+        tag = f"engine={engine}, temperature={temp}"
+        lines += [f"### Acceptance length tau per workload ({tag})", "",
+                  "tau = tokens committed per round incl. the bonus token (1 = nothing accepted). "
+                  "Cell: tau (rounds).", ""]
+        lines.append("| drafter | " + " | ".join(workloads) + " | all (rounds-weighted) |")
+        lines.append("|---|" + "---|" * (len(workloads) + 1))
+        for d in drafters:
+            cells, num, den = [], 0.0, 0
+            for w in workloads:
+                r = rs.get((d, w))
+                if r is None or r.get("tau") is None:
+                    cells.append("-")
+                    continue
+                cells.append(f"{r['tau']:.2f} ({r.get('rounds', 0)})")
+                num += r["tau"] * r.get("rounds", 0)
+                den += r.get("rounds", 0)
+            lines.append(f"| {d} | " + " | ".join(cells) + f" | {fmt(num / den if den else None)} |")
+        lines += ["", f"### tau per context bucket, all workloads pooled ({tag})", "",
+                  "Context = committed tokens before the round. Cell: tau (rounds).", ""]
+        buckets = [b for b in BUCKETS if any(b in (r.get("tau_by_context") or {}) for r in rs.values())]
+        lines.append("| drafter | " + " | ".join(buckets) + " |")
+        lines.append("|---|" + "---|" * len(buckets))
+        for d in drafters:
+            pooled = pooled_by_context([r for (dd, _), r in rs.items() if dd == d])
+            lines.append(f"| {d} | " + " | ".join(
+                f"{pooled[b][0]:.2f} ({pooled[b][1]})" if b in pooled else "-" for b in buckets) + " |")
+        lines += ["", f"<details><summary>tau per context bucket, per workload ({tag})</summary>", "",
+                  "| drafter | workload | " + " | ".join(buckets) + " |", "|---|---|" + "---|" * len(buckets)]
+        for d in drafters:
+            for w in workloads:
+                r = rs.get((d, w))
+                if r is None:
+                    continue
+                tb, rb = r.get("tau_by_context") or {}, r.get("rounds_by_context") or {}
+                lines.append(f"| {d} | {w} | " + " | ".join(
+                    f"{tb[b]:.2f} ({rb.get(b, 0)})" if tb.get(b) is not None else "-" for b in buckets) + " |")
+        lines += ["", "</details>", "", f"### Per-position acceptance P[draft i accepted] ({tag})", ""]
+        K = max((len(r.get("per_position_accept") or []) for r in rs.values()), default=0)
+        lines.append("| drafter | " + " | ".join(f"i={i + 1}" for i in range(K)) + " |")
+        lines.append("|---|" + "---|" * K)
+        for d in drafters:
+            pp = pooled_per_position([r for (dd, _), r in rs.items() if dd == d])
+            lines.append(f"| {d} | " + " | ".join(fmt(p, ".3f") for p in pp) + " |")
+        lines += ["", f"### End-to-end speed vs the target alone ({tag})", "",
+                  "tokens/s = generated tokens over prefill + decode time of the same turns; speed-up = "
+                  "speculative / autoregressive. Draft and verify ms are per round.", "",
+                  "| drafter | workload | spec tok/s | AR tok/s | speed-up | draft ms | verify ms | lossless |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for d in drafters:
+            for w in workloads:
+                r = rs.get((d, w))
+                if r is None:
+                    continue
+                if r.get("lossless_checked"):
+                    ll = "ok" if not r.get("lossless_mismatches") else f"{r['lossless_mismatches']} mismatched"
+                else:
+                    ll = "not checked"
+                lines.append(f"| {d} | {w} | {fmt(r.get('spec_tokens_per_s'), '.1f')} | "
+                             f"{fmt(r.get('ar_tokens_per_s'), '.1f')} | {fmt(r.get('speedup'))}x | "
+                             f"{fmt(r.get('draft_ms_per_round'), '.1f')} | {fmt(r.get('verify_ms_per_round'), '.1f')} | {ll} |")
+        lines.append("")
+    return lines
+
+
+def _load(x):
+    return f"{x[0]:.1f}" if isinstance(x, (list, tuple)) and x else "?"
+
+
+def tables_draft_cost(dc) -> list:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from draft_cost import markdown_table
+
+    env = dc.get("env", {})
+    lines = ["### Draft cost vs context length", "",
+             f"ms per draft round (median over {env.get('rounds', '?')} steady-state rounds, "
+             f"{env.get('accept_per_round', '?')} drafts accepted + 1 bonus per round) and drafter memory per "
+             f"request (state the drafter keeps between rounds: its own KV cache). CPU, {env.get('dtype')}, "
+             f"{env.get('threads')} thread(s), 1-min load average {_load(env.get('loadavg_start'))} -> "
+             f"{_load(env.get('loadavg_end'))} on {env.get('cores', '?')} cores. "
+             f"{env.get('note', '')}", "", markdown_table(dc), ""]
+    lines += ["Drafters as measured:", ""] + [f"- `{k}`: {v}" for k, v in env.get("drafters", {}).items()] + [""]
+    return lines
+
+
+# ---------------------------------------------------------------------------- plots
+def plot_all(acc, dc, plots: Path) -> list:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("warning: matplotlib missing: no plots", file=sys.stderr)
+        return []
+    plots.mkdir(parents=True, exist_ok=True)
+    made = []
+    ref = {k: r for k, r in acc.items() if k[3] == 0.0} or acc
+    if ref:
+        drafters = sorted({k[1] for k in ref}, key=drafter_key)
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        for d in drafters:
+            pooled = pooled_by_context([r for k, r in ref.items() if k[1] == d])
+            xs = [b for b in BUCKETS if b in pooled]
+            if xs:
+                ax.plot(xs, [pooled[b][0] for b in xs], marker="o", label=d)
+        ax.set_xlabel("context length before the round (tokens)")
+        ax.set_ylabel("acceptance length tau")
+        ax.set_title("tau vs context length (all workloads pooled)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(plots / "tau_vs_context.png", dpi=110)
+        plt.close(fig)
+        made.append("tau_vs_context.png")
+
+        workloads = sorted({k[2] for k in ref})
+        fig, ax = plt.subplots(figsize=(max(6.5, 1.4 * len(workloads) + 2), 4.2))
+        width = 0.8 / max(len(drafters), 1)
+        for i, d in enumerate(drafters):
+            ys = []
+            for w in workloads:
+                r = next((r for k, r in ref.items() if k[1] == d and k[2] == w), None)
+                ys.append(r.get("speedup") or 0.0 if r else 0.0)
+            ax.bar([j + i * width for j in range(len(workloads))], ys, width, label=d)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))])
+        ax.set_xticklabels(workloads, rotation=15, fontsize=8)
+        ax.set_ylabel("speed-up vs autoregressive")
+        ax.set_title("end-to-end speed-up per workload")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(plots / "speedup_per_workload.png", dpi=110)
+        plt.close(fig)
+        made.append("speedup_per_workload.png")
+    if dc:
+        from draft_cost import plot
+
+        plot(dc, plots / "draft_ms_vs_context.png")
+        made.append("draft_ms_vs_context.png")
+    return made
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="bench JSON -> bench/RESULTS.md + PNG plots")
+    ap.add_argument("--results", default=str(ROOT / "artifacts" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"))
+    ap.add_argument("--plots", default=str(ROOT / "bench" / "plots"))
+    args = ap.parse_args(argv)
+
+    acc, skipped = load_acceptance(args.results)
+    dc = load_draft_cost(args.results)
+    out, plots = Path(args.out), Path(args.plots)
+    lines = ["# Results: DLite and the baselines side by side", "",
+             f"Generated by `python bench/report.py` from `{os.path.relpath(args.results, ROOT)}`; "
+             "every number comes from a JSON file listed under *Sources*. Missing cells: not run yet.", ""]
+    if not acc and not dc:
+        lines += ["No results yet. Produce them with `bench/acceptance.py --out artifacts/results/acc_DRAFTER_WORKLOAD.json` "
+                  "and `bench/draft_cost.py --out artifacts/results/draft_cost.json`.", ""]
+    made = plot_all(acc, dc, plots)
+    if made:
+        rel = os.path.relpath(plots, out.parent)
+        lines += ["Plots: " + ", ".join(f"[{m}]({rel}/{m})" for m in made), ""]
+    if acc:
+        lines += ["## Acceptance and end-to-end speed", ""] + tables_acceptance(acc)
+    else:
+        lines += ["## Acceptance and end-to-end speed", "",
+                  "No `acc_*.json` results yet (`bench/acceptance.py --drafter NAME --workload W --out "
+                  "artifacts/results/acc_NAME_W.json`).", ""]
+    if dc:
+        lines += ["## Draft cost", ""] + tables_draft_cost(dc)
+    lines += ["## Sources", ""]
+    for k, r in acc.items():
+        argv_ = r.get("argv")
+        cmd = ("python bench/acceptance.py " + " ".join(argv_)) if argv_ else "(command not recorded)"
+        lines.append(f"- `{r['_file']}`: `{cmd}` (torch threads {r.get('torch_threads', '?')})")
+    if dc:
+        lines.append(f"- `{os.path.relpath(dc['_file'], ROOT)}`: `python {dc.get('env', {}).get('command', 'bench/draft_cost.py')}`")
+    for f in skipped:
+        lines.append(f"- skipped (not an acceptance result): `{f}`")
+    lines.append("")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines), encoding="utf-8")
+    print(f"wrote {out} ({len(acc)} acceptance results, draft cost: {'yes' if dc else 'no'}; plots: {', '.join(made) or 'none'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
