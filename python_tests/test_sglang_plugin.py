@@ -196,7 +196,28 @@ def test_engine_startup_rejects_mismatched_drafter(tiny):
 
 
 def test_engine_startup_with_plugins_disabled(tiny):
+    """SGLANG_PLUGINS=none: sglang cannot even parse the DLite checkpoint (model type 'dlite'),
+    so it fails at start-up, before any scheduler starts, naming the 'dlite' model type."""
     _, target, drafter = tiny
     r = _start_in_subprocess(target, drafter, env_extra={"SGLANG_PLUGINS": "none"})
     assert r.returncode == 3, r.stdout + r.stderr[-2000:]
-    assert "Unknown speculative algorithm name: DLITE" in r.stdout
+    assert "dlite" in r.stdout
+
+
+def test_serve_wrapper_explains_disabled_plugin(tiny, monkeypatch):
+    """`sglang-dlite serve` checks the whitelist itself and says what to change."""
+    import argparse
+
+    from sglang_dlite.errors import DLiteConfigError
+    from sglang_dlite.sglang_plugin import serve
+
+    _, target, drafter = tiny
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args(["--model-path", target, "--draft", drafter, "--dry-run"])
+    assert serve.run(args) == 0
+    cmd, _ = serve.build_command(args)
+    assert cmd[cmd.index("--speculative-algorithm") + 1] == "DLITE"
+    monkeypatch.setenv("SGLANG_PLUGINS", "none")
+    with pytest.raises(DLiteConfigError, match="SGLANG_PLUGINS"):
+        serve.build_command(args)

@@ -25,6 +25,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("sglang_args", nargs=argparse.REMAINDER, help="arguments passed to sglang.launch_server (after --)")
 
 
+def check_plugin_enabled(environ=None) -> None:
+    """sglang loads only the plugins named in SGLANG_PLUGINS (when set): DLITE needs 'dlite'."""
+    from ..errors import DLiteConfigError
+
+    allowed = (environ if environ is not None else os.environ).get("SGLANG_PLUGINS")
+    if allowed:
+        names = {x.strip() for x in allowed.split(",") if x.strip()}
+        if "dlite" not in names:
+            raise DLiteConfigError(
+                f"SGLANG_PLUGINS={allowed!r} does not enable the 'dlite' plugin, so sglang would not "
+                "know --speculative-algorithm DLITE (nor the DLite checkpoint format). Unset "
+                "SGLANG_PLUGINS or add 'dlite' to it."
+            )
+
+
 def build_command(args) -> tuple[list, dict]:
     from ..drafters import shipped_drafter_path
     from ..errors import DLiteInputError
@@ -40,6 +55,7 @@ def build_command(args) -> tuple[list, dict]:
                 "no DLite drafter: this build ships none yet. Pass --draft PATH (a DLite checkpoint "
                 "folder) or --no-spec."
             )
+        check_plugin_enabled()
         cmd += ["--speculative-algorithm", "DLITE", "--speculative-draft-model-path", draft]
     if args.cpu:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python_tests"))

@@ -1,0 +1,211 @@
+"""End-to-end serving benchmark: DLITE vs no speculation, same prompts, one run.
+
+    python bench/e2e.py --engine sglang --workload agent-stdlib --concurrency 1,4,16 --out RESULT.json
+
+For every mode (``dlite``, ``nospec``) one sglang Engine is started (start-up is not timed) and
+the same requests (every recorded turn of the first ``--max-convs`` conversations of the
+workload, rendered with the target's chat template) are run greedily at each concurrency:
+``c`` requests in flight at a time (asyncio, ``Engine.async_generate``). Reported per
+(mode, concurrency): output tokens/s (all output tokens / wall time), mean latency per request,
+tau (sglang's spec_accept_length: completion tokens / verify rounds), and whether DLITE's outputs
+equal the no-speculation outputs (they must, greedy). ``--engine reference`` runs the HF reference
+engine instead (concurrency 1 only).
+
+On this project's CPU machines the CPU-only stand-ins are loaded (``--device cpu``, default when
+no CUDA device is visible); on a CUDA machine pass ``--device cuda`` (no stand-ins).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "python_tests"))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=("sglang", "reference"), default="sglang")
+    p.add_argument("--workload", default="agent-stdlib", help="built-in workload name or a .jsonl file")
+    p.add_argument("--max-convs", type=int, default=2)
+    p.add_argument("--max-requests", type=int, default=16)
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--model-path", default="default")
+    p.add_argument("--draft", default=None, help="DLite checkpoint (default: the shipped drafter)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--modes", default="dlite,nospec")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    return p.parse_args(argv)
+
+
+def build_requests(tok, workload, max_convs, max_requests, max_new):
+    from sglang_dlite.workloads import load_workload
+    from sglang_dlite.workloads.render import render_turns
+
+    reqs = []
+    for conv in load_workload(workload, max_convs=max_convs):
+        for t in render_turns(tok, conv, max_new_tokens=max_new):
+            if t.placeholder:
+                break
+            reqs.append(list(t.prompt_ids))
+    return reqs[:max_requests]
+
+
+async def _run_level(engine, reqs, conc, sp):
+    sem = asyncio.Semaphore(conc)
+    outs = [None] * len(reqs)
+    lat = [0.0] * len(reqs)
+
+    async def one(i):
+        async with sem:
+            t0 = time.perf_counter()
+            o = await engine.async_generate(input_ids=reqs[i], sampling_params=sp)
+            lat[i] = time.perf_counter() - t0
+            outs[i] = o
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(len(reqs))))
+    return outs, lat, time.perf_counter() - t0
+
+
+def run_sglang(mode, target, draft, reqs, levels, max_new, device):
+    import sglang_fixtures as F
+
+    kw = dict(max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
+    if mode == "dlite":
+        kw["dlite"] = draft
+    t0 = time.perf_counter()
+    if device == "cpu":
+        e = F.start_engine(target, **kw)
+    else:
+        import sglang as sgl
+
+        args = dict(model_path=str(target), max_running_requests=max(levels), random_seed=0)
+        if mode == "dlite":
+            args.update(speculative_algorithm="DLITE", speculative_draft_model_path=str(draft))
+        e = sgl.Engine(**args)
+    start_s = time.perf_counter() - t0
+    sp = {"temperature": 0.0, "max_new_tokens": max_new}
+    rows, outputs = [], {}
+    try:
+        e.generate(input_ids=reqs[0][:32], sampling_params={"temperature": 0.0, "max_new_tokens": 4})  # warm-up
+        for c in levels:
+            e.flush_cache()  # every level starts cold: same prefix-cache behaviour for both modes
+            outs, lat, wall = e.loop.run_until_complete(_run_level(e, reqs, c, sp))
+            toks = sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
+            verify = sum(int(o["meta_info"].get("spec_verify_ct") or 0) for o in outs)
+            rows.append({
+                "mode": mode, "concurrency": c, "requests": len(reqs), "output_tokens": toks,
+                "wall_s": round(wall, 3), "tokens_per_s": round(toks / wall, 2),
+                "mean_latency_s": round(sum(lat) / len(lat), 3),
+                "tau": round(toks / verify, 3) if verify else None,
+                "start_up_s": round(start_s, 1),
+            })
+            outputs[c] = [list(o["output_ids"]) for o in outs]
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        e.shutdown()
+    return rows, outputs
+
+
+def run_reference(mode, target, draft, reqs, max_new):
+    import torch
+
+    from sglang_dlite.drafters import DLiteEngineDrafter
+    from sglang_dlite.engine import ReferenceEngine
+    from sglang_dlite.model import DLiteDrafter
+    from sglang_dlite.target import load_target
+
+    model, tok = load_target(str(target))
+    d = DLiteDrafter.from_pretrained(draft).bind_hf_target(model)
+    eng = ReferenceEngine(model, DLiteEngineDrafter(d), eos_token_ids=[tok.eos_token_id])
+    outs, lat, rounds = [], [], 0
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for r in reqs:
+            t1 = time.perf_counter()
+            g = eng.generate(r, max_new, speculative=(mode == "dlite"))
+            lat.append(time.perf_counter() - t1)
+            outs.append(g.output_ids)
+            rounds += len(g.rounds)
+    wall = time.perf_counter() - t0
+    toks = sum(len(o) for o in outs)
+    row = {"mode": mode, "concurrency": 1, "requests": len(reqs), "output_tokens": toks,
+           "wall_s": round(wall, 3), "tokens_per_s": round(toks / wall, 2),
+           "mean_latency_s": round(sum(lat) / len(lat), 3),
+           "tau": round((toks - len(reqs)) / rounds, 3) if rounds else None}
+    print(json.dumps(row), flush=True)
+    return [row], {1: outs}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    from transformers import AutoTokenizer
+
+    from sglang_dlite.drafters import shipped_drafter_path
+    from sglang_dlite.target import resolve_target
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = resolve_target(args.model_path)
+    draft = args.draft or shipped_drafter_path()
+    note = None
+    if draft is None:
+        import sglang_fixtures as F
+
+        import tempfile
+
+        draft = F.save_random_dlite(os.path.join(tempfile.mkdtemp(), "random-dlite"), target)
+        note = "no shipped drafter: a RANDOM DLite drafter was used (tau ~1)"
+        print("NOTE:", note)
+    tok = AutoTokenizer.from_pretrained(target)
+    reqs = build_requests(tok, args.workload, args.max_convs, args.max_requests, args.max_new_tokens)
+    levels = [int(x) for x in args.concurrency.split(",") if x]
+    print(f"{len(reqs)} requests ({sum(map(len, reqs))} prompt tokens), levels {levels}, device {device}", flush=True)
+    rows, outs = [], {}
+    for mode in [m for m in args.modes.split(",") if m]:
+        if args.engine == "sglang":
+            r, o = run_sglang(mode, target, draft, reqs, levels, args.max_new_tokens, device)
+        else:
+            r, o = run_reference(mode, target, draft, reqs, args.max_new_tokens)
+        rows += r
+        outs[mode] = o
+    table = []
+    by = {(r["mode"], r["concurrency"]): r for r in rows}
+    for c in sorted({r["concurrency"] for r in rows}):
+        d, b = by.get(("dlite", c)), by.get(("nospec", c))
+        if d and b:
+            table.append({"concurrency": c, "dlite_tok_s": d["tokens_per_s"], "nospec_tok_s": b["tokens_per_s"],
+                          "speedup": round(d["tokens_per_s"] / b["tokens_per_s"], 3), "tau": d["tau"],
+                          "dlite_latency_s": d["mean_latency_s"], "nospec_latency_s": b["mean_latency_s"],
+                          "identical_outputs": outs["dlite"].get(c) == outs["nospec"].get(c)})
+    print("\n| concurrency | DLITE tok/s | no-spec tok/s | speed-up | tau | DLITE latency s | no-spec latency s | identical |")
+    print("|---|---|---|---|---|---|---|---|")
+    for t in table:
+        print(f"| {t['concurrency']} | {t['dlite_tok_s']} | {t['nospec_tok_s']} | {t['speedup']}x | {t['tau']} | "
+              f"{t['dlite_latency_s']} | {t['nospec_latency_s']} | {t['identical_outputs']} |")
+    result = {
+        "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),
+        "engine": args.engine, "device": device, "workload": args.workload, "target": str(target),
+        "drafter": str(draft), "note": note, "max_new_tokens": args.max_new_tokens,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "rows": rows, "table": table,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+    return 0 if all(t["identical_outputs"] for t in table) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""`sglang-dlite demo` (`make demo`): the default target + the default DLite drafter in a real
+sglang Engine on this CPU.
+
+Replays one agent conversation (agent-stdlib: an agent reading Python stdlib source with tools;
+every turn extends the previous one, so later turns hit sglang's prefix cache) and a few plain
+prompts, first with ``--speculative-algorithm DLITE`` and then without speculation, on the same
+prompt tokens. Prints the text, tau (sglang's own accept-length metrics), tokens/s of both runs,
+and whether the outputs are identical (greedy decoding: they must be).
+
+The CPU-only stand-ins (``cpu_support/sglang_cpu``) are loaded for this process and the sglang
+subprocesses; on a CUDA machine run ``sglang-dlite serve`` instead. If sglang cannot start here,
+the demo says why and falls back to the reference engine (``--engine reference``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What is the capital of France? Answer in one sentence.",
+    "List three uses of Python's collections.Counter.",
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=("sglang", "reference"), default="sglang")
+    p.add_argument("--draft", default=None, help="DLite checkpoint folder (default: the shipped drafter)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--workload", default="agent-stdlib", help="workload of the agent conversation")
+    p.add_argument("--no-agent", action="store_true", help="skip the agent conversation")
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many plain prompts (0-3)")
+
+
+def _drafter_path(args, target_dir) -> str:
+    from ..drafters import shipped_drafter_path
+
+    path = args.draft or shipped_drafter_path()
+    if path:
+        print(f"drafter: {path}")
+        return path
+    import torch
+    from transformers import AutoConfig
+
+    from ..config import DLiteConfig
+    from ..model import DLiteDrafter
+
+    tc = AutoConfig.from_pretrained(target_dir)
+    out = os.path.join(tempfile.mkdtemp(prefix="dlite-demo-"), "random-dlite")
+    torch.manual_seed(0)
+    DLiteDrafter(DLiteConfig(target_hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
+                             target_num_layers=tc.num_hidden_layers)).save_pretrained(out)
+    print("NOTE: no trained DLite drafter is shipped in this build yet: using a RANDOMLY "
+          f"initialized one ({out}). Outputs stay identical (lossless), but tau is ~1 and "
+          "DLITE is slower than no speculation until a trained drafter is used (--draft PATH).")
+    return out
+
+
+def _requests(args, tok):
+    """[(label, prompt_ids)] : the agent conversation's turns, then the plain prompts."""
+    reqs = []
+    if not args.no_agent:
+        from ..workloads import load_workload
+        from ..workloads.render import render_turns
+
+        conv = load_workload(args.workload, max_convs=1)[0]
+        turns = render_turns(tok, conv, max_new_tokens=args.max_new_tokens)
+        for t in turns:
+            if t.placeholder:
+                break
+            reqs.append((f"agent {conv['id']} turn {t.index}", list(t.prompt_ids)))
+    for text in PROMPTS[: max(0, args.prompts)]:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        reqs.append((text, list(ids)))
+    return reqs
+
+
+def _run_sglang(target, draft, reqs, max_new, eos):
+    sys.path.insert(0, str(REPO / "python_tests"))
+    import sglang_fixtures as F
+
+    F.activate_cpu_standins()
+    sp = {"temperature": 0.0, "max_new_tokens": max_new}
+    t0 = time.perf_counter()
+    e = F.start_engine(target, dlite=draft, max_total_tokens=32768, chunked_prefill_size=8192)
+    start_s = time.perf_counter() - t0
+    outs, metas, wall = [], [], 0.0
+    try:
+        for _, ids in reqs:  # one by one: an agent's turns arrive one after another
+            t1 = time.perf_counter()
+            o = e.generate(input_ids=ids, sampling_params=sp)
+            wall += time.perf_counter() - t1
+            outs.append(list(o["output_ids"]))
+            metas.append(o["meta_info"])
+    finally:
+        e.shutdown()
+    return outs, metas, wall, start_s
+
+
+def _run_reference(target_dir, draft, reqs, max_new, eos, speculative):
+    import torch
+
+    from ..drafters import DLiteEngineDrafter
+    from ..engine import ReferenceEngine
+    from ..model import DLiteDrafter
+    from ..target import load_target
+
+    target, _ = load_target(str(target_dir))
+    d = DLiteDrafter.from_pretrained(draft).bind_hf_target(target)
+    eng = ReferenceEngine(target, DLiteEngineDrafter(d), eos_token_ids=eos)
+    outs, metas, wall = [], [], 0.0
+    sess = eng.new_session()
+    with torch.no_grad():
+        for _, ids in reqs:
+            t1 = time.perf_counter()
+            r = eng.generate(ids, max_new, session=sess, speculative=speculative)
+            wall += time.perf_counter() - t1
+            outs.append(r.output_ids)
+            metas.append({"spec_verify_ct": len(r.rounds), "completion_tokens": len(r.output_ids),
+                          "cached_tokens": r.reused_prefix})
+    eng.close()
+    return outs, metas, wall, 0.0
+
+
+def _tau(metas) -> float:
+    """sglang's spec_accept_length over all requests: completion tokens / verify rounds."""
+    verify = sum(int(m.get("spec_verify_ct") or 0) for m in metas)
+    toks = sum(int(m.get("completion_tokens") or 0) for m in metas)
+    return toks / verify if verify else float("nan")
+
+
+def run(args) -> int:
+    from transformers import AutoTokenizer
+
+    from ..target import prepare_default_target
+
+    target = prepare_default_target(verbose=True)
+    tok = AutoTokenizer.from_pretrained(str(target))
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    draft = _drafter_path(args, target)
+    reqs = _requests(args, tok)
+    n = args.max_new_tokens
+    print(f"target: {target}\nrequests: {len(reqs)} ({sum(len(r[1]) for r in reqs)} prompt tokens), "
+          f"greedy, max_new_tokens={n}\n")
+
+    engine = args.engine
+    if engine == "sglang":
+        try:
+            spec = _run_sglang(target, draft, reqs, n, eos)
+            base = _run_sglang(target, None, reqs, n, eos)
+        except Exception as exc:  # keep the demo alive on a machine where sglang cannot start
+            print(f"NOTE: the sglang engine failed here ({type(exc).__name__}: {exc}); "
+                  "falling back to the reference engine.")
+            engine = "reference"
+    if engine == "reference":
+        spec = _run_reference(target, draft, reqs, n, eos, True)
+        base = _run_reference(target, draft, reqs, n, eos, False)
+
+    (s_out, s_meta, s_wall, s_start), (b_out, b_meta, b_wall, b_start) = spec, base
+    for (label, ids), o, m in zip(reqs, s_out, s_meta):
+        print(f"--- {label}  (prompt {len(ids)} tokens, prefix-cache hit {m.get('cached_tokens', 0)})")
+        print(tok.decode(o, skip_special_tokens=True).strip()[:600])
+        if "spec_accept_length" in m:
+            print(f"    [tau {m['spec_accept_length']:.2f} over {m.get('spec_verify_ct')} rounds]")
+    s_toks = sum(len(o) for o in s_out)
+    b_toks = sum(len(o) for o in b_out)
+    same = s_out == b_out
+    print("\n=== summary (" + ("sglang Engine, CPU" if engine == "sglang" else "reference engine") + ") ===")
+    if s_start:
+        print(f"engine start-up: DLITE {s_start:.0f} s, no speculation {b_start:.0f} s (not in the timings)")
+    print(f"DLITE          : {s_toks} tokens in {s_wall:.1f} s = {s_toks / max(s_wall, 1e-9):.1f} tokens/s, "
+          f"tau = {_tau(s_meta):.2f} (sglang spec_accept_length: completion tokens / verify rounds)")
+    print(f"no speculation : {b_toks} tokens in {b_wall:.1f} s = {b_toks / max(b_wall, 1e-9):.1f} tokens/s")
+    print(f"speed-up       : {(s_toks / max(s_wall, 1e-9)) / max(b_toks / max(b_wall, 1e-9), 1e-9):.2f}x")
+    print(f"outputs identical (DLITE vs no speculation): {'YES' if same else 'NO'}")
+    if not same:
+        for (label, _), a, b in zip(reqs, s_out, b_out):
+            if a != b:
+                print(f"  differs: {label}")
+        return 1
+    return 0
