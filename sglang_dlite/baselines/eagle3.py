@@ -14,9 +14,9 @@ k, v of pairs 0..T-2; step 0 queries pair T-2 (token t_{T-1} = the anchor) -> d_
 its own previous output y as the feature with token d_k at position T-2+k -> d_{k+1}. The draft
 steps' keys are temporary; only committed pairs stay cached (cropped when the context changes).
 
-Training (``training_forward``) is the training-time-test unroll: K steps over all positions at
-once, step i >= 1 reading the previous step's outputs shifted by one position, with the attention
-mask of what inference would see (the committed prefix of step 0 plus one key per earlier step).
+Training (``training_forward``) is the training-time-test unroll: the context pairs of a sequence
+are encoded in one causal pass, then K steps run for many anchors at once exactly as inference
+runs them (own outputs as features, ground-truth tokens), so the gradient sees its own errors.
 """
 
 from __future__ import annotations
@@ -94,50 +94,49 @@ class Eagle3Drafter(BoundTargetMixin, nn.Module):
     # ------------------------------------------------------------------ training
     def training_forward(self, hidden: torch.Tensor, input_ids: torch.Tensor,
                          anchor_positions: torch.Tensor, num_steps: Optional[int] = None) -> torch.Tensor:
-        """Training-time-test unroll. Returns logits [B, N, K, V].
+        """Training-time-test unroll at N anchors per sequence. Returns logits [B, N, K, V].
 
         hidden: [B, L=3, T, H] outputs of the capture layers (HF hidden_states[l+1]) at every
-        position of the sequences; input_ids: [B, T]; anchor_positions: [B, N] index of the anchor
-        (last committed token), 1 <= a <= T-1. logits[b, n, k] predicts input_ids[b, a+1+k]
-        (labels and validity: ``common.anchor_targets``), having seen the target features of
-        positions < a only, and (steps k >= 1) the ground-truth tokens a+1..a+k (teacher forcing)
-        with the drafter's own outputs as features. EAGLE-3 weights step i by 0.8**i.
+        position of the sequences; input_ids: [B, T]; anchor_positions: [B, N] index a of each
+        anchor (last committed token), 1 <= a <= T-1. logits[b, n, k] predicts input_ids[b, a+1+k]
+        (labels and validity: ``common.anchor_targets``).
+
+        Step 0 encodes every pair of the sequence in parallel (keys/values of the whole context,
+        one causal pass) and queries pair a-1. Step k >= 1 runs, for all anchors at once, what
+        inference runs: its input is the previous step's output as the feature with the token
+        input_ids[a+k] (teacher forcing: the ground truth, as EAGLE-3), at position a-1+k, and it
+        attends to the context pairs <= a-1 plus the chain's own keys of steps 1..k. The gradient
+        flows through the unroll (training-time test). EAGLE-3 weights step k by 0.8**k.
         """
         self._check_bound()
         cfg = self.config
         K = num_steps or cfg.block_size
         check_training_inputs(cfg, hidden, input_ids, anchor_positions, min_anchor=1)
         B, _, T, _ = hidden.shape
+        N = anchor_positions.shape[1]
+        dev = hidden.device
         P = T - 1  # pairs (f_p, t_{p+1}), p = 0..T-2
-        pos = torch.arange(P, device=hidden.device)
-        tok = input_ids[:, 1:]
-        feat = self.fuse(hidden[:, :, :P])
-        ks, vs, outs = [], [], []
-        for i in range(K):
-            x = self.layer_input(feat, tok)
-            q = self.attn.q(x, pos)
-            k, v = self.attn.kv(x, pos)
-            ks.append(k)
-            vs.append(v)
-            # query p of step i (anchor pair p-i) sees step-0 keys j <= p-i and, for each earlier
-            # step s in 1..i, the single key j = p-i+s.
-            j = pos[None, :]
-            p = pos[:, None]
-            blocks = [j <= p - i] + [j == p - i + s for s in range(1, i + 1)]
-            mask = torch.cat(blocks, dim=1)
-            y = self.finish(feat, attend(q, torch.cat(ks, 2), torch.cat(vs, 2), mask))
-            outs.append(y)
-            # next step's feature at p is this step's output at p-1
-            feat = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1)
-        idx = (anchor_positions - 1)[..., None] + torch.arange(K, device=hidden.device)  # [B, N, K]
-        idx = idx.clamp(max=P - 1)
-        stacked = torch.stack(outs, dim=2)  # [B, P, K, H]
-        Hd = stacked.shape[-1]
-        g = torch.gather(stacked, 1, idx.reshape(B, -1, 1, 1).expand(-1, -1, K, Hd))  # [B, N*K, K, H]
-        g = g.view(B, *idx.shape[1:], K, Hd)
-        step = torch.arange(K, device=hidden.device)
-        y = g[:, :, step, step]  # step k at position a-1+k
-        return self.lm_logits(y)
+        feat0 = self.fuse(hidden[:, :, :P])
+        x0 = self.layer_input(feat0, input_ids[:, 1:])
+        k0, v0 = self.attn.kv(x0, torch.arange(P, device=dev))  # [B, nkv, P, d]
+        pos = anchor_positions - 1  # [B, N]: the chain's current position
+        feat = torch.gather(feat0, 1, pos[..., None].expand(-1, -1, feat0.shape[-1]))
+        x = torch.gather(x0, 1, pos[..., None].expand(-1, -1, x0.shape[-1]))
+        ctx_mask = torch.arange(P, device=dev)[None, None, :] <= pos[..., None]  # [B, N, P]
+        own = torch.eye(N, dtype=torch.bool, device=dev)[None].expand(B, -1, -1)
+        ks, vs, ys = [k0], [v0], []
+        for step in range(K):
+            if step > 0:
+                tok = torch.gather(input_ids, 1, (anchor_positions + step).clamp(max=T - 1))
+                x = self.layer_input(feat, tok)
+                k, v = self.attn.kv(x, pos)
+                ks.append(k)
+                vs.append(v)
+            mask = torch.cat([ctx_mask] + [own] * step, dim=2)
+            y = self.finish(feat, attend(self.attn.q(x, pos), torch.cat(ks, 2), torch.cat(vs, 2), mask))
+            ys.append(y)
+            feat, pos = y, pos + 1
+        return self.lm_logits(torch.stack(ys, dim=2))
 
 
 class Eagle3EngineDrafter:
