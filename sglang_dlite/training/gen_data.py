@@ -77,27 +77,27 @@ def stdlib_files() -> list:
 
 
 def _eval_stdlib_files() -> set:
-    """Files the agent-stdlib evaluation workload uses (if that module says), to exclude."""
+    """Modules the agent-stdlib evaluation workload reads (its conversations record them)."""
     try:
-        from ..workloads import agent_stdlib  # type: ignore
-    except Exception:
+        from ..workloads import load_workload
+
+        recs = load_workload("agent-stdlib")
+    except Exception:  # noqa: BLE001 - no workloads module in this build: nothing to exclude
         return set()
-    for name in ("EVAL_FILES", "STDLIB_FILES", "FILES", "MODULES"):
-        v = getattr(agent_stdlib, name, None)
-        if v:
-            return {str(x) for x in v}
-    return set()
+    return {str(r["module"]) for r in recs if r.get("module")}
 
 
 def stdlib_train_files() -> list:
     """The stdlib files training may use: sha256('dlite-train-stdlib:' + relpath) mod 2 == 0
-    (half of the stdlib), minus any file the agent-stdlib evaluation lists."""
+    (half of the stdlib), minus every module the agent-stdlib evaluation conversations read."""
     excl = _eval_stdlib_files()
     out = []
     for rel in stdlib_files():
         h = int.from_bytes(hashlib.sha256(("dlite-train-stdlib:" + rel).encode()).digest()[:8], "big")
         mod = rel[:-3].replace(os.sep, ".")
-        if h % 2 == 0 and rel not in excl and mod not in excl and os.path.basename(rel) not in excl:
+        if mod.endswith(".__init__"):
+            mod = mod[: -len(".__init__")]
+        if h % 2 == 0 and mod not in excl:
             out.append(rel)
     return out
 
@@ -418,7 +418,7 @@ def recipe_of(args, target_path) -> dict:
         "max_new_tokens_per_turn": args.max_new_tokens, "max_len": args.max_len,
         "max_turns": args.max_turns, "max_user_tokens": args.max_user_tokens,
         "shard_size": args.shard_size, "engine": "transformers.generate (batched, left padding, fp32)",
-        "stdlib_split": "sha256('dlite-train-stdlib:'+relpath) % 2 == 0, minus agent-stdlib eval files",
+        "stdlib_split": "sha256('dlite-train-stdlib:'+relpath) % 2 == 0, minus every module the agent-stdlib eval conversations read",
         "sharegpt_split": "load_sharegpt('train') (heldout excluded by hashed base id)",
         "bfcl_categories": list(BFCL_CATEGORIES),
     }

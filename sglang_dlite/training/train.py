@@ -89,6 +89,22 @@ class FeatureData:
         self.eval_idx = held
         self.train_idx = [i for i in range(len(self.seqs)) if i not in set(held)] or list(range(len(self.seqs)))
         self.num_train_anchors = int(sum(len(self.seqs[i][3]) for i in self.train_idx))
+        counts = None
+        for i in self.train_idx:
+            k, a, n, _, _ = self.seqs[i]
+            c = np.bincount(self.shards[k][0][a:a + n], minlength=1)
+            if counts is None:
+                counts = c
+            else:
+                m = max(len(counts), len(c))
+                counts = np.pad(counts, (0, m - len(counts))) + np.pad(c, (0, m - len(c)))
+        self.token_counts = counts
+
+    def frequent_tokens(self, n: int) -> torch.Tensor:
+        """The n most frequent token ids of the training sequences (those that occur)."""
+        order = np.argsort(-self.token_counts, kind="stable")
+        order = order[self.token_counts[order] > 0][:n]
+        return torch.from_numpy(np.sort(order).astype(np.int64))
 
     def group(self, seq_i: int, anchors, C: int, K: int, history: Optional[int], want_target: bool):
         """Tensors for anchors of one sequence. history: 0 none, None full, W window."""
@@ -167,9 +183,10 @@ def bind(model: DLiteDrafter, embed_w, head_w) -> DLiteDrafter:
     return model.bind_target(embed_w, head_w)
 
 
-def target_probs(head_w, target_hidden, dtype):
+def target_probs(head_w, target_hidden, dtype, vocab=None):
     with torch.no_grad():
-        logits = torch.nn.functional.linear(target_hidden.to(dtype), head_w.to(dtype))
+        w = head_w if vocab is None else head_w[vocab]
+        logits = torch.nn.functional.linear(target_hidden.to(dtype), w.to(dtype))
         return torch.softmax(logits.float(), dim=-1)
 
 
@@ -182,7 +199,13 @@ def concat_groups(batches: list) -> dict:
     return out
 
 
-def model_forward(model, b):
+def model_forward(model, b, vocab: Optional[torch.Tensor] = None):
+    """Logits [B, K, V] (or [B, K, |vocab|] over the token subset ``vocab``: the frozen LM head's
+    rows for those tokens only -- the training-time vocabulary subset, see ``--vocab-subset``)."""
+    if vocab is not None and model.config.head_input == "hidden":
+        z = model.backbone(b["context_hidden"], b["context_valid"], b["anchor_ids"], b.get("history"), b["round_offset"])
+        y = model.head(z[:, :-1], z[:, 1:])
+        return torch.nn.functional.linear(model.final_norm(y), model.lm_head_weight[vocab].to(y.dtype))
     return model(b["context_hidden"], b["context_valid"], b["anchor_ids"], history=b.get("history"),
                  round_offset=b["round_offset"], feedback_tokens=b["labels"] if model.config.head_input == "token" else None)
 
@@ -249,6 +272,7 @@ class TrainOptions:
     save_every: int = 50
     seed: int = 0
     student_history: str = "none"
+    vocab_subset: int = 0  # >0: train over the N most frequent data tokens + batch labels (0: full vocab)
     distill_init: str = "teacher"
     resume: bool = False
     progress: bool = True
@@ -347,6 +371,8 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
         os.replace(tmp, ckpt)
 
     egroups = eval_groups(data, opts.eval_anchors, seed=opts.seed + 99)
+    base_vocab = data.frequent_tokens(opts.vocab_subset) if opts.vocab_subset else None
+    lookup = torch.full((cfg.vocab_size,), -1, dtype=torch.long) if base_vocab is not None else None
     budget = (opts.time_budget_s or {}).get(spec.name)
     model.train()
     if teacher is not None:
@@ -367,25 +393,35 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
         if hist == 0:
             bs = [concat_groups(bs)]
         n_total = sum(int(b["valid"].sum()) for b in bs)
+        vocab = None
+        if base_vocab is not None:
+            # training-time vocabulary subset: frequent tokens + every label of the batch
+            labs = torch.cat([b["labels"][b["valid"]] for b in bs])
+            vocab = torch.unique(torch.cat([base_vocab, labs]))
+            lookup.fill_(-1)
+            lookup[vocab] = torch.arange(len(vocab))
+            for b in bs:
+                b["labels_sub"] = torch.where(b["valid"], lookup[b["labels"]], torch.zeros_like(b["labels"]))
         optim.zero_grad(set_to_none=True)
         loss_val = 0.0
         t_logits_all = None
         if teacher is not None:
             with torch.no_grad(), autocast():
-                t_logits_all = torch.cat([model_forward(teacher, tb).float() for tb in tbs], 0)
+                t_logits_all = torch.cat([model_forward(teacher, tb, vocab).float() for tb in tbs], 0)
         row = 0
         for b in bs:
             with autocast():
-                logits = model_forward(model, b)
+                logits = model_forward(model, b, vocab)
             w = b["valid"].sum().item() / max(n_total, 1)
+            labels = b["labels_sub"] if vocab is not None else b["labels"]
             if spec.loss == "ce":
-                loss = weighted_ce(logits, b["labels"], b["valid"], weights)
+                loss = weighted_ce(logits, labels, b["valid"], weights)
             elif spec.loss == "kl":
                 tl = t_logits_all[row:row + logits.shape[0]]
                 loss = forward_kl(tl, logits, b["valid"], weights)
             else:
-                p = target_probs(head_w, b["target_hidden"], torch.bfloat16 if use_bf16 else torch.float32)
-                loss = opts.ce_weight * weighted_ce(logits, b["labels"], b["valid"], weights) + \
+                p = target_probs(head_w, b["target_hidden"], torch.bfloat16 if use_bf16 else torch.float32, vocab)
+                loss = opts.ce_weight * weighted_ce(logits, labels, b["valid"], weights) + \
                     opts.tv_weight * tv_distance(p, logits, b["valid"], weights)
             row += logits.shape[0]
             (loss * w).backward()
@@ -514,6 +550,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--warmup-frac", type=float, default=0.05)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (faster on these CPUs)")
+    p.add_argument("--vocab-subset", type=int, default=0,
+                   help="train the losses over the N most frequent tokens of the data + the batch labels "
+                        "(the frozen LM head's rows for them only; 0 = full vocabulary). Eval is full-vocab.")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-anchors", type=int, default=256)
     p.add_argument("--save-every", type=int, default=50)
@@ -544,7 +583,7 @@ def options_from_args(args) -> TrainOptions:
         lr=args.lr, batch_size=args.batch_size, seqs_per_batch=args.seqs_per_batch, warmup_frac=args.warmup_frac,
         gamma=args.gamma, ce_weight=args.ce_weight, tv_weight=args.tv_weight, clip=args.clip, bf16=args.bf16,
         eval_every=args.eval_every, eval_anchors=args.eval_anchors, save_every=args.save_every, seed=args.seed,
-        student_history=args.history, resume=args.resume, progress=not args.no_progress, config_overrides=ov,
+        student_history=args.history, vocab_subset=args.vocab_subset, resume=args.resume, progress=not args.no_progress, config_overrides=ov,
         time_budget_s=budget,
     )
 

@@ -1,0 +1,159 @@
+"""`sglang-dlite train-default` (`make train-default`): the shipped drafter's whole recipe.
+
+    1. gen-data   DEFAULT_GEN (reuses finished shards in --data)
+    2. features   captured during gen-data (computed by `train` for any shard that lacks them)
+    3. train      teacher -> distill -> stabilize with DEFAULT_TRAIN (bf16 autocast)
+    4. export     the stabilized DLite drafter in bf16 safetensors + a model card
+
+Sized for a 2-core, 24 GiB machine: the stage budgets (``--stage-budget-min``) cap every stage's
+wall time, the cosine schedule is compressed to what fits, and everything is resumable (rerun
+the same command after an interruption: finished shards and stages are kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+
+DEFAULT_DATA = os.path.join("artifacts", "train", "data")
+DEFAULT_OUT = os.path.join("artifacts", "train", "default")
+DEFAULT_GEN = dict(
+    prompts=["sharegpt:144", "bfcl:96", "stdlib:96"], shard_size=24, max_new_tokens=192, max_turns=2,
+    max_user_tokens=640, max_len=1536, temperature=0.0, top_p=1.0, seed=0,
+)
+DEFAULT_TRAIN = dict(
+    steps_teacher=400, steps_distill=400, steps_stabilize=600, lr=1e-3, batch_size=64, seqs_per_batch=4,
+    gamma=4.0, ce_weight=1.0, tv_weight=1.0, clip=1.0, warmup_frac=0.05, bf16=True, vocab_subset=8192,
+    eval_every=100, eval_anchors=256, save_every=25, seed=0,
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="default")
+    p.add_argument("--data", default=DEFAULT_DATA)
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--export", default=None, help="export folder (default: OUT/dlite-smollm2-135m)")
+    p.add_argument("--install", action="store_true",
+                   help="also copy the exported drafter into the package (the shipped default checkpoint)")
+    p.add_argument("--gen-max-shards", type=int, default=None, help="generate at most this many new shards")
+    p.add_argument("--skip-gen", action="store_true", help="train on the shards already in --data")
+    p.add_argument("--stage-budget-min", type=float, default=40.0, help="wall-time cap per training stage")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--single-stage", action="store_true", help="the single-stage ablation instead")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _ns(**kw):
+    return argparse.Namespace(**kw)
+
+
+def gen_args(args):
+    g = DEFAULT_GEN
+    return _ns(target=args.target, prompts=list(g["prompts"]), out=args.data, shard_size=g["shard_size"],
+               max_new_tokens=g["max_new_tokens"], max_len=g["max_len"], max_turns=g["max_turns"],
+               max_user_tokens=g["max_user_tokens"], temperature=g["temperature"], top_p=g["top_p"], seed=g["seed"],
+               threads=args.threads, max_shards=args.gen_max_shards, capture_layers=None, no_features=False)
+
+
+def train_args(args, out):
+    t = DEFAULT_TRAIN
+    return _ns(data=args.data, out=out, target=args.target, stages="teacher,distill,stabilize",
+               single_stage=args.single_stage, history="none", steps_teacher=t["steps_teacher"],
+               steps_distill=t["steps_distill"], steps_stabilize=t["steps_stabilize"], lr=t["lr"],
+               batch_size=t["batch_size"], seqs_per_batch=t["seqs_per_batch"], gamma=t["gamma"],
+               ce_weight=t["ce_weight"], tv_weight=t["tv_weight"], clip=t["clip"], warmup_frac=t["warmup_frac"],
+               bf16=t["bf16"], vocab_subset=t["vocab_subset"], eval_every=t["eval_every"],
+               eval_anchors=t["eval_anchors"], save_every=t["save_every"], resume=True, seed=t["seed"],
+               threads=args.threads, num_context_positions=None, num_layers=None, target_layer_ids=None,
+               stage_budget_min=args.stage_budget_min, no_progress=args.no_progress)
+
+
+def summarize(out_dir: str, data_dir: str) -> dict:
+    """Numbers for the model card, from the manifest, train_info, DONE files and metrics."""
+    from .data import read_manifest
+
+    man = read_manifest(data_dir)
+    shards = man.get("shards", [])
+    s = {"data": {"shards": len(shards), "sequences": sum(x["num_seqs"] for x in shards),
+                  "tokens": sum(x["num_tokens"] for x in shards),
+                  "generated_tokens": sum(x["num_loss_tokens"] for x in shards),
+                  "by_source": {}, "recipe": man.get("recipe", {}), "runs": man.get("runs", [])}}
+    for x in shards:
+        src = x.get("source") or x["file"].rsplit("_", 1)[0]
+        d = s["data"]["by_source"].setdefault(src, {"sequences": 0, "generated_tokens": 0})
+        d["sequences"] += x["num_seqs"]
+        d["generated_tokens"] += x["num_loss_tokens"]
+    stages = {}
+    for st in ("teacher", "distill", "stabilize"):
+        p = os.path.join(out_dir, st, "DONE.json")
+        if os.path.isfile(p):
+            with open(p) as f:
+                stages[st] = json.load(f)
+    s["stages"] = stages
+    recs = []
+    mp = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.isfile(mp):
+        recs = [json.loads(x) for x in open(mp) if x.strip()]
+    s["final_eval"] = {}
+    for st in stages:
+        ev = [r for r in recs if r.get("stage") == st and "tau_proxy" in r]
+        tr = [r for r in recs if r.get("stage") == st and "loss" in r]
+        if ev:
+            s["final_eval"][st] = {k: ev[-1][k] for k in ("tau_proxy", "acc_per_pos", "eval_anchors")}
+        if tr:
+            s["final_eval"].setdefault(st, {})["final_loss"] = round(tr[-1]["loss"], 4)
+            s["final_eval"][st]["anchors_per_s"] = tr[-1].get("anchors_per_s")
+    ip = os.path.join(out_dir, "train_info.json")
+    if os.path.isfile(ip):
+        with open(ip) as f:
+            s["train_info"] = json.load(f)
+    return s
+
+
+def export(model_dir: str, dest: str, card: str) -> str:
+    import torch
+
+    from ..model import DLiteDrafter
+
+    m = DLiteDrafter.from_pretrained(model_dir)
+    tmp = dest.rstrip("/") + ".partial"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    m.save_pretrained(tmp, dtype=torch.bfloat16)
+    with open(os.path.join(tmp, "README.md"), "w") as f:
+        f.write(card)
+    if os.path.exists(dest):
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    return dest
+
+
+def run(args) -> int:
+    from . import gen_data, train
+
+    t0 = time.time()
+    if not args.skip_gen:
+        gen_data.run(gen_args(args))
+    t1 = time.time()
+    out = args.out if not args.single_stage else args.out + "-single-stage"
+    train.run(train_args(args, out))
+    t2 = time.time()
+    from .model_card import render_card
+
+    final = os.path.join(out, "stabilize", "model")
+    summary = summarize(out, args.data)
+    summary["wall_s"] = {"gen_data_this_run": round(t1 - t0, 1), "train_this_run": round(t2 - t1, 1)}
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    dest = args.export or os.path.join(out, "dlite-smollm2-135m")
+    export(final, dest, render_card(summary))
+    print(f"train-default: exported {dest} ({os.path.getsize(os.path.join(dest, 'model.safetensors')) / 1e6:.1f} MB)")
+    if args.install:
+        from ..drafters import SHIPPED_DRAFTER_DIR
+
+        export(final, SHIPPED_DRAFTER_DIR, render_card(summary))
+        print(f"train-default: installed as the shipped default drafter in {SHIPPED_DRAFTER_DIR}")
+    return 0
