@@ -10,7 +10,7 @@ SITE = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"
 export SGLANG_DLITE_CACHE ?= $(CURDIR)/artifacts/cache
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo build-ext cuda-check train-default bench clean
+.PHONY: venv test demo build-ext cuda-check train-default train-baselines bench clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,13 @@ cuda-check:
 
 train-default: venv build-ext
 	$(VENV)/bin/sglang-dlite train-default
+
+# Baselines of issue 6 (EAGLE-3, DFlash, DSpark, DLite ablations) on the same gen-data folder, into
+# artifacts/baselines/NAME/ (git-ignored; where `--drafter NAME` looks). ngram needs no training.
+BASELINE_DATA ?= artifacts/train/data
+BASELINES ?= eagle3 dflash dspark dlite-teacher dlite-window128 dlite-window512 dlite-single
+train-baselines: venv
+	@for n in $(BASELINES); do $(PY) -m sglang_dlite.baselines.train --drafter-type $$n --data $(BASELINE_DATA) $(BASELINE_ARGS) || exit 1; done
 
 clean:
 	rm -rf build *.egg-info
