@@ -71,8 +71,7 @@ class DLiteBench:
     def prepare(self, batch, context):
         cfg = self.cfg
         L, C, H = cfg.num_capture_layers, cfg.num_context_positions, cfg.target_hidden_size
-        if context not in self.buffers:
-            self.buffers.clear()  # one simulated captured-hidden buffer [L, context, H] at a time
+        if context not in self.buffers:  # one simulated captured-hidden buffer [L, context, H]
             self.buffers[context] = torch.randn(L, context, H, device=self.device, dtype=self.dtype)
         buf = self.buffers[context]
         # request b's newest committed position is context-1-b: it reads positions end-C..end-1
@@ -139,7 +138,7 @@ def set_impl(impl):
 
 
 def time_rounds(runners, reps, warmup, device):
-    """runners: {name: (fn, state)}. Interleaved; returns {name: [ms, ...]}."""
+    """runners: {key: (setup, fn, state)}. Interleaved round by round; returns {key: [ms, ...]}."""
     for _ in range(warmup):
         for name, (setup, fn, state) in runners.items():
             setup()
@@ -212,21 +211,24 @@ def main(argv=None):
         bench = DRAFTERS[dname](args, device, dtype)
         print(f"# {dname}: {bench.describe()}")
         verify = VerifyBench(args, device, dtype, bench.cfg.block_size) if do_verify else None
-        for ctx in contexts:
-            for B in batches:
-                state = bench.prepare(B, ctx)
-                runners = {i: ((lambda i=i: set_impl(i)), bench.round, state) for i in impls}
-                # same tokens from every implementation (greedy; random weights, near-ties aside)
+        for B in batches:
+            # every (implementation, context) of one batch size is timed in one interleaved loop,
+            # so load changes on a shared machine hit all of them alike
+            states = {ctx: bench.prepare(B, ctx) for ctx in contexts}
+            runners = {(i, ctx): ((lambda i=i: set_impl(i)), bench.round, states[ctx]) for ctx in contexts for i in impls}
+            agree = {}
+            for ctx in contexts:  # same tokens from every implementation (greedy; near-ties aside)
                 toks = {}
                 for i in impls:
                     set_impl(i)
-                    toks[i] = bench.round(state).cpu()
-                agree = {i: float((toks[i] == toks[impls[0]]).float().mean()) for i in impls}
-                times = time_rounds(runners, args.reps, args.warmup, device)
+                    toks[i] = bench.round(states[ctx]).cpu()
+                agree[ctx] = {i: float((toks[i] == toks[impls[0]]).float().mean()) for i in impls}
+            times = time_rounds(runners, args.reps, args.warmup, device)
+            for ctx in contexts:
                 row = {"drafter": dname, "batch": B, "context": ctx,
-                       "ms": {i: statistics.median(t) for i, t in times.items()},
-                       "ms_min": {i: min(t) for i, t in times.items()},
-                       "token_agreement_vs_" + impls[0]: agree}
+                       "ms": {i: statistics.median(times[(i, ctx)]) for i in impls},
+                       "ms_min": {i: min(times[(i, ctx)]) for i in impls},
+                       "token_agreement_vs_" + impls[0]: agree[ctx]}
                 if verify is not None:
                     vstate = verify.prepare(B, ctx)
                     vt = time_rounds({"verify": ((lambda: None), verify.round, vstate)}, max(5, args.reps // 2), 2, device)
@@ -236,6 +238,7 @@ def main(argv=None):
                 results.append(row)
                 extra = f" verify {row['verify_ms']:.2f} ms" if verify is not None else ""
                 print(f"{dname:6s} B={B:3d} ctx={ctx:6d} " + " ".join(f"{i}={row['ms'][i]:8.2f} ms" for i in impls) + extra, flush=True)
+            del states
         del bench
     set_impl("auto")
     env["loadavg_end"] = os.getloadavg()
@@ -254,6 +257,7 @@ def main(argv=None):
             rh = next(r for r in results if r["drafter"] == dname and r["batch"] == B and r["context"] == hi)
             for i in impls:
                 summary["context_ratio"].setdefault(f"{dname}/{i}", {})[f"B={B}: {hi}/{lo}"] = rh["ms"][i] / rl["ms"][i]
+                summary.setdefault("context_ratio_of_min", {}).setdefault(f"{dname}/{i}", {})[f"B={B}: {hi}/{lo}"] = rh["ms_min"][i] / rl["ms_min"][i]
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
