@@ -151,8 +151,12 @@ def train_copy_dlite(path, target_path, steps: int = 40, seed: int = 0) -> str:
     return str(path)
 
 
+_REF_ENGINES: dict = {}
+
+
 def reference_greedy(target_path, drafter_path, prompts, max_new_tokens, eos=()):
-    """The HF reference engine's greedy outputs (the correctness oracle) for token-id prompts."""
+    """The HF reference engine's greedy outputs (the correctness oracle) for token-id prompts.
+    One reference engine per (target, drafter) is kept for the process."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -160,13 +164,13 @@ def reference_greedy(target_path, drafter_path, prompts, max_new_tokens, eos=())
     from sglang_dlite.engine import ReferenceEngine
     from sglang_dlite.model import DLiteDrafter
 
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
-    d = DLiteDrafter.from_pretrained(drafter_path).bind_hf_target(target)
-    eng = ReferenceEngine(target, DLiteEngineDrafter(d), eos_token_ids=eos)
-    try:
-        return [eng.generate(list(p), max_new_tokens).output_ids for p in prompts]
-    finally:
-        eng.close()
+    key = (str(target_path), str(drafter_path), tuple(eos))
+    eng = _REF_ENGINES.get(key)
+    if eng is None:
+        target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+        d = DLiteDrafter.from_pretrained(drafter_path).bind_hf_target(target)
+        eng = _REF_ENGINES[key] = ReferenceEngine(target, DLiteEngineDrafter(d), eos_token_ids=eos)
+    return [eng.generate(list(p), max_new_tokens).output_ids for p in prompts]
 
 
 @contextlib.contextmanager

@@ -377,9 +377,8 @@ def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
     V = probs.shape[-1]
     rank = torch.arange(V, device=probs.device)[None, None, :]
     k = top_ks.to(probs.device).clamp(min=1, max=V).view(-1, 1, 1)
-    keep = rank < k
     cum = sorted_p.cumsum(-1)
-    keep &= (cum - sorted_p) <= top_ps.to(probs.device).view(-1, 1, 1).float()
+    keep = (rank < k) & ((cum - sorted_p) <= top_ps.to(probs.device).view(-1, 1, 1).float())
     keep[..., 0] = True
     sorted_p = sorted_p * keep
     out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
