@@ -16,6 +16,15 @@ from sglang_dlite.training.data import DataError, load_shard, save_shard, write_
 from sglang_dlite.training.features import compute_features, save_features
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one torch thread is much faster than two on a loaded CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # ---------------------------------------------------------------------------- losses
 def test_position_weights_hand_computed():
     w = losses.position_weights(4, 2.0)
@@ -145,7 +154,7 @@ def test_resume_mid_stage(tmp_path, tiny_target):
 
     data = _tiny_data(tmp_path, tiny_target, n_seqs=3)
     out = str(tmp_path / "run")
-    train_pipeline(tiny_target, data, out, _opts(stages=["stabilize"], steps={"stabilize": 10}))
+    train_pipeline(tiny_target, data, out, _opts(stages=["stabilize"], steps={"stabilize": 10}, vocab_subset=48))
     ck = torch.load(os.path.join(out, "stabilize", "ckpt.pt"), weights_only=False)
     assert ck["step"] == 10
     os.remove(os.path.join(out, "stabilize", "DONE.json"))
