@@ -24,6 +24,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # draft_cost.markdown_table / plot
 BUCKETS = ("0-1k", "1-2k", "2-4k", "4-8k", ">=8k")
 DRAFTER_ORDER = ("dlite", "dlite-teacher", "dlite-window128", "dlite-window512", "dlite-single",
                  "eagle3", "dflash", "dspark", "ngram")
@@ -177,7 +178,6 @@ def _load(x):
 
 
 def tables_draft_cost(dc) -> list:
-    sys.path.insert(0, str(ROOT / "bench"))
     from draft_cost import markdown_table
 
     env = dc.get("env", {})

@@ -271,3 +271,54 @@ def test_reference_training_loop_learns_and_writes_a_loadable_checkpoint(tiny_ta
         d = make_baseline_drafter(name, str(out), tiny_target)
         eng = ReferenceEngine(tiny_target, d, [EOS])
         assert eng.generate(seqs[0][:8], 8).output_ids == greedy_ref(tiny_target, seqs[0][:8], 8)
+
+
+def test_acceptance_harness_runs_baselines_and_report_renders(tmp_path):
+    """bench/acceptance.py --drafter ngram / dspark:PATH on a tiny target with SmolLM2's tokenizer,
+    then bench/report.py over those results + a small draft-cost run."""
+    import importlib.util
+    import os
+
+    from transformers import AutoTokenizer
+
+    from conftest import make_tiny_llama
+    from sglang_dlite.target import resolve_target
+    from test_acceptance import CONVS
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def load(name):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(root, "bench", f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    tok = AutoTokenizer.from_pretrained(resolve_target("default"))
+    target = make_tiny_llama(seed=3, vocab=len(tok), hidden=64, layers=6)
+    target.config.eos_token_id = tok.eos_token_id
+    ckpt = tmp_path / "target"
+    target.save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text("".join(json.dumps(c) + "\n" for c in CONVS))
+    tiny_baseline("dspark", target).save_pretrained(str(tmp_path / "dspark"))
+    res = tmp_path / "results"
+    acc = load("acceptance")
+    for spec in ("ngram", f"dspark:{tmp_path / 'dspark'}"):
+        name = spec.split(":")[0]
+        rc = acc.main(["--drafter", spec, "--target", str(ckpt), "--workload", str(wl), "--max-new-tokens", "12",
+                       "--check-lossless", "--threads", "1", "--no-progress", "--out", str(res / f"acc_{name}_tiny.json")])
+        assert rc == 0
+        r = json.loads((res / f"acc_{name}_tiny.json").read_text())
+        assert r["lossless_mismatches"] == 0 and r["rounds"] > 0
+    assert load("draft_cost").main(["--drafter", "dlite,dflash,ngram", "--contexts", "64,256", "--rounds", "2",
+                                    "--warmup", "1", "--out", str(res / "draft_cost.json")]) == 0
+    dc = json.loads((res / "draft_cost.json").read_text())
+    mem = {(r["drafter"], r["context"]): r["memory_bytes"] for r in dc["results"]}
+    assert mem[("dflash", 256)] > mem[("dflash", 64)] > 0 and mem[("dlite", 256)] == 0
+    assert load("report").main(["--results", str(res), "--out", str(tmp_path / "RESULTS.md"),
+                                "--plots", str(tmp_path / "plots")]) == 0
+    md = (tmp_path / "RESULTS.md").read_text()
+    assert "| ngram |" in md and "| dspark:" in md and "cost 256/64" in md
+    assert sorted(os.listdir(tmp_path / "plots")) == ["draft_ms_vs_context.png", "speedup_per_workload.png",
+                                                      "tau_vs_context.png"]
