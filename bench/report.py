@@ -115,6 +115,8 @@ def tables_acceptance(acc) -> list:
                   "Cell: tau (rounds).", ""]
         lines.append("| drafter | " + " | ".join(workloads) + " | all (rounds-weighted) |")
         lines.append("|---|" + "---|" * (len(workloads) + 1))
+        warned = {d: sorted({w for (dd, _), r in rs.items() if dd == d for w in (r.get("drafter_warnings") or [])})
+                  for d in drafters}
         for d in drafters:
             cells, num, den = [], 0.0, 0
             for w in workloads:
@@ -125,7 +127,11 @@ def tables_acceptance(acc) -> list:
                 cells.append(f"{r['tau']:.2f} ({r.get('rounds', 0)})")
                 num += r["tau"] * r.get("rounds", 0)
                 den += r.get("rounds", 0)
-            lines.append(f"| {d} | " + " | ".join(cells) + f" | {fmt(num / den if den else None)} |")
+            mark = " †" if warned[d] else ""
+            lines.append(f"| {d}{mark} | " + " | ".join(cells) + f" | {fmt(num / den if den else None)} |")
+        for d in drafters:
+            for w in warned[d]:
+                lines.append(f"\n† {d}: {w}")
         lines += ["", f"### tau per context bucket, all workloads pooled ({tag})", "",
                   "Context = committed tokens before the round. Cell: tau (rounds).", ""]
         buckets = [b for b in BUCKETS if any(b in (r.get("tau_by_context") or {}) for r in rs.values())]
@@ -212,7 +218,11 @@ def plot_all(acc, dc, plots: Path) -> list:
             pooled = pooled_by_context([r for k, r in ref.items() if k[1] == d])
             xs = [b for b in BUCKETS if b in pooled]
             if xs:
-                ax.plot(xs, [pooled[b][0] for b in xs], marker="o", label=d)
+                ax.plot([BUCKETS.index(b) for b in xs], [pooled[b][0] for b in xs], marker="o", label=d)
+        used = [i for i, b in enumerate(BUCKETS) if any(b in pooled_by_context([r for k, r in ref.items() if k[1] == d])
+                                                        for d in drafters)]
+        ax.set_xticks(used)
+        ax.set_xticklabels([BUCKETS[i] for i in used])
         ax.set_xlabel("context length before the round (tokens)")
         ax.set_ylabel("acceptance length tau")
         ax.set_title("tau vs context length (all workloads pooled)")
