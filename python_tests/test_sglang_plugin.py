@@ -271,3 +271,25 @@ def test_rejection_sampling_preserves_target_distribution():
         is_all_greedy=False, temperatures=torch.ones(8, 1), top_ps=torch.ones(8), top_ks=torch.ones(8, dtype=torch.int64)))
     ga, gb = _accept(drafts[:8], logits[:8], None)
     assert a2.tolist() == ga.tolist() and b2.tolist() == gb.tolist()
+
+
+def test_plugin_never_loads_the_cpu_standins():
+    """In a process without the test environment (as on a CUDA deployment), registering the
+    plugin loads none of cpu_support/sglang_cpu."""
+    code = (
+        "import sys\n"
+        "from sglang_dlite.sglang_plugin import register\n"
+        "register()\n"
+        "from sglang.srt.speculative.spec_info import SpeculativeAlgorithm\n"
+        "assert SpeculativeAlgorithm.from_string('DLITE').name == 'DLITE'\n"
+        "bad = [m for m in ('dlite_cpu_verify_hook', 'sitecustomize') if m in sys.modules and "
+        "'sglang_cpu' in (getattr(sys.modules[m], '__file__', '') or '')]\n"
+        "sk = sys.modules.get('sgl_kernel')\n"
+        "if sk is not None and getattr(sk, 'IS_DLITE_CPU_STANDIN', False): bad.append('sgl_kernel')\n"
+        "print('LOADED', bad)\n"
+    )
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "SGLANG_USE_CPU_ENGINE", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240,
+                       cwd=str(F.REPO.parent))
+    assert "LOADED []" in r.stdout, r.stdout + r.stderr[-3000:]

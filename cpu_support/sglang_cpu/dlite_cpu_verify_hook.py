@@ -2,9 +2,10 @@
 
 ``TorchNativeAttnBackend`` has no TARGET_VERIFY mode: ``ForwardBatch.init_new`` leaves
 ``extend_prefix_lens`` / ``extend_seq_lens`` unset for it. This wraps ``forward_extend`` so that a
-TARGET_VERIFY forward is run as an extend of the W = tokens/requests verify tokens per request
-on top of the committed prefix (prefix = seq_lens, extend = W, kv = seq_lens + W), with the usual
-causal mask: exactly a chain verify. Installed lazily (on first import of the backend) by
+TARGET_VERIFY forward writes the W = tokens/requests verify tokens' K/V into their reserved slots
+and attends, per request, W queries over the committed prefix (seq_lens) + the verify tokens with
+a causal mask: exactly a chain verify. (The backend's own extend path would build a query the
+length of the whole context, O(context^2) per verify; this is O(W * context), like decode.) Installed lazily (on first import of the backend) by
 ``sitecustomize`` in this folder; never used on a CUDA deployment.
 """
 
@@ -19,6 +20,8 @@ def patch(module) -> None:
     if getattr(cls, "_dlite_verify_patched", False):
         return
     orig = cls.forward_extend
+    sdpa = module.scaled_dot_product_attention
+    KVWriteLoc = module.KVWriteLoc
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         fb = forward_batch
@@ -26,17 +29,37 @@ def patch(module) -> None:
             return orig(self, q, k, v, layer, fb, save_kv_cache)
         import torch
 
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(fb.out_cache_loc, self.swa_out_cache_loc), k, v
+            )
         bs = fb.batch_size
         width = q.shape[0] // max(bs, 1)
-        saved = (fb.seq_lens, fb.extend_prefix_lens, fb.extend_seq_lens)
-        prefix = fb.seq_lens
-        fb.extend_prefix_lens = prefix
-        fb.extend_seq_lens = torch.full_like(prefix, width)
-        fb.seq_lens = prefix + width
-        try:
-            return orig(self, q, k, v, layer, fb, save_kv_cache)
-        finally:
-            fb.seq_lens, fb.extend_prefix_lens, fb.extend_seq_lens = saved
+        hq, hk = layer.tp_q_head_num, layer.tp_k_head_num
+        q_ = q.view(-1, hq, layer.qk_head_dim)
+        o = q.new_empty((q.shape[0], hq * layer.v_head_dim))
+        o_ = o.view(-1, hq, layer.v_head_dim)
+        kbuf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        vbuf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        r2t = self.req_to_token_pool.req_to_token
+        prefixes = fb.seq_lens.tolist()
+        rows = fb.req_pool_indices.tolist()
+        steps = torch.arange(width)
+        for i in range(bs):
+            pre = int(prefixes[i])
+            total = pre + width
+            locs = r2t[rows[i], :total]
+            kk = kbuf[locs].movedim(0, 1)  # [Hkv, total, D]
+            vv = vbuf[locs].movedim(0, 1)
+            qq = q_[i * width:(i + 1) * width].movedim(0, 1)  # [Hq, W, D]
+            if kk.dtype != qq.dtype:
+                kk, vv = kk.to(qq.dtype), vv.to(qq.dtype)
+            # verify token j sees the committed prefix and verify tokens 0..j (causal chain)
+            mask = torch.arange(total)[None, :] <= (pre + steps)[:, None]
+            out = sdpa(qq[None], kk[None], vv[None], attn_mask=mask, scale=layer.scaling,
+                       enable_gqa=hq != hk)
+            o_[i * width:(i + 1) * width] = out[0].movedim(0, 1)
+        return o
 
     cls.forward_extend = forward_extend
     cls._dlite_verify_patched = True

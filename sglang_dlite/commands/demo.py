@@ -90,6 +90,7 @@ def _run_sglang(target, draft, reqs, max_new, eos):
     import sglang_fixtures as F
 
     F.activate_cpu_standins()
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # sglang's CPU-platform warnings, x3 processes
     sp = {"temperature": 0.0, "max_new_tokens": max_new}
     t0 = time.perf_counter()
     e = F.start_engine(target, dlite=draft, max_total_tokens=32768, chunked_prefill_size=8192)
