@@ -121,6 +121,51 @@ class Conversation:
         return L * (self.accept + 1) * H * es
 
 
+class LatencyBench:
+    """A KV baseline in ``bench/draft_latency.py``'s protocol (``DRAFTERS`` entry): prepare(batch,
+    context) -> one simulated conversation per request; round(state) = every request extends by
+    ``accept`` + 1 tokens and drafts, then is rewound (cache cropped back), so repeated rounds
+    measure the same steady state. The ops implementation switch does not apply (plain torch)."""
+
+    name = "?"
+    accept = 2
+
+    def __init__(self, args, device, dtype):
+        if torch.device(device).type != "cpu":
+            raise SystemExit(f"{self.name}: the baseline adapters run on the CPU in this benchmark")
+        torch.manual_seed(0)
+        emb = torch.randn(SMOLLM2.vocab_size, SMOLLM2.hidden_size, dtype=dtype) * 0.02
+        self.drafter, self._desc = build(self.name, emb, dtype)
+        self.cfg = self.drafter.model.config
+        self.dtype = dtype
+        self.hid = None
+
+    def describe(self):
+        return f"{self.name} {self._desc} (own KV cache; {self.accept} accepted + 1 bonus per round)"
+
+    def prepare(self, batch, context):
+        L = len(self.drafter.capture_layer_ids)
+        if self.hid is None or self.hid.shape[1] < context + self.accept + 2:
+            self.hid = torch.randn(L, context + self.accept + 2, SMOLLM2.hidden_size, dtype=self.dtype)
+        return [Conversation(self.drafter, context, 1, self.accept, self.hid, seed=b) for b in range(batch)]
+
+    def round(self, convs):
+        out = []
+        for c in convs:
+            n0 = len(c.tokens)
+            out.append(c.round().tokens)
+            del c.tokens[n0:]  # rewind: same list object, cache back to the committed positions
+            st = c.state[c.d.state_key]
+            st.crop(n0 - 1)
+            mark_synced(st, c.tokens)
+        return torch.cat(out)
+
+
+def latency_benches() -> dict:
+    """DRAFTERS entries for bench/draft_latency.py."""
+    return {n: type(f"{n}LatencyBench", (LatencyBench,), {"name": n}) for n in ("eagle3", "dflash", "dspark")}
+
+
 def _tensor_bytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()

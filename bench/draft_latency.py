@@ -88,6 +88,9 @@ class DLiteBench:
 
 
 DRAFTERS = {"dlite": DLiteBench}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draft_cost import latency_benches  # noqa: E402  (issue 6 baselines: eagle3, dflash, dspark)
+DRAFTERS.update(latency_benches())
 
 
 # ----------------------------------------------------------------------------- verify (GPU)
