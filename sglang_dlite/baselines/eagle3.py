@@ -29,7 +29,7 @@ import torch.nn as nn
 from ..drafters import DraftRequest
 from ..errors import DLiteInputError
 from .common import (
-    MLP, Attention, BaselineConfig, BoundTargetMixin, CacheState, RMSNorm, anchor_targets,  # noqa: F401
+    MLP, Attention, BaselineConfig, BoundTargetMixin, CacheState, RMSNorm,
     attend, check_training_inputs, init_weights, mark_synced, proposal, sample, valid_cached_prefix,
 )
 
