@@ -110,6 +110,7 @@ def main(argv=None) -> int:
          "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
          "seed": args.seed}
     r.update(stats.to_dict())
+    r["per_turn"] = stats.per_turn
     if args.check_lossless and not greedy:
         r["lossless_checked"] = False
         r["lossless_mismatches"] = None
@@ -122,7 +123,6 @@ def main(argv=None) -> int:
     r.update({"torch_threads": torch.get_num_threads(), "target_load_s": load_s,
               "drafter_warnings": drafter_warnings, "torch_version": torch.__version__,
               "python": platform.python_version(), "argv": sys.argv[1:] if argv is None else list(argv)})
-    r.pop("per_turn", None)
     write_json_atomic(args.out, r)
     print(summary_line(r))
     return 0
