@@ -394,6 +394,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shards", type=int, default=None, help="stop after this many new shards")
     p.add_argument("--worker", default="0/1", help="i/n: this process generates the shards with index %% n == i "
                    "(run n single-thread processes in parallel; they share --out safely)")
+    p.add_argument("--reverse", action="store_true", help="work through the plan from its end (extra workers)")
     p.add_argument("--capture-layers", type=str, default=None,
                    help="comma-separated target layers whose outputs to cache as training features "
                         "(default: DLiteConfig's proportional choice, 10,12 for 30 layers)")
@@ -413,6 +414,30 @@ def _locked_update(out, fn):
             return m
         finally:
             fcntl.flock(lk, fcntl.LOCK_UN)
+
+
+def _claim(out, fname) -> bool:
+    """Claim a shard for this process (a claim file with our pid; stale claims are taken over)."""
+    path = os.path.join(out, fname + ".claim")
+    if os.path.isfile(os.path.join(out, fname)):
+        return False
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            return True
+        except FileExistsError:
+            try:
+                pid = int(open(path).read().strip() or 0)
+                os.kill(pid, 0)
+                return pid == os.getpid()
+            except (ValueError, OSError):
+                try:
+                    os.remove(path)  # stale: its process is gone
+                except OSError:
+                    pass
+    return False
 
 
 def _append_shard(out, info):
@@ -485,6 +510,8 @@ def run(args) -> int:
         fcntl.flock(lk, fcntl.LOCK_UN)
     wi, wn = (int(x) for x in getattr(args, "worker", "0/1").split("/"))
     todo = [x for j, x in enumerate(plan) if x[0] not in done and j % wn == wi]
+    if getattr(args, "reverse", False):
+        todo = todo[::-1]
     if args.max_shards is not None:
         todo = todo[: args.max_shards]
     print(f"gen-data: {len(plan)} shards planned, {len(done)} done, {len(todo)} to generate by worker {wi}/{wn} -> {args.out}")
@@ -503,6 +530,8 @@ def run(args) -> int:
     t0 = time.time()
     bar = tqdm(todo, desc="gen-data", unit="shard")
     for fname, src, convs in bar:
+        if not _claim(args.out, fname):
+            continue  # another live worker is generating it, or it is finished
         seqs, masks, feats = gen.run(convs)
         if layers:
             import numpy as np

@@ -98,10 +98,9 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
         lines.append("|---|---|---|---|---|---|---|")
         for r in bench:
             tb = r.get("tau_by_context", {}) or {}
-            lines.append(f"| {r.get('_label', r.get('drafter'))} | {r.get('workload')} | {r.get('num_convs', r.get('max_convs', '–'))} | "
-                         f"{_fmt(r.get('tau'))} | {_fmt((tb.get('0-1k') or {}).get('tau') if isinstance(tb.get('0-1k'), dict) else tb.get('0-1k'))} | "
-                         f"{_fmt((tb.get('4-8k') or {}).get('tau') if isinstance(tb.get('4-8k'), dict) else tb.get('4-8k'))} | "
-                         f"{r.get('lossless_mismatches', '–')} mismatches |")
+            lines.append(f"| {r.get('_label', r.get('drafter'))} | {r.get('workload')} | {r.get('conversations', '–')} | "
+                         f"{_fmt(r.get('tau'))} | {_fmt(tb.get('0-1k'))} | {_fmt(tb.get('4-8k'))} | "
+                         f"{r.get('lossless_mismatches', '–')}/{r.get('lossless_compared_turns', '–')} turns mismatched |")
         lines.append("")
     else:
         lines.append("Not measured yet for this checkpoint (see the commands below).")

@@ -21,7 +21,7 @@ import time
 DEFAULT_DATA = os.path.join("artifacts", "train", "data")
 DEFAULT_OUT = os.path.join("artifacts", "train", "default")
 DEFAULT_GEN = dict(
-    prompts=["sharegpt:144", "bfcl:96", "stdlib:96"], shard_size=24, max_new_tokens=192, max_turns=2,
+    prompts=["sharegpt:144", "bfcl:96", "stdlib:96"], shard_size=12, max_new_tokens=192, max_turns=2,
     max_user_tokens=640, max_len=1536, temperature=0.0, top_p=1.0, seed=0,
 )
 DEFAULT_TRAIN = dict(
@@ -42,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-gen", action="store_true", help="train on the shards already in --data")
     p.add_argument("--stage-budget-min", type=float, default=40.0, help="wall-time cap per training stage")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ddp", type=int, default=1, help="data-parallel training processes")
     p.add_argument("--single-stage", action="store_true", help="the single-stage ablation instead")
     p.add_argument("--no-progress", action="store_true")
 
@@ -68,7 +69,9 @@ def train_args(args, out):
                bf16=t["bf16"], vocab_subset=t["vocab_subset"], eval_every=t["eval_every"],
                eval_anchors=t["eval_anchors"], save_every=t["save_every"], resume=True, seed=t["seed"],
                threads=args.threads, num_context_positions=None, num_layers=None, target_layer_ids=None,
-               stage_budget_min=args.stage_budget_min, no_progress=args.no_progress)
+               stage_budget_min=args.stage_budget_min, no_progress=args.no_progress,
+               engine_eval_convs=1, engine_eval_workloads="sharegpt-heldout,agent-stdlib", engine_eval_max_new_tokens=32,
+               engine_eval_stages="stabilize", ddp=args.ddp)
 
 
 def summarize(out_dir: str, data_dir: str) -> dict:

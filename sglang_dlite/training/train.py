@@ -50,6 +50,46 @@ from .losses import forward_kl, greedy_accept_length, position_weights, tv_dista
 
 STAGES = ("teacher", "distill", "stabilize")
 
+# Data-parallel training over several single-thread processes (``--ddp N``, gloo all-reduce):
+# on a shared, loaded CPU several processes get more CPU time than one with several threads.
+_DIST = {"rank": 0, "world": 1}
+
+
+def is_main() -> bool:
+    return _DIST["rank"] == 0
+
+
+def _barrier():
+    if _DIST["world"] > 1:
+        torch.distributed.barrier()
+
+
+def _allreduce_grads(params, extra: float) -> float:
+    """Average the gradients (and one extra scalar, the loss) over the ranks."""
+    if _DIST["world"] == 1:
+        return extra
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([extra], dtype=grads[0].dtype)])
+    torch.distributed.all_reduce(flat)
+    flat /= _DIST["world"]
+    i = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        if p.grad is None:
+            p.grad = flat[i:i + n].view_as(p).clone()
+        else:
+            p.grad.copy_(flat[i:i + n].view_as(p))
+        i += n
+    return float(flat[-1])
+
+
+def _min_int(x: int) -> int:
+    if _DIST["world"] == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.long)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return int(t)
+
 
 # ---------------------------------------------------------------------------- data
 class FeatureData:
@@ -278,6 +318,7 @@ class TrainOptions:
     progress: bool = True
     config_overrides: dict = field(default_factory=dict)
     engine_eval: Optional[callable] = None  # fn(model, stage, step) -> dict of extra metrics
+    engine_eval_stages: tuple = STAGES  # stages whose end runs engine_eval
     time_budget_s: Optional[dict] = None  # per stage wall budget: stop early (cosine compressed)
 
 
@@ -343,7 +384,8 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
     optim = torch.optim.AdamW([{"params": decay, "weight_decay": opts.weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}], lr=spec.lr, betas=(0.9, 0.95))
     step = 0
-    rng = np.random.default_rng(opts.seed + STAGES.index(spec.name) if spec.name in STAGES else opts.seed)
+    rank = _DIST["rank"]
+    rng = np.random.default_rng([opts.seed, STAGES.index(spec.name), rank])
     ckpt = os.path.join(sdir, "ckpt.pt")
     total = spec.steps
     wall_used = 0.0
@@ -355,7 +397,10 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
         model.load_state_dict(st["model"], strict=False)
         optim.load_state_dict(st["optim"])
         step, total, wall_used = st["step"], st.get("total", total), st.get("wall", 0.0)
-        rng.bit_generator.state = st["rng"]
+        if rank == 0:
+            rng.bit_generator.state = st["rng"]
+        else:
+            rng = np.random.default_rng([opts.seed, STAGES.index(spec.name), rank, step])
         torch.set_rng_state(st["torch_rng"])
         print(f"train[{spec.name}]: resumed at step {step}/{total}")
     warmup = max(1, int(opts.warmup_frac * total))
@@ -377,7 +422,7 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
     model.train()
     if teacher is not None:
         teacher.eval()
-    bar = tqdm(total=total, initial=step, desc=f"train[{spec.name}]", disable=not opts.progress, unit="step")
+    bar = tqdm(total=total, initial=step, desc=f"train[{spec.name}]", disable=not opts.progress or not is_main(), unit="step")
     t_last, n_anchor, loss_acc, n_acc = time.time(), 0, 0.0, 0
     while step < total:
         t0 = time.time()
@@ -427,6 +472,8 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
             (loss * w).backward()
             loss_val += float(loss.detach()) * w
             n_anchor += logits.shape[0]
+        loss_val = _allreduce_grads(params, loss_val)
+        n_anchor += (_DIST["world"] - 1) * sum(len(a) for _, a in groups)
         gn = torch.nn.utils.clip_grad_norm_(params, opts.clip)
         optim.step()
         step += 1
@@ -437,30 +484,36 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
         bar.update(1)
         el = time.time() - t_last
         bar.set_postfix_str(f"loss {loss_val:.3f} lr {lr:.2e} {n_anchor / max(el, 1e-9):.0f} anchors/s")
-        if step % 10 == 0 or step == total:
+        if (step % 10 == 0 or step == total) and is_main():
             _log(out_dir, {"stage": spec.name, "step": step, "loss": loss_acc / n_acc, "lr": lr,
                            "grad_norm": float(gn), "anchors_per_s": round(n_anchor / max(el, 1e-9), 1),
                            "wall_s": round(wall_used, 1)})
             loss_acc, n_acc, n_anchor, t_last = 0.0, 0, 0, time.time()
-        if budget is not None and wall_used > budget and step < total:
-            # out of wall time: shorten the schedule so the cosine ends now-ish (recorded)
-            total = step
-        if step % opts.eval_every == 0 or step >= total:
+        if budget is not None and step % 5 == 0 and step < total:
+            # wall-time cap: re-plan the number of steps from the measured step time, so the
+            # warm-up + cosine schedule still completes inside the budget
+            per = wall_used / max(step, 1)
+            total = max(step + 1, min(total, step + int(max(0.0, budget - wall_used) / max(per, 1e-6))))
+            total = _min_int(total)
+            bar.total = total
+        if (step % opts.eval_every == 0 or step >= total) and is_main():
             ev = evaluate(model, data, egroups, autocast)
             rec = {"stage": spec.name, "step": step, **ev}
-            if opts.engine_eval is not None and step >= total:
+            if opts.engine_eval is not None and step >= total and spec.name in opts.engine_eval_stages:
                 rec.update(opts.engine_eval(model, spec.name, step) or {})
             _log(out_dir, rec)
             bar.write(f"train[{spec.name}] step {step}: held-out tau~{ev['tau_proxy']:.3f} acc/pos {ev['acc_per_pos']}")
             plot_curves(out_dir)
-        if step % opts.save_every == 0 or step >= total:
+        if (step % opts.save_every == 0 or step >= total) and is_main():
             save()
     bar.close()
-    model.save_pretrained(os.path.join(sdir, "model"))
-    with open(os.path.join(sdir, "DONE.json"), "w") as f:
-        json.dump({"steps": step, "wall_s": round(wall_used, 1), "loss": spec.loss, "lr": spec.lr,
-                   "history": cfg.history}, f)
-    plot_curves(out_dir)
+    if is_main():
+        model.save_pretrained(os.path.join(sdir, "model"))
+        with open(os.path.join(sdir, "DONE.json"), "w") as f:
+            json.dump({"steps": step, "wall_s": round(wall_used, 1), "loss": spec.loss, "lr": spec.lr,
+                       "history": cfg.history, "processes": _DIST["world"]}, f)
+        plot_curves(out_dir)
+    _barrier()
     return model
 
 
@@ -471,7 +524,11 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
     tc = target.config
     student_cfg = make_config(tc, opts.student_history, opts.config_overrides)
     layer_ids = student_cfg.target_layer_ids
-    data = FeatureData(data_dir, layer_ids, model_loader=lambda: target, progress=opts.progress)
+    if is_main():
+        data = FeatureData(data_dir, layer_ids, model_loader=lambda: target, progress=opts.progress)
+    _barrier()
+    if not is_main():
+        data = FeatureData(data_dir, layer_ids)
     embed_w = target.get_input_embeddings().weight.detach()
     head_w = target.get_output_embeddings().weight.detach()
     stages = list(opts.stages)
@@ -482,8 +539,10 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
         raise DLiteInputError("the distill stage needs a trained teacher: include 'teacher' in --stages (or train it first into the same --out).")
     info = {"data": data_dir, "train_sequences": len(data.train_idx), "eval_sequences": len(data.eval_idx),
             "train_anchors": data.num_train_anchors, "options": {k: v for k, v in opts.__dict__.items() if k != "engine_eval"}}
-    with open(os.path.join(out_dir, "train_info.json"), "w") as f:
-        json.dump(info, f, indent=1, default=str)
+    info["processes"] = _DIST["world"]
+    if is_main():
+        with open(os.path.join(out_dir, "train_info.json"), "w") as f:
+            json.dump(info, f, indent=1, default=str)
     print(f"train: {len(data.train_idx)} train / {len(data.eval_idx)} held-out sequences, "
           f"{data.num_train_anchors} training anchors")
     done = {}
@@ -558,12 +617,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    p.add_argument("--ddp", type=int, default=1, help="data-parallel processes (gloo); batch-size is per process")
     p.add_argument("--num-context-positions", type=int, default=None)
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--target-layer-ids", default=None)
     p.add_argument("--stage-budget-min", type=float, default=None, help="wall-time cap per stage (minutes)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--engine-eval-convs", type=int, default=0,
+                   help="at the end of each stage, measure tau through the reference engine on this many "
+                        "conversations of each --engine-eval-workloads (0: off)")
+    p.add_argument("--engine-eval-workloads", default="sharegpt-heldout,agent-stdlib")
+    p.add_argument("--engine-eval-max-new-tokens", type=int, default=32)
+    p.add_argument("--engine-eval-stages", default="teacher,distill,stabilize")
 
 
 def options_from_args(args) -> TrainOptions:
@@ -588,13 +654,71 @@ def options_from_args(args) -> TrainOptions:
     )
 
 
+def make_engine_eval(target, tokenizer, workloads: list, max_convs: int, max_new_tokens: int):
+    """Held-out tau through the reference engine (exact rounds) on a small workload sample:
+    ``workloads`` e.g. ["sharegpt-heldout", "agent-stdlib"]; run at the end of every stage."""
+    from ..drafters import DLiteEngineDrafter
+    from ..engine import ReferenceEngine
+    from ..workloads import load_workload
+    from ..workloads.replay import eos_token_ids, evaluate_tau
+
+    convs = {w: load_workload(w, max_convs=max_convs) for w in workloads}
+
+    def fn(model, stage, step):
+        model.eval()
+        out = {}
+        eng = ReferenceEngine(target, DLiteEngineDrafter(model), eos_token_ids=eos_token_ids(tokenizer, target))
+        try:
+            for w, cv in convs.items():
+                r = evaluate_tau(eng, cv, max_new_tokens, tokenizer)
+                out[f"engine_tau/{w}"] = round(float(r["tau"]), 3)
+        except Exception as exc:  # noqa: BLE001 - an eval failure must not lose the training run
+            out["engine_eval_error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            eng.close()
+            model.train()
+        print(f"train[{stage}] step {step}: reference-engine tau {out}")
+        return out
+
+    return fn
+
+
+def _ddp_worker(rank, args, port):
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=args.ddp)
+    _DIST.update(rank=rank, world=args.ddp)
+    try:
+        _run(args)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def run(args) -> int:
+    if getattr(args, "ddp", 1) > 1:
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        mp.spawn(_ddp_worker, args=(args, port), nprocs=args.ddp, join=True)
+        return 0
+    return _run(args)
+
+
+def _run(args) -> int:
     from ..target import load_target
 
     torch.set_num_threads(args.threads)
-    target, _ = load_target(args.target)
+    target, tok = load_target(args.target)
     opts = options_from_args(args)
+    if getattr(args, "engine_eval_convs", 0) and is_main():
+        opts.engine_eval_stages = tuple(args.engine_eval_stages.split(","))
+        opts.engine_eval = make_engine_eval(target, tok, args.engine_eval_workloads.split(","),
+                                            args.engine_eval_convs, args.engine_eval_max_new_tokens)
     done = train_pipeline(target, args.data, args.out, opts)
     for k, v in done.items():
-        print(f"train: {k} -> {v}")
+        if is_main():
+            print(f"train: {k} -> {v}")
     return 0
