@@ -61,7 +61,7 @@ def _multi_turn(engine, ref_fn):
     o1 = engine.generate(input_ids=p1, sampling_params=_sp(12))
     p2 = p1 + o1["output_ids"] + [7, 8, 9, 10, 11, 12]
     o2 = engine.generate(input_ids=p2, sampling_params=_sp(16))
-    p3 = p2 + o2["output_ids"] + [13, 14]  # an extend shorter than the drafter's window (C=3)
+    p3 = p2 + o2["output_ids"] + [13]  # extend = last output + 1 token: shorter than C=3
     o3 = engine.generate(input_ids=p3, sampling_params=_sp(16))
     got = [o1["output_ids"], o2["output_ids"], o3["output_ids"]]
     want = [ref_fn(p1, 12), ref_fn(p2, 16), ref_fn(p3, 16)]

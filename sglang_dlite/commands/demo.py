@@ -33,10 +33,10 @@ PROMPTS = [
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=("sglang", "reference"), default="sglang")
     p.add_argument("--draft", default=None, help="DLite checkpoint folder (default: the shipped drafter)")
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--workload", default="agent-stdlib", help="workload of the agent conversation")
     p.add_argument("--no-agent", action="store_true", help="skip the agent conversation")
-    p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many plain prompts (0-3)")
+    p.add_argument("--prompts", type=int, default=1, help="how many plain prompts (0-3)")
 
 
 def _drafter_path(args, target_dir) -> str:
@@ -95,6 +95,7 @@ def _run_sglang(target, draft, reqs, max_new, eos):
     t0 = time.perf_counter()
     e = F.start_engine(target, dlite=draft, max_total_tokens=32768, chunked_prefill_size=8192)
     start_s = time.perf_counter() - t0
+    print(f"  sglang Engine ({'DLITE' if draft else 'no speculation'}) started in {start_s:.0f} s", flush=True)
     outs, metas, wall = [], [], 0.0
     try:
         for _, ids in reqs:  # one by one: an agent's turns arrive one after another
@@ -103,6 +104,8 @@ def _run_sglang(target, draft, reqs, max_new, eos):
             wall += time.perf_counter() - t1
             outs.append(list(o["output_ids"]))
             metas.append(o["meta_info"])
+            print(f"  [{'DLITE' if draft else 'no-spec'}] {len(outs)}/{len(reqs)}: "
+                  f"{len(outs[-1])} tokens in {time.perf_counter() - t1:.1f} s", flush=True)
     finally:
         e.shutdown()
     return outs, metas, wall, start_s
