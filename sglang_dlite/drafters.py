@@ -61,7 +61,8 @@ class DLiteEngineDrafter:
         ctx = req.hidden.new_zeros(L, C, H)
         if n:
             ctx[:, C - n:] = req.hidden[:, T - n:]
-        valid = torch.zeros(C, dtype=torch.bool)
+        dev = req.hidden.device
+        valid = torch.zeros(C, dtype=torch.bool, device=dev)
         valid[C - n:] = True
         history = None
         offset = req.hidden_end - C
@@ -72,14 +73,14 @@ class DLiteEngineDrafter:
                 h = h[:, -w:]
             start = req.hidden_end - n - h.shape[1]
             history = History(
-                hidden=h[None], positions=torch.arange(start, start + h.shape[1])[None],
-                valid=torch.ones(1, h.shape[1], dtype=torch.bool),
+                hidden=h[None], positions=torch.arange(start, start + h.shape[1], device=dev)[None],
+                valid=torch.ones(1, h.shape[1], dtype=torch.bool, device=dev),
             )
-        return ctx[None], valid[None], history, torch.tensor([offset])
+        return ctx[None], valid[None], history, torch.tensor([offset], device=dev)
 
     def draft(self, req: DraftRequest) -> DraftProposal:
         ctx, valid, history, offset = self.context_inputs(req)
-        anchor = torch.tensor([req.tokens[-1]])
+        anchor = torch.tensor([req.tokens[-1]], device=req.hidden.device)
         return self.model.propose(
             ctx, valid, anchor, temperature=req.temperature, top_p=req.top_p,
             generator=req.generator, history=history, round_offset=offset,
