@@ -144,6 +144,15 @@ def test_tiny_end_to_end_lowers_loss(tmp_path, tiny_target):
     res = eng.generate([5, 6, 7], 16)
     base = ReferenceEngine(tiny_target).generate([5, 6, 7], 16)
     assert res.output_ids == base.output_ids  # lossless
+    # the model card renders from the run's numbers; the bf16 export reloads
+    from sglang_dlite.training.model_card import render_card
+    from sglang_dlite.training.recipe import export, summarize
+
+    card = render_card(summarize(out, data))
+    assert "| stabilize |" in card and "| teacher |" in card
+    dest = export(done["stabilize"], str(tmp_path / "export"), card)
+    assert DLiteDrafter.from_pretrained(dest).config.history == "none"
+    assert os.path.isfile(os.path.join(dest, "README.md"))
     # resume: finished stages are skipped, nothing is lost
     done2 = train_pipeline(tiny_target, data, out, _opts(resume=True))
     assert done2 == done

@@ -25,9 +25,9 @@ DEFAULT_GEN = dict(
     max_user_tokens=640, max_len=1536, temperature=0.0, top_p=1.0, seed=0,
 )
 DEFAULT_TRAIN = dict(
-    steps_teacher=400, steps_distill=400, steps_stabilize=600, lr=1e-3, batch_size=64, seqs_per_batch=4,
+    steps_teacher=400, steps_distill=400, steps_stabilize=600, lr=1.5e-3, batch_size=32, seqs_per_batch=2,
     gamma=4.0, ce_weight=1.0, tv_weight=1.0, clip=1.0, warmup_frac=0.05, bf16=True, vocab_subset=8192,
-    eval_every=100, eval_anchors=256, save_every=25, seed=0,
+    eval_every=40, eval_anchors=128, save_every=10, seed=0,
 )
 
 
@@ -40,9 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also copy the exported drafter into the package (the shipped default checkpoint)")
     p.add_argument("--gen-max-shards", type=int, default=None, help="generate at most this many new shards")
     p.add_argument("--skip-gen", action="store_true", help="train on the shards already in --data")
-    p.add_argument("--stage-budget-min", type=float, default=40.0, help="wall-time cap per training stage")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--ddp", type=int, default=1, help="data-parallel training processes")
+    p.add_argument("--stage-budget-min", default="40,40,50",
+                   help="wall-time caps (minutes) of the teacher, distill and stabilize stages")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per training process")
+    p.add_argument("--ddp", type=int, default=2, help="data-parallel training processes (batch 32 anchors each)")
     p.add_argument("--single-stage", action="store_true", help="the single-stage ablation instead")
     p.add_argument("--no-progress", action="store_true")
 
@@ -53,10 +54,11 @@ def _ns(**kw):
 
 def gen_args(args):
     g = DEFAULT_GEN
-    return _ns(target=args.target, prompts=list(g["prompts"]), out=args.data, shard_size=g["shard_size"],
+    return _ns(target=args.target, prompts=list(g["prompts"]), out=args.data, shard_size=g["shard_size"], worker="0/1",
+               reverse=False,
                max_new_tokens=g["max_new_tokens"], max_len=g["max_len"], max_turns=g["max_turns"],
                max_user_tokens=g["max_user_tokens"], temperature=g["temperature"], top_p=g["top_p"], seed=g["seed"],
-               threads=args.threads, max_shards=args.gen_max_shards, capture_layers=None, no_features=False)
+               threads=max(2, args.threads), max_shards=args.gen_max_shards, capture_layers=None, no_features=False)
 
 
 def train_args(args, out):

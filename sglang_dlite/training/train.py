@@ -622,7 +622,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-context-positions", type=int, default=None)
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--target-layer-ids", default=None)
-    p.add_argument("--stage-budget-min", type=float, default=None, help="wall-time cap per stage (minutes)")
+    p.add_argument("--stage-budget-min", type=str, default=None,
+                   help="wall-time cap per stage in minutes: one value for every stage, or "
+                        "teacher,distill,stabilize values (e.g. 14,14,17); the cosine schedule is re-planned to fit")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--engine-eval-convs", type=int, default=0,
                    help="at the end of each stage, measure tau through the reference engine on this many "
@@ -643,7 +645,14 @@ def options_from_args(args) -> TrainOptions:
         ov["target_layer_ids"] = [int(x) for x in args.target_layer_ids.split(",")]
     budget = None
     if args.stage_budget_min:
-        budget = {s: args.stage_budget_min * 60 for s in STAGES}
+        vals = [float(x) for x in str(args.stage_budget_min).split(",")]
+        if len(vals) == 1:
+            vals = vals * len(STAGES)
+        if len(vals) != len(STAGES):
+            raise DLiteInputError("--stage-budget-min takes one value or one per stage (teacher,distill,stabilize).")
+        budget = {s: v * 60 for s, v in zip(STAGES, vals)}
+        if args.single_stage:
+            budget["stabilize"] = sum(vals)
     return TrainOptions(
         stages=stages, steps={"teacher": args.steps_teacher, "distill": args.steps_distill, "stabilize": args.steps_stabilize},
         lr=args.lr, batch_size=args.batch_size, seqs_per_batch=args.seqs_per_batch, warmup_frac=args.warmup_frac,
