@@ -115,3 +115,57 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
         "```",
     ]
     return "\n".join(lines) + "\n"
+
+
+def ablation_rows(run_dirs: dict) -> str:
+    """Markdown rows comparing the final held-out tau (expected, greedy) of several runs."""
+    from .recipe import summarize_run
+
+    lines = ["| run | stage | steps | wall (s) | held-out tau (expected) | P[accept] per position |", "|---|---|---|---|---|---|"]
+    for label, d in run_dirs.items():
+        s = summarize_run(d)
+        for st, done in s.get("stages", {}).items():
+            ev = s.get("final_eval", {}).get(st, {})
+            lines.append(f"| {label} | {st} | {done.get('steps')} | {done.get('wall_s')} | "
+                         f"{_fmt(ev.get('tau_proxy'), '.3f')} | {ev.get('acc_per_pos', '–')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Re-render a model card: python -m sglang_dlite.training.model_card --run OUT --data DATA
+    --dest CKPT_DIR [--bench label=result.json ...] [--ablation label=OUT ...] [--note TEXT]."""
+    import argparse
+
+    from .recipe import summarize
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--run", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--dest", required=True)
+    p.add_argument("--bench", nargs="*", default=[])
+    p.add_argument("--ablation", nargs="*", default=[])
+    p.add_argument("--note", default="")
+    p.add_argument("--wall", default=None, help="JSON dict of wall times to record")
+    a = p.parse_args(argv)
+    s = summarize(a.run, a.data)
+    if a.wall:
+        s["wall_s"] = json.loads(a.wall)
+    rows = []
+    for spec in a.bench:
+        label, _, path = spec.partition("=")
+        for r in load_bench([path]):
+            r["_label"] = label
+            rows.append(r)
+    note = a.note
+    if a.ablation:
+        runs = dict(x.partition("=")[::2] for x in a.ablation)
+        note = (note + "\n\n" if note else "") + "### Held-out tau of the runs compared (same data, same held-out anchors)\n\n" + ablation_rows(runs)
+    card = render_card(s, rows, note)
+    with open(os.path.join(a.dest, "README.md"), "w") as f:
+        f.write(card)
+    print(card)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -76,21 +76,9 @@ def train_args(args, out):
                engine_eval_stages="stabilize", ddp=args.ddp)
 
 
-def summarize(out_dir: str, data_dir: str) -> dict:
-    """Numbers for the model card, from the manifest, train_info, DONE files and metrics."""
-    from .data import read_manifest
-
-    man = read_manifest(data_dir)
-    shards = man.get("shards", [])
-    s = {"data": {"shards": len(shards), "sequences": sum(x["num_seqs"] for x in shards),
-                  "tokens": sum(x["num_tokens"] for x in shards),
-                  "generated_tokens": sum(x["num_loss_tokens"] for x in shards),
-                  "by_source": {}, "recipe": man.get("recipe", {}), "runs": man.get("runs", [])}}
-    for x in shards:
-        src = x.get("source") or x["file"].rsplit("_", 1)[0]
-        d = s["data"]["by_source"].setdefault(src, {"sequences": 0, "generated_tokens": 0})
-        d["sequences"] += x["num_seqs"]
-        d["generated_tokens"] += x["num_loss_tokens"]
+def summarize_run(out_dir: str) -> dict:
+    """Stages (DONE files), final held-out eval and loss per stage, train_info of a run folder."""
+    s = {}
     stages = {}
     for st in ("teacher", "distill", "stabilize"):
         p = os.path.join(out_dir, st, "DONE.json")
@@ -108,6 +96,7 @@ def summarize(out_dir: str, data_dir: str) -> dict:
         tr = [r for r in recs if r.get("stage") == st and "loss" in r]
         if ev:
             s["final_eval"][st] = {k: ev[-1][k] for k in ("tau_proxy", "acc_per_pos", "eval_anchors")}
+            s["final_eval"][st].update({k: v for k, v in ev[-1].items() if k.startswith("engine_")})
         if tr:
             s["final_eval"].setdefault(st, {})["final_loss"] = round(tr[-1]["loss"], 4)
             s["final_eval"][st]["anchors_per_s"] = tr[-1].get("anchors_per_s")
@@ -115,6 +104,25 @@ def summarize(out_dir: str, data_dir: str) -> dict:
     if os.path.isfile(ip):
         with open(ip) as f:
             s["train_info"] = json.load(f)
+    return s
+
+
+def summarize(out_dir: str, data_dir: str) -> dict:
+    """Numbers for the model card, from the manifest, train_info, DONE files and metrics."""
+    from .data import read_manifest
+
+    man = read_manifest(data_dir)
+    shards = man.get("shards", [])
+    s = {"data": {"shards": len(shards), "sequences": sum(x["num_seqs"] for x in shards),
+                  "tokens": sum(x["num_tokens"] for x in shards),
+                  "generated_tokens": sum(x["num_loss_tokens"] for x in shards),
+                  "by_source": {}, "recipe": man.get("recipe", {}), "runs": man.get("runs", [])}}
+    for x in shards:
+        src = x.get("source") or x["file"].rsplit("_", 1)[0]
+        d = s["data"]["by_source"].setdefault(src, {"sequences": 0, "generated_tokens": 0})
+        d["sequences"] += x["num_seqs"]
+        d["generated_tokens"] += x["num_loss_tokens"]
+    s.update(summarize_run(out_dir))
     return s
 
 
