@@ -39,11 +39,26 @@ def server(tmp_path_factory):
            "--max-total-tokens", "8192", "--max-running-requests", "8", "--skip-server-warmup",
            "--log-level", "warning"]
     log = open(tmp_path_factory.mktemp("srvlog") / "server.log", "w+")
-    proc = subprocess.Popen(cmd, env=dict(os.environ, **F.cpu_environ()), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=dict(os.environ, **F.cpu_environ()), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # its own process group: teardown ends all of it
+
+    def stop():
+        import signal
+
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600  # start-up is ~30 s alone, minutes on a shared 2-core machine
     while time.time() < deadline:
         if proc.poll() is not None:
+            stop()
             log.seek(0)
             pytest.fail("server exited:\n" + log.read()[-4000:])
         try:
@@ -53,14 +68,10 @@ def server(tmp_path_factory):
             pass
         time.sleep(1)
     else:
-        proc.kill()
+        stop()
         pytest.fail("server did not come up in 600 s")
     yield base, proc, log
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop()
 
 
 def _alive(base, proc):
