@@ -652,7 +652,7 @@ def options_from_args(args) -> TrainOptions:
             raise DLiteInputError("--stage-budget-min takes one value or one per stage (teacher,distill,stabilize).")
         budget = {s: v * 60 for s, v in zip(STAGES, vals)}
         if args.single_stage:
-            budget["stabilize"] = sum(vals)
+            budget["stabilize"] = sum(vals) * 60
     return TrainOptions(
         stages=stages, steps={"teacher": args.steps_teacher, "distill": args.steps_distill, "stabilize": args.steps_stabilize},
         lr=args.lr, batch_size=args.batch_size, seqs_per_batch=args.seqs_per_batch, warmup_frac=args.warmup_frac,
