@@ -50,6 +50,23 @@ def tiny_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_drafter(tiny_ckpt, tmp_path_factory):
+    """`dlite:PATH` spec of a random DLite drafter built for the tiny target (the shipped
+    default is for SmolLM2 and is rightly refused by a target of another shape)."""
+    from transformers import AutoConfig
+
+    from conftest import tiny_dlite_config
+    from sglang_dlite.model import DLiteDrafter
+
+    class _Shape:  # tiny_dlite_config reads target.config
+        config = AutoConfig.from_pretrained(tiny_ckpt)
+
+    d = tmp_path_factory.mktemp("tiny_dlite")
+    DLiteDrafter(tiny_dlite_config(_Shape)).save_pretrained(str(d))
+    return f"dlite:{d}"
+
+
+@pytest.fixture(scope="module")
 def workload_file(tmp_path_factory):
     p = tmp_path_factory.mktemp("wl") / "tiny.jsonl"
     p.write_text("".join(json.dumps(c) + "\n" for c in CONVS))
@@ -63,9 +80,9 @@ def _acceptance():
     return mod
 
 
-def test_acceptance_end_to_end_greedy_lossless(tiny_ckpt, workload_file, tmp_path, capsys):
+def test_acceptance_end_to_end_greedy_lossless(tiny_ckpt, tiny_drafter, workload_file, tmp_path, capsys):
     out = tmp_path / "res.json"
-    rc = _acceptance().main(["--engine", "reference", "--drafter", "dlite", "--target", tiny_ckpt,
+    rc = _acceptance().main(["--engine", "reference", "--drafter", tiny_drafter, "--target", tiny_ckpt,
                              "--workload", workload_file, "--max-new-tokens", "16", "--check-lossless",
                              "--threads", "1", "--no-progress", "--out", str(out)])
     assert rc == 0
@@ -85,15 +102,26 @@ def test_acceptance_end_to_end_greedy_lossless(tiny_ckpt, workload_file, tmp_pat
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
-def test_acceptance_sampling_marks_lossless_not_applicable(tiny_ckpt, workload_file, tmp_path):
+def test_acceptance_sampling_marks_lossless_not_applicable(tiny_ckpt, tiny_drafter, workload_file, tmp_path):
     out = tmp_path / "res.json"
-    rc = _acceptance().main(["--drafter", "dlite", "--target", tiny_ckpt, "--workload", workload_file,
+    rc = _acceptance().main(["--drafter", tiny_drafter, "--target", tiny_ckpt, "--workload", workload_file,
                              "--max-convs", "1", "--max-new-tokens", "8", "--temperature", "0.8",
                              "--check-lossless", "--threads", "1", "--no-progress", "--out", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["lossless_checked"] is False and r["lossless_mismatches"] is None and "not applicable" in r["lossless_note"]
     assert r["conversations"] == 1 and r["temperature"] == 0.8
+
+
+def test_acceptance_drafter_for_another_target_is_a_clear_error(tiny_ckpt, workload_file, tmp_path, capsys):
+    from sglang_dlite.drafters import shipped_drafter_path
+
+    if shipped_drafter_path() is None:
+        pytest.skip("no shipped drafter in this build")
+    rc = _acceptance().main(["--drafter", "dlite", "--target", tiny_ckpt, "--workload", workload_file,
+                             "--out", str(tmp_path / "r.json"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not match the target model" in err and "hidden size" in err
 
 
 def test_acceptance_bad_workload_is_a_clear_error(tiny_ckpt, tmp_path, capsys):
