@@ -8,8 +8,8 @@ import json
 import os
 from typing import Optional
 
-BENCH_CMD = ("python bench/acceptance.py --engine reference --drafter {drafter} --workload {wl} "
-             "--max-new-tokens 128 --check-lossless --threads 2 --out {out}")
+BENCH_CMD = ("python bench/acceptance.py --engine reference --drafter {drafter} --workload {wl} --max-convs <N> "
+             "--max-new-tokens 128 --check-lossless --threads 1 --out {out}")
 
 
 def load_bench(paths: list) -> list:
@@ -111,7 +111,13 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
         "Commands:",
         "```",
         "make train-default    # = sglang-dlite train-default (reuses generated data in artifacts/train/data)",
-        BENCH_CMD.format(drafter="dlite", wl="<workload>", out="artifacts/results/acc_<workload>.json"),
+        "# shipped drafter (= --drafter dlite), the single-stage ablation and the teacher:",
+        BENCH_CMD.format(drafter="dlite", wl="<workload>", out="artifacts/results/training/shipped_<workload>.json"),
+        BENCH_CMD.format(drafter="dlite:artifacts/train/single/stabilize/model", wl="<workload>",
+                         out="artifacts/results/training/single_<workload>.json"),
+        BENCH_CMD.format(drafter="dlite:artifacts/train/default/teacher/model", wl="<workload>",
+                         out="artifacts/results/training/teacher_<workload>.json"),
+        "# <N>: mtbench 2, humaneval 3, bfcl-multiturn 1, sharegpt-heldout 2, agent-stdlib 4 (one conversation per context bucket)",
         "```",
     ]
     return "\n".join(lines) + "\n"
