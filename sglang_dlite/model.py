@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from . import ops
 from .config import DLiteConfig
 from .errors import DLiteConfigError, DLiteInputError
+from .target_binding import WEIGHTS_NAME, TargetBoundMixin
 
-WEIGHTS_NAME = "model.safetensors"
 
 
 class RMSNorm(nn.Module):
@@ -131,7 +131,7 @@ class DraftProposal:
     probs: Optional[torch.Tensor]  # [B, K, V] the distribution each token was sampled from (None if greedy)
 
 
-class DLiteDrafter(nn.Module):
+class DLiteDrafter(TargetBoundMixin, nn.Module):
     def __init__(self, config: DLiteConfig):
         super().__init__()
         config.validate()
@@ -148,43 +148,11 @@ class DLiteDrafter(nn.Module):
                 nn.init.normal_(lin.weight, std=0.02)
             for lin in (layer.o_proj, layer.down_proj):
                 nn.init.normal_(lin.weight, std=0.02 / (2 * cfg.num_layers) ** 0.5)
-        # The target's frozen token embedding and LM head: bound, never saved with the drafter.
-        self.register_buffer("embed_weight", torch.empty(0), persistent=False)
-        self.register_buffer("lm_head_weight", torch.empty(0), persistent=False)
+        self._init_target_buffers()  # the target's frozen embedding + LM head (bind_target)
         pos = ops.round_positions(L, cfg.num_context_positions, cfg.block_size)
         cos, sin = ops.rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-
-    # ------------------------------------------------------------------ target binding
-    def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> "DLiteDrafter":
-        """Attach the target's (frozen) token embedding and LM head. Validates the shapes."""
-        V, H = self.config.vocab_size, self.config.target_hidden_size
-        for name, w in (("token embedding", embed_weight), ("LM head", lm_head_weight)):
-            if tuple(w.shape) != (V, H):
-                raise DLiteConfigError(
-                    f"the target's {name} has shape {tuple(w.shape)} but this drafter expects "
-                    f"({V}, {H}) (vocab_size, target_hidden_size): the drafter was built for another target."
-                )
-        self.embed_weight = embed_weight.detach()
-        self.lm_head_weight = lm_head_weight.detach()
-        return self
-
-    def bind_hf_target(self, target) -> "DLiteDrafter":
-        """Validate against a transformers causal LM and bind its embedding and LM head."""
-        tc = target.config
-        self.config.check_target(
-            hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, num_layers=tc.num_hidden_layers
-        )
-        return self.bind_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
-
-    def _check_bound(self):
-        if self.embed_weight.numel() == 0:
-            raise DLiteConfigError(
-                "the drafter has no target embedding/LM head bound; call bind_target() or "
-                "bind_hf_target() first (they are the target's own, frozen, and not stored in "
-                "the drafter checkpoint)."
-            )
 
     # ------------------------------------------------------------------ forward
     def _local_attend(self, context_valid):
@@ -333,15 +301,6 @@ class DLiteDrafter(nn.Module):
         return DraftProposal(torch.stack(toks, 1), torch.stack(probs_all, 1) if probs_all else None)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_pretrained(self, path: str, dtype: Optional[torch.dtype] = None) -> None:
-        from safetensors.torch import save_file
-
-        os.makedirs(path, exist_ok=True)
-        self.config.save_pretrained(path)
-        state = {k: (v.to(dtype) if dtype is not None else v).contiguous()
-                 for k, v in self.state_dict().items()}
-        save_file(state, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt", "model_type": "dlite"})
-
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu") -> "DLiteDrafter":
         return cls.from_config_and_state(*load_checkpoint(path), dtype=dtype, device=device)

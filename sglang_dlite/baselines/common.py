@@ -18,8 +18,7 @@ from transformers import PretrainedConfig
 from ..errors import DLiteConfigError, DLiteInputError
 from ..model import DraftProposal, logits_to_probs
 from ..ops.reference import apply_rope, rms_norm, rope_cos_sin
-
-WEIGHTS_NAME = "model.safetensors"
+from ..target_binding import WEIGHTS_NAME, TargetBoundMixin
 
 
 # ---------------------------------------------------------------------------- config
@@ -236,53 +235,14 @@ class KVCache:
 
 
 # ---------------------------------------------------------------------------- binding / checkpoints
-class BoundTargetMixin:
-    """The target's frozen token embedding and LM head: bound, never saved with the drafter."""
-
-    def _init_target_buffers(self):
-        self.register_buffer("embed_weight", torch.empty(0), persistent=False)
-        self.register_buffer("lm_head_weight", torch.empty(0), persistent=False)
-
-    def bind_target(self, embed_weight, lm_head_weight):
-        V, H = self.config.vocab_size, self.config.target_hidden_size
-        for name, w in (("token embedding", embed_weight), ("LM head", lm_head_weight)):
-            if tuple(w.shape) != (V, H):
-                raise DLiteConfigError(
-                    f"the target's {name} has shape {tuple(w.shape)} but this {self.config.model_type} "
-                    f"drafter expects ({V}, {H}): it was built for another target."
-                )
-        self.embed_weight = embed_weight.detach()
-        self.lm_head_weight = lm_head_weight.detach()
-        return self
-
-    def bind_hf_target(self, target):
-        tc = target.config
-        self.config.check_target(hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
-                                 num_layers=tc.num_hidden_layers)
-        return self.bind_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
-
-    def _check_bound(self):
-        if self.embed_weight.numel() == 0:
-            raise DLiteConfigError(
-                f"the {self.config.model_type} drafter has no target embedding/LM head bound; call "
-                f"bind_target() or bind_hf_target() first."
-            )
+class BoundTargetMixin(TargetBoundMixin):
+    """The shared target binding and checkpoint saving, plus the baselines' embed/lm_logits."""
 
     def embed(self, ids):
         return F.embedding(ids, self.embed_weight).to(self.fc.weight.dtype)
 
     def lm_logits(self, h):
         return F.linear(self.final_norm(h), self.lm_head_weight.to(h.dtype))
-
-    # checkpoints: config.json + model.safetensors, like DLiteDrafter
-    def save_pretrained(self, path: str, dtype: Optional[torch.dtype] = None) -> None:
-        from safetensors.torch import save_file
-
-        os.makedirs(path, exist_ok=True)
-        self.config.save_pretrained(path)
-        state = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in self.state_dict().items()}
-        save_file(state, os.path.join(path, WEIGHTS_NAME),
-                  metadata={"format": "pt", "model_type": self.config.model_type})
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu"):

@@ -1,0 +1,60 @@
+"""What every drafter here shares about its target: the frozen token embedding and LM head are the
+target's own, bound at load time and never saved with the drafter; checkpoints are
+config.json + model.safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .errors import DLiteConfigError
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+class TargetBoundMixin:
+    """For an ``nn.Module`` with ``self.config`` (vocab_size, target_hidden_size, check_target)."""
+
+    def _init_target_buffers(self) -> None:
+        self.register_buffer("embed_weight", torch.empty(0), persistent=False)
+        self.register_buffer("lm_head_weight", torch.empty(0), persistent=False)
+
+    def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        """Attach the target's (frozen) token embedding and LM head. Validates the shapes."""
+        V, H = self.config.vocab_size, self.config.target_hidden_size
+        for name, w in (("token embedding", embed_weight), ("LM head", lm_head_weight)):
+            if tuple(w.shape) != (V, H):
+                raise DLiteConfigError(
+                    f"the target's {name} has shape {tuple(w.shape)} but this {self.config.model_type} "
+                    f"drafter expects ({V}, {H}) (vocab_size, target_hidden_size): it was built for another target."
+                )
+        self.embed_weight = embed_weight.detach()
+        self.lm_head_weight = lm_head_weight.detach()
+        return self
+
+    def bind_hf_target(self, target):
+        """Validate against a transformers causal LM and bind its embedding and LM head."""
+        tc = target.config
+        self.config.check_target(hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
+                                 num_layers=tc.num_hidden_layers)
+        return self.bind_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+
+    def _check_bound(self) -> None:
+        if self.embed_weight.numel() == 0:
+            raise DLiteConfigError(
+                f"the {self.config.model_type} drafter has no target embedding/LM head bound; call "
+                "bind_target() or bind_hf_target() first (they are the target's own, frozen, and not "
+                "stored in the drafter checkpoint)."
+            )
+
+    def save_pretrained(self, path: str, dtype: Optional[torch.dtype] = None) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        self.config.save_pretrained(path)
+        state = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in self.state_dict().items()}
+        save_file(state, os.path.join(path, WEIGHTS_NAME),
+                  metadata={"format": "pt", "model_type": self.config.model_type})
