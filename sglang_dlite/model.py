@@ -21,8 +21,6 @@ This module imports no sglang: the SGLang plugin, the reference engine and train
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,7 +31,8 @@ import torch.nn.functional as F
 from . import ops
 from .config import DLiteConfig
 from .errors import DLiteConfigError, DLiteInputError
-from .target_binding import WEIGHTS_NAME, TargetBoundMixin
+from .target_binding import TargetBoundMixin
+from .target_binding import load_checkpoint as _load_checkpoint
 
 
 
@@ -319,33 +318,7 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
 
 def load_checkpoint(path: str):
     """Read and validate (config, state dict) from a DLite checkpoint folder."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not os.path.isdir(path):
-        raise DLiteConfigError(f"no DLite checkpoint folder at {path!r}.")
-    cfg_file = os.path.join(path, "config.json")
-    w_file = os.path.join(path, WEIGHTS_NAME)
-    if not os.path.isfile(cfg_file) or not os.path.isfile(w_file):
-        raise DLiteConfigError(
-            f"{path!r} is not a DLite checkpoint: it needs config.json and {WEIGHTS_NAME}."
-        )
-    try:
-        with open(cfg_file) as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DLiteConfigError(f"{cfg_file!r} is not valid JSON ({exc}).") from exc
-    if raw.get("model_type") != "dlite":
-        raise DLiteConfigError(
-            f"{path!r} holds a {raw.get('model_type')!r} model, not a DLite drafter (model_type 'dlite')."
-        )
-    raw.pop("model_type", None)
-    config = DLiteConfig(**raw)
-    try:
-        state = load_file(w_file)
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise DLiteConfigError(f"{w_file!r} is not a readable safetensors file ({exc}).") from exc
-    return config, state
+    return _load_checkpoint(path, DLiteConfig)
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:

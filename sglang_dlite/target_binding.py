@@ -58,3 +58,36 @@ class TargetBoundMixin:
         state = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in self.state_dict().items()}
         save_file(state, os.path.join(path, WEIGHTS_NAME),
                   metadata={"format": "pt", "model_type": self.config.model_type})
+
+
+def load_checkpoint(path: str, config_class):
+    """Read and validate (config, state dict) from a drafter checkpoint folder of
+    ``config_class.model_type``, with errors that name what is wrong."""
+    import json
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    want = config_class.model_type
+    name = "DLite" if want == "dlite" else repr(want)
+    if not os.path.isdir(path):
+        raise DLiteConfigError(f"no {name} checkpoint folder at {path!r}.")
+    cfg_file, w_file = os.path.join(path, "config.json"), os.path.join(path, WEIGHTS_NAME)
+    if not os.path.isfile(cfg_file) or not os.path.isfile(w_file):
+        raise DLiteConfigError(f"{path!r} is not a {name} checkpoint: it needs config.json and {WEIGHTS_NAME}.")
+    try:
+        with open(cfg_file) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DLiteConfigError(f"{cfg_file!r} is not valid JSON ({exc}).") from exc
+    if raw.get("model_type") != want:
+        raise DLiteConfigError(
+            f"{path!r} holds a {raw.get('model_type')!r} model, not a {name} drafter (model_type {want!r})."
+        )
+    raw.pop("model_type", None)
+    config = config_class(**raw)
+    try:
+        state = load_file(w_file)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise DLiteConfigError(f"{w_file!r} is not a readable safetensors file ({exc}).") from exc
+    return config, state

@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from ..errors import DLiteConfigError, DLiteInputError
 from ..model import DraftProposal, logits_to_probs
 from ..ops.reference import apply_rope, rms_norm, rope_cos_sin
-from ..target_binding import WEIGHTS_NAME, TargetBoundMixin
+from ..target_binding import TargetBoundMixin, load_checkpoint
 
 
 # ---------------------------------------------------------------------------- config
@@ -263,34 +263,6 @@ def read_model_type(path: str) -> Optional[str]:
             return json.load(f).get("model_type")
     except (OSError, json.JSONDecodeError):
         return None
-
-
-def load_checkpoint(path: str, config_class):
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    want = config_class.model_type
-    cfg_file, w_file = os.path.join(path, "config.json"), os.path.join(path, WEIGHTS_NAME)
-    if not os.path.isdir(path) or not os.path.isfile(cfg_file) or not os.path.isfile(w_file):
-        raise DLiteConfigError(
-            f"{path!r} is not a {want} checkpoint: it needs config.json and {WEIGHTS_NAME}."
-        )
-    try:
-        with open(cfg_file) as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DLiteConfigError(f"{cfg_file!r} is not valid JSON ({exc}).") from exc
-    if raw.get("model_type") != want:
-        raise DLiteConfigError(
-            f"{path!r} holds a {raw.get('model_type')!r} model, not a {want!r} drafter."
-        )
-    raw.pop("model_type", None)
-    config = config_class(**raw)
-    try:
-        state = load_file(w_file)
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise DLiteConfigError(f"{w_file!r} is not a readable safetensors file ({exc}).") from exc
-    return config, state
 
 
 # ---------------------------------------------------------------------------- training helpers
