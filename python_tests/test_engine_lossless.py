@@ -179,3 +179,61 @@ def test_real_target_lossless(real_target):
     for p, ref in zip(ids, refs):
         res = orc.generate(p, 20)
         assert res.output_ids == ref and res.tau > 3
+
+
+class _RecordingContext:
+    """Proposes with ``inner`` but records what a DLite drafter would read this round: the
+    anchor position and the context rows (``DLiteEngineDrafter.context_inputs``)."""
+
+    def __init__(self, inner, dlite_adapter):
+        self.inner, self.adapter = inner, dlite_adapter
+        self.block_size = inner.block_size
+        self.capture_layer_ids = dlite_adapter.capture_layer_ids
+        self.hidden_rows_needed = dlite_adapter.hidden_rows_needed
+        self.seen = []
+
+    def draft(self, req: DraftRequest) -> DraftProposal:
+        ctx, valid, _, offset = self.adapter.context_inputs(req)
+        self.seen.append((list(req.tokens), ctx[0].clone(), valid[0].clone(), int(offset)))
+        prop = self.inner.draft(req)
+        return DraftProposal(prop.tokens[:, : self.block_size], None)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_drafter_context_equals_teacher_forced_hidden_states_every_round(tiny_target, corrupt):
+    """Regression: the engine once bounded its hidden-state buffer while the verify block was
+    appended, so after the first round the drafter saw no context at all (tau ~1, still lossless).
+    Every round, the context rows must be the target's hidden states at positions n-C..n-1 of a
+    plain teacher-forced forward over the same tokens (n = the anchor's position)."""
+    V = tiny_target.config.vocab_size
+    d = DLiteEngineDrafter(dlite(tiny_target))
+    C = d.model.config.num_context_positions
+    ps = prompts(3, V, seed=5)
+    refs = [hf_greedy(tiny_target, p, 30) for p in ps]
+    oracle = OracleDrafter({tuple(p + r): None for p, r in zip(ps, refs)}, block_size=4)
+    inner = _Corrupting(oracle, V) if corrupt else oracle
+    rec = _RecordingContext(inner, d)
+    eng = ReferenceEngine(tiny_target, rec, [EOS])
+    rounds = []
+    for p in ps:
+        rounds += eng.generate(p, 30).rounds
+    sess = eng.new_session()
+    ctx = list(ps[0])
+    for turn in range(3):  # later turns reuse the session's KV (prefix cache)
+        res = eng.generate(ctx, 30, session=sess)
+        rounds += res.rounds
+        ctx = ctx + res.output_ids + ps[(turn + 1) % 3][1:8]
+    assert len(rec.seen) > 10
+    accepted = {r.accepted for r in rounds}
+    assert {0, 4} <= accepted if not corrupt else {0, 1, 2, 3} <= accepted
+    layer_ids = d.capture_layer_ids
+    for tokens, got, valid, offset in rec.seen:
+        n = len(tokens) - 1  # the anchor (bonus token) has no hidden state yet
+        with torch.no_grad():
+            hs = tiny_target(torch.tensor([tokens[:n]]), output_hidden_states=True).hidden_states
+        want = torch.stack([hs[i + 1][0] for i in layer_ids])  # [L, n, H]
+        m = min(C, n)
+        assert offset == n - C
+        assert valid.tolist() == [False] * (C - m) + [True] * m
+        torch.testing.assert_close(got[:, C - m:], want[:, n - m:], rtol=1e-4, atol=1e-4)
+    eng.close()

@@ -114,8 +114,13 @@ class Session:
             self.hidden, self.hidden_start = h, start
         else:
             self.hidden = torch.cat([self.hidden, h], dim=1)
+
+    def _bound_hidden(self):
+        """Keep only the rows the drafter can read (its context window + allowed history).
+        Called once the committed length is known (after prefill and commit): bounding while a
+        verify block is appended would drop the accepted rows in favour of rejected ones."""
         keep = self.engine.hidden_rows_needed
-        if keep is not None and self.hidden.shape[1] > keep:
+        if keep is not None and self.hidden is not None and self.hidden.shape[1] > keep:
             cut = self.hidden.shape[1] - keep
             self.hidden = self.hidden[:, cut:].contiguous()
             self.hidden_start += cut
@@ -160,6 +165,7 @@ class Session:
         self._trim_hidden_to(common)
         self.tokens = list(prompt)
         logits = self.forward(list(prompt[common:]))
+        self._bound_hidden()
         return logits[-1], common
 
     def verify(self, anchor_and_drafts: list) -> torch.Tensor:
@@ -170,6 +176,7 @@ class Session:
         base = len(self.tokens) - 1
         self._crop(base + n_valid)
         self._trim_hidden_to(base + n_valid)
+        self._bound_hidden()
         self.tokens.extend(new_tokens)
 
 
