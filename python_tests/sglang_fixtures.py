@@ -157,6 +157,11 @@ _REF_ENGINES: dict = {}
 def reference_greedy(target_path, drafter_path, prompts, max_new_tokens, eos=()):
     """The HF reference engine's greedy outputs (the correctness oracle) for token-id prompts.
     One reference engine per (target, drafter) is kept for the process."""
+    return [r.output_ids for r in reference_results(target_path, drafter_path, prompts, max_new_tokens, eos)]
+
+
+def reference_results(target_path, drafter_path, prompts, max_new_tokens, eos=()):
+    """The reference engine's GenerationResults (outputs and per-round records), greedy."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -170,7 +175,7 @@ def reference_greedy(target_path, drafter_path, prompts, max_new_tokens, eos=())
         target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
         d = DLiteDrafter.from_pretrained(drafter_path).bind_hf_target(target)
         eng = _REF_ENGINES[key] = ReferenceEngine(target, DLiteEngineDrafter(d), eos_token_ids=eos)
-    return [eng.generate(list(p), max_new_tokens).output_ids for p in prompts]
+    return [eng.generate(list(p), max_new_tokens) for p in prompts]
 
 
 @contextlib.contextmanager

@@ -108,3 +108,30 @@ def test_dlite_qwen3_target(tmp_path_factory):
     with F.engine(target, dlite=drafter, skip_tokenizer_init=True) as e:
         got, _ = _run_batch(e)
     assert got == ref
+
+
+def test_real_target_shipped_drafter_rounds_equal_reference():
+    """The default target + the shipped drafter: sglang's DLITE worker and the reference engine
+    produce the same tokens in the same number of verify rounds. The round count depends on every
+    draft, so a worker that carried the wrong context rows (or none) to the drafter would differ
+    here even though its output stays lossless."""
+    from transformers import AutoTokenizer
+
+    from sglang_dlite.drafters import shipped_drafter_path
+    from sglang_dlite.target import prepare_default_target
+
+    drafter = shipped_drafter_path()
+    if drafter is None:
+        pytest.skip("no shipped drafter checkpoint in this build")
+    target = str(prepare_default_target(verbose=False))
+    tok = AutoTokenizer.from_pretrained(target)
+    msgs = ["Write a Python function that checks whether a string is a palindrome.",
+            "Explain the difference between a list and a tuple in Python."]
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]) for m in msgs]
+    ref = F.reference_results(target, drafter, prompts, 40)
+    with F.engine(target, dlite=drafter, skip_tokenizer_init=True) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=_sp(40))
+    assert [o["output_ids"] for o in outs] == [r.output_ids for r in ref]
+    assert [o["meta_info"]["spec_verify_ct"] for o in outs] == [len(r.rounds) for r in ref]
+    assert sum(r.accepted for x in ref for r in x.rounds) > 0  # the drafter is accepted at all
