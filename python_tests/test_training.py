@@ -239,3 +239,47 @@ def test_disk_full_keeps_finished_shards(tmp_path, monkeypatch):
     assert not os.path.exists(d / "a_00001.npz")
     ids, mask, off = load_shard(str(d / "a_00000.npz"))
     assert ids.tolist() == [1, 2, 3]
+
+
+def test_gen_data_end_to_end_resumes_and_survives_a_too_long_prompt(tmp_path):
+    """`sglang-dlite gen-data` on a tiny random target with the real SmolLM2 tokenizer: a shard
+    with features, a conversation whose first prompt exceeds --max-len (regression: it used to
+    crash the worker when saving features), and a rerun that regenerates nothing."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from sglang_dlite.cli import main
+    from sglang_dlite.target import prepare_default_target
+    from sglang_dlite.training.features import load_features
+
+    tok = AutoTokenizer.from_pretrained(str(prepare_default_target(verbose=False)))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    target = tmp_path / "target"
+    LlamaForCausalLM(cfg).save_pretrained(target)
+    tok.save_pretrained(target)
+    convs = [{"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "x"},
+                           {"role": "user", "content": "Again."}]},
+             {"messages": [{"role": "user", "content": "word " * 200}]},  # longer than --max-len
+             {"messages": [{"role": "user", "content": "Count to three."}]}]
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("\n".join(json.dumps(c) for c in convs) + "\n")
+    out = tmp_path / "data"
+    argv = ["gen-data", "--target", str(target), "--prompts", f"jsonl:{src}", "--out", str(out),
+            "--shard-size", "3", "--max-new-tokens", "6", "--max-len", "96", "--threads", "1",
+            "--capture-layers", "1,2"]
+    assert main(argv) == 0
+    man = json.loads((out / "manifest.json").read_text())
+    assert len(man["shards"]) == 1
+    path = str(out / man["shards"][0]["file"])
+    ids, mask, off = load_shard(path)
+    lens = np.diff(off)
+    gen = [int(mask[off[s]:off[s + 1]].sum()) for s in range(3)]
+    assert gen[1] == 0 and gen[0] > 0 and gen[2] > 0  # the too-long one generated nothing
+    feats = load_features(path, [1, 2], len(ids))
+    assert feats is not None and feats.shape == (len(ids), 3, 32)
+    assert not np.any(feats[off[1]:off[2]]) and np.any(feats[off[0]:off[0] + lens[0] - 1])
+    mtime = os.path.getmtime(path)
+    assert main(argv) == 0  # resumed: nothing to do
+    assert os.path.getmtime(path) == mtime

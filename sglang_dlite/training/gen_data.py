@@ -539,8 +539,11 @@ def run(args) -> int:
             from .features import save_features
 
             off = np.cumsum([0] + [len(x) for x in seqs])
-            save_features(os.path.join(args.out, fname), [f.numpy() for f in feats], off, layers,
-                          model.config.hidden_size)
+            H = model.config.hidden_size
+            # A conversation whose first prompt is already too long generated nothing and has no
+            # features (no anchor reads them): zero rows.
+            arrays = [f.numpy() if f is not None else np.zeros((0, len(layers) + 1, H), np.float16) for f in feats]
+            save_features(os.path.join(args.out, fname), arrays, off, layers, H)
         info = save_shard(os.path.join(args.out, fname), seqs, masks)
         info["source"] = src
         manifest = _append_shard(args.out, info)
