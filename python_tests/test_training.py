@@ -283,3 +283,25 @@ def test_gen_data_end_to_end_resumes_and_survives_a_too_long_prompt(tmp_path):
     mtime = os.path.getmtime(path)
     assert main(argv) == 0  # resumed: nothing to do
     assert os.path.getmtime(path) == mtime
+
+
+def test_feature_caches_of_two_layer_sets_coexist(tmp_path, tiny_target):
+    """A baseline with other capture layers computes its own cache beside DLite's, never over it."""
+    from sglang_dlite.training.features import ensure_features, load_features
+
+    data = _tiny_data(tmp_path, tiny_target)
+    man = json.loads(open(os.path.join(data, "manifest.json")).read())
+    path = os.path.join(data, man["shards"][0]["file"])
+    ids, _, off = load_shard(path)
+    dl_layers = tiny_dlite_config(tiny_target).target_layer_ids
+    before = np.array(load_features(path, dl_layers, len(ids)))
+    other = [0, 2, 5]
+    assert load_features(path, other, len(ids)) is None
+    assert ensure_features(data, man["shards"], lambda: tiny_target, other, progress=False) == 1
+    mine = load_features(path, other, len(ids))
+    assert mine is not None and mine.shape[1] == len(other) + 1
+    with torch.no_grad():
+        hs = tiny_target(input_ids=torch.tensor([ids[:off[1]].tolist()]), output_hidden_states=True).hidden_states
+    assert np.allclose(mine[: off[1] - 1, 1], hs[3][0, :-1].numpy(), atol=1e-2)
+    assert np.array_equal(np.array(load_features(path, dl_layers, len(ids))), before)  # untouched
+    assert ensure_features(data, man["shards"], lambda: tiny_target, other, progress=False) == 0

@@ -31,14 +31,40 @@ def feature_modules(model, layer_ids):
     return [layers[i] for i in layer_ids] + [inner.norm]
 
 
-def feat_paths(shard_path: str):
+def feat_paths(shard_path: str, layer_ids=None):
+    """(array, metadata) paths. ``X.feat.npy`` holds the layers gen-data captured; features of any
+    other layer set (e.g. a baseline's) live beside it in ``X.feat-l<ids>.npy``, so drafters with
+    different capture layers train from the same data without overwriting each other's cache."""
     base = shard_path[:-4] if shard_path.endswith(".npz") else shard_path
-    return base + ".feat.npy", base + ".feat.json"
+    if layer_ids is None:
+        return base + ".feat.npy", base + ".feat.json"
+    tag = "-l" + "-".join(str(int(i)) for i in layer_ids)
+    return base + ".feat" + tag + ".npy", base + ".feat" + tag + ".json"
+
+
+def _meta_layers(meta_path: str):
+    try:
+        with open(meta_path) as fh:
+            return list(json.load(fh).get("layer_ids", []))
+    except (OSError, ValueError):
+        return None
+
+
+def _paths_for(shard_path: str, layer_ids):
+    """Where features of ``layer_ids`` are (or go): the primary file if it holds these layers
+    (or does not exist yet), else the per-layer-set file."""
+    npy, meta = feat_paths(shard_path)
+    if not os.path.isfile(meta):
+        return npy, meta
+    have = _meta_layers(meta)
+    if have is None or have == list(layer_ids):  # unreadable: load_features reports it
+        return npy, meta
+    return feat_paths(shard_path, layer_ids)
 
 
 def save_features(shard_path: str, feats: list, offsets, layer_ids, hidden: int) -> None:
     """feats[s]: array [len_s - 1 (or more), L+1, H] for sequence s."""
-    npy, meta = feat_paths(shard_path)
+    npy, meta = _paths_for(shard_path, layer_ids)
     N = int(offsets[-1])
     tmp = npy + ".tmp"
     try:
@@ -65,7 +91,7 @@ def save_features(shard_path: str, feats: list, offsets, layer_ids, hidden: int)
 
 def load_features(shard_path: str, layer_ids, num_tokens: int):
     """Memory-mapped features of a shard, validated against the layers the drafter captures."""
-    npy, meta = feat_paths(shard_path)
+    npy, meta = _paths_for(shard_path, layer_ids)
     if not (os.path.isfile(npy) and os.path.isfile(meta)):
         return None
     try:
