@@ -260,8 +260,10 @@ def test_reference_training_loop_learns_and_writes_a_loadable_checkpoint(tiny_ta
     for name in KV_NAMES:
         out = tmp_path / name
         steps = 30 if name == "dflash" else 3
+        # dspark: the vocabulary-subset + bf16 + wall-budget path (budget far above what it needs)
+        extra = dict(vocab_subset=16, bf16=True, budget_min=10.0) if name == "dspark" else {}
         train_kv_baseline(name, tiny_target, str(data), str(out), steps=steps, lr=3e-3, batch_size=16,
-                          seqs_per_batch=2, progress=False, log_every=1)
+                          seqs_per_batch=2, progress=False, log_every=1, **extra)
         recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert len(recs) == steps and all(math.isfinite(r["loss"]) for r in recs)
         if name == "dflash":
@@ -322,3 +324,28 @@ def test_acceptance_harness_runs_baselines_and_report_renders(tmp_path):
     assert "| ngram |" in md and "| dspark:" in md and "cost 256/64" in md
     assert sorted(os.listdir(tmp_path / "plots")) == ["draft_ms_vs_context.png", "speedup_per_workload.png",
                                                       "tau_vs_context.png"]
+
+
+@pytest.mark.parametrize("name", KV_NAMES)
+def test_training_vocab_subset_selects_lm_head_rows(tiny_target, name):
+    """--vocab-subset: the baselines' training logits over a token subset equal the full logits'
+    columns for those tokens (DSpark's Markov bias included), as DLite's trainer does it."""
+    model = new_model(name, tiny_target.config, seed=0)
+    model.bind_hf_target(tiny_target).eval()
+    with torch.no_grad():  # a non-zero Markov head, so the subset path of the bias is exercised
+        for p in model.parameters():
+            if p.requires_grad and p.abs().sum() == 0:
+                p.normal_(0, 0.02)
+    T = 12
+    L = model.config.num_capture_layers
+    torch.manual_seed(0)
+    hidden = torch.randn(1, L, T, tiny_target.config.hidden_size)
+    ids = torch.randint(3, 96, (1, T))
+    anchors = torch.tensor([[2, 5]])
+    vocab = torch.tensor([3, 7, 11, 40, 95])
+    with torch.no_grad():
+        full = model.training_forward(hidden, ids, anchors)
+        model.train_vocab = vocab
+        sub = model.training_forward(hidden, ids, anchors)
+        model.train_vocab = None
+    torch.testing.assert_close(sub, full[..., vocab])

@@ -241,8 +241,13 @@ class BoundTargetMixin(TargetBoundMixin):
     def embed(self, ids):
         return F.embedding(ids, self.embed_weight).to(self.fc.weight.dtype)
 
+    # Training-time vocabulary subset (token ids; None = the full vocabulary): logits over those
+    # rows of the frozen LM head only, as DLite's trainer does (``--vocab-subset``). Never saved.
+    train_vocab = None
+
     def lm_logits(self, h):
-        return F.linear(self.final_norm(h), self.lm_head_weight.to(h.dtype))
+        w = self.lm_head_weight if self.train_vocab is None else self.lm_head_weight[self.train_vocab]
+        return F.linear(self.final_norm(h), w.to(h.dtype))
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu"):

@@ -195,7 +195,8 @@ class DSparkDrafter(DFlashDrafter):
 
     def step_bias(self, prev_ids: torch.Tensor) -> torch.Tensor:
         """V-sized logit bias from the previous token: [...] ids -> [..., V]."""
-        return self.markov_out(F.embedding(prev_ids, self.markov_embed))
+        w = self.markov_out.weight if self.train_vocab is None else self.markov_out.weight[self.train_vocab]
+        return F.linear(F.embedding(prev_ids, self.markov_embed), w)
 
 
 class DFlashEngineDrafter:

@@ -29,6 +29,8 @@ import os
 import shutil
 import time
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -66,34 +68,60 @@ def sequence_inputs(data, seq_i: int, anchors, K: int, L: int):
     return hidden, input_ids, anc, labels, valid, target_rows.numpy()
 
 
-def loss_fn(name, model, data, batch, weights, head_w, gamma_unused=None):
+def loss_fn(name, model, data, batch, weights, head_w, gamma_unused=None, base_vocab=None, autocast=None):
+    """Mean loss over the batch's anchors and the training tau proxy. ``base_vocab``: the
+    training-time vocabulary subset (frequent tokens; the batch's labels are added), as DLite's
+    trainer uses it; ``autocast``: a context factory (bf16)."""
+    from contextlib import nullcontext
+
     from ..training.losses import tv_distance, weighted_ce
 
     K, L = model.config.block_size, model.config.num_capture_layers
+    autocast = autocast or nullcontext
+    inputs = [sequence_inputs(data, seq_i, anchors, K, L) for seq_i, anchors in batch]
+    vocab = lookup = None
+    if base_vocab is not None:
+        labs = torch.cat([x[3][x[4]] for x in inputs])
+        vocab = torch.unique(torch.cat([base_vocab, labs]))
+        lookup = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
+        lookup[vocab] = torch.arange(len(vocab))
+    model.train_vocab = vocab
     total, n, taus = 0.0, 0, []
-    for seq_i, anchors in batch:
-        hidden, ids, anc, labels, valid, trows = sequence_inputs(data, seq_i, anchors, K, L)
-        logits = model.training_forward(hidden, ids, anc)[0]  # [N, K, V]
-        lab, val = labels[0], valid[0]
-        if name == "dspark":
-            feats = data.shards[data.seqs[seq_i][0]][2]
-            th = torch.from_numpy(np.asarray(feats[trows.reshape(-1), L], dtype=np.float32)).view(*trows.shape, -1)
-            with torch.no_grad():
-                p = torch.softmax(torch.nn.functional.linear(th, head_w).float(), dim=-1)
-            loss = 0.1 * weighted_ce(logits, lab, val, weights) + 0.9 * tv_distance(p, logits, val, weights)
-        else:
-            loss = weighted_ce(logits, lab, val, weights)
-        total = total + loss * len(anchors)
-        n += len(anchors)
-        ok = (logits.argmax(-1) == lab) & val
-        taus.append(1.0 + torch.cumprod(ok.float(), 1).sum(1))
+    try:
+        for (seq_i, anchors), (hidden, ids, anc, labels, valid, trows) in zip(batch, inputs):
+            with autocast():
+                logits = model.training_forward(hidden, ids, anc)[0]  # [N, K, V or |vocab|]
+            logits = logits.float()
+            lab, val = labels[0], valid[0]
+            if lookup is not None:
+                lab = torch.where(val, lookup[lab], torch.zeros_like(lab))
+            if name == "dspark":
+                feats = data.shards[data.seqs[seq_i][0]][2]
+                th = torch.from_numpy(np.asarray(feats[trows.reshape(-1), L], dtype=np.float32)).view(*trows.shape, -1)
+                with torch.no_grad():
+                    w = head_w if vocab is None else head_w[vocab]
+                    p = torch.softmax(torch.nn.functional.linear(th, w).float(), dim=-1)
+                loss = 0.1 * weighted_ce(logits, lab, val, weights) + 0.9 * tv_distance(p, logits, val, weights)
+            else:
+                loss = weighted_ce(logits, lab, val, weights)
+            total = total + loss * len(anchors)
+            n += len(anchors)
+            ok = (logits.argmax(-1) == lab) & val
+            taus.append(1.0 + torch.cumprod(ok.float(), 1).sum(1))
+    finally:
+        model.train_vocab = None
     return total / max(n, 1), torch.cat(taus).mean().item()
 
 
 def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 900, lr: float = 1e-3,
                       batch_size: int = 64, seqs_per_batch: int = 4, gamma: float = 4.0, seed: int = 0,
-                      log_every: int = 10, progress: bool = True) -> str:
-    """Train eagle3 / dflash / dspark; writes OUT/config.json + model.safetensors + metrics.jsonl."""
+                      log_every: int = 10, progress: bool = True, vocab_subset: int = 0, bf16: bool = False,
+                      budget_min: Optional[float] = None) -> str:
+    """Train eagle3 / dflash / dspark; writes OUT/config.json + model.safetensors + metrics.jsonl.
+
+    ``vocab_subset`` / ``bf16`` as DLite's trainer (``--vocab-subset``, ``--bf16``);
+    ``budget_min``: a wall-clock budget; the cosine schedule is re-planned to end inside it (the
+    same rule as DLite's ``--stage-budget-min``), so drafters compare at equal training time."""
     from ..training.train import FeatureData, sample_batch
 
     if name not in KV_BASELINES:
@@ -112,12 +140,16 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
     log = open(os.path.join(out, "metrics.jsonl"), "a")
     t0 = time.time()
     warm = max(1, steps // 20)
-    for step in range(1, steps + 1):
+    base_vocab = data.frequent_tokens(vocab_subset) if vocab_subset else None
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else None
+    step = 0
+    while step < steps:
+        step += 1
         cur = lr * min(1.0, step / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps))))
         for g in opt.param_groups:
             g["lr"] = cur
         batch = sample_batch(data, rng, batch_size, seqs_per_batch)
-        loss, tau = loss_fn(name, model, data, batch, weights, head_w)
+        loss, tau = loss_fn(name, model, data, batch, weights, head_w, base_vocab=base_vocab, autocast=autocast)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -129,12 +161,16 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
             log.flush()
             if progress:
                 print(f"train[{name}] step {step}/{steps} loss {float(loss.detach()):.3f} tau~{tau:.2f}", flush=True)
+        if budget_min is not None and step % 5 == 0:
+            per = (time.time() - t0) / step
+            steps = max(step + 1, min(steps, int(budget_min * 60 / max(per, 1e-6))))
     log.close()
     model.eval().save_pretrained(out)
     with open(os.path.join(out, "train_info.json"), "w") as f:
         json.dump({"drafter": name, "data": data_dir, "steps": steps, "batch_size": batch_size,
                    "seqs_per_batch": seqs_per_batch, "lr": lr, "gamma": gamma, "seed": seed,
-                   "anchors_seen": steps * batch_size, "wall_s": round(time.time() - t0, 1)}, f, indent=1)
+                   "anchors_seen": steps * batch_size, "wall_s": round(time.time() - t0, 1),
+                   "vocab_subset": vocab_subset, "bf16": bf16, "budget_min": budget_min}, f, indent=1)
     return out
 
 
@@ -171,6 +207,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--vocab-subset", type=int, default=0,
+                    help="train over the N most frequent data tokens + the batch's labels (as DLite's trainer)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast (as DLite's trainer)")
+    ap.add_argument("--budget-min", type=float, default=None,
+                    help="wall-clock budget in minutes; the schedule is re-planned to end inside it")
     args, extra = ap.parse_known_args(argv)
     out = args.out or default_checkpoint(args.drafter_type)
     torch.set_num_threads(args.threads)
@@ -184,7 +225,8 @@ def main(argv=None) -> int:
     target, _ = load_target(args.target)
     train_kv_baseline(args.drafter_type, target, args.data, out, steps=args.steps, lr=args.lr,
                       batch_size=args.batch_size, seqs_per_batch=args.seqs_per_batch, gamma=args.gamma,
-                      seed=args.seed, progress=not args.no_progress)
+                      seed=args.seed, progress=not args.no_progress, vocab_subset=args.vocab_subset,
+                      bf16=args.bf16, budget_min=args.budget_min)
     print(f"train[{args.drafter_type}] -> {out}")
     return 0
 
