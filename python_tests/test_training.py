@@ -305,3 +305,10 @@ def test_feature_caches_of_two_layer_sets_coexist(tmp_path, tiny_target):
     assert np.allclose(mine[: off[1] - 1, 1], hs[3][0, :-1].numpy(), atol=1e-2)
     assert np.array_equal(np.array(load_features(path, dl_layers, len(ids))), before)  # untouched
     assert ensure_features(data, man["shards"], lambda: tiny_target, other, progress=False) == 0
+    # several sets in one pass: same rows as one set at a time
+    from sglang_dlite.training.features import ensure_feature_sets
+
+    assert ensure_feature_sets(data, man["shards"], lambda: tiny_target, [other, [1, 4], [3]], progress=False) == 1
+    both = load_features(path, [1, 4], len(ids))
+    assert np.allclose(both[: off[1] - 1, 1], hs[5][0, :-1].numpy(), atol=1e-2)
+    assert np.allclose(np.array(load_features(path, [3], len(ids)))[:, 1], np.array(mine)[:, 3], atol=1e-3)

@@ -216,7 +216,19 @@ def main(argv=None) -> int:
     out = args.out or default_checkpoint(args.drafter_type)
     torch.set_num_threads(args.threads)
     if args.drafter_type in DLITE_ABLATIONS:
-        print(train_dlite_ablation(args.drafter_type, args.data, out, args.target, extra))
+        # the shared options, in `sglang-dlite train` spelling (the budget covers all its stages)
+        shared = ["--batch-size", str(args.batch_size), "--seqs-per-batch", str(args.seqs_per_batch),
+                  "--gamma", str(args.gamma), "--seed", str(args.seed), "--threads", str(args.threads),
+                  "--vocab-subset", str(args.vocab_subset)]
+        shared += ["--bf16"] if args.bf16 else []
+        shared += ["--no-progress"] if args.no_progress else []
+        if args.budget_min is not None:
+            b = args.budget_min
+            split = {"dlite-teacher": [b, b, b],  # only the teacher stage runs
+                     "dlite-single": [b / 3] * 3,  # single-stage: the stabilize stage gets the sum
+                     }.get(args.drafter_type, [0.3 * b, 0.3 * b, 0.4 * b])  # the default recipe's split
+            shared += ["--stage-budget-min", ",".join(f"{x:g}" for x in split)]
+        print(train_dlite_ablation(args.drafter_type, args.data, out, args.target, shared + extra))
         return 0
     if extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")

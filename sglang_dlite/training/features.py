@@ -144,19 +144,61 @@ def compute_features(model, seqs, layer_ids, batch_tokens: int = 4096):
 
 def ensure_features(data_dir: str, shards: list, model_loader, layer_ids, progress=True):
     """Compute features for the shards that lack them (resumable: one file per shard)."""
+    return ensure_feature_sets(data_dir, shards, model_loader, [layer_ids], progress=progress)
+
+
+def ensure_feature_sets(data_dir: str, shards: list, model_loader, layer_sets, progress=True):
+    """Like ``ensure_features`` for several layer sets at once: one target forward per shard
+    captures the union of the sets, then each set is saved to its own cache file. Returns the
+    number of shards that needed a forward pass."""
     from tqdm.auto import tqdm
 
+    layer_sets = [list(x) for x in layer_sets]
     model = None
     todo = []
     for sh in shards:
         path = os.path.join(data_dir, sh["file"])
         ids, mask, off = load_shard(path)
-        if load_features(path, layer_ids, len(ids)) is None:
-            todo.append((path, ids, off))
-    for path, ids, off in tqdm(todo, desc="features", unit="shard", disable=not progress or not todo):
+        missing = [ls for ls in layer_sets if load_features(path, ls, len(ids)) is None]
+        if missing:
+            todo.append((path, ids, off, missing))
+    for path, ids, off, missing in tqdm(todo, desc="features", unit="shard", disable=not progress or not todo):
         if model is None:
             model = model_loader()
+        union = sorted({i for ls in missing for i in ls})
         seqs = [ids[off[s]:off[s + 1]] for s in range(len(off) - 1)]
-        feats = compute_features(model, seqs, layer_ids)
-        save_features(path, feats, off, layer_ids, model.config.hidden_size)
+        feats = compute_features(model, seqs, union)  # rows: union layers..., final norm
+        for ls in missing:
+            cols = [union.index(i) for i in ls] + [len(union)]
+            save_features(path, [f[:, cols] for f in feats], off, ls, model.config.hidden_size)
     return len(todo)
+
+
+def main(argv=None) -> int:
+    """``python -m sglang_dlite.training.features --data DIR --layer-sets 10,12 2,15,27``:
+    precompute the feature caches of several drafters in one target pass per shard."""
+    import argparse
+
+    import torch
+
+    from ..target import load_target
+    from .data import read_manifest
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--target", default="default")
+    ap.add_argument("--layer-sets", nargs="+", required=True, help="comma-separated layer ids per set")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sets = [[int(x) for x in s.split(",")] for s in args.layer_sets]
+    shards = read_manifest(args.data).get("shards", [])
+    if not shards:
+        raise DataError(f"{args.data!r} lists no finished shards; run `sglang-dlite gen-data` first.")
+    n = ensure_feature_sets(args.data, shards, lambda: load_target(args.target)[0], sets)
+    print(f"features: {n} shard(s) computed for layer sets {sets}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
