@@ -269,6 +269,8 @@ def test_gen_data_end_to_end_resumes_and_survives_a_too_long_prompt(tmp_path):
     argv = ["gen-data", "--target", str(target), "--prompts", f"jsonl:{src}", "--out", str(out),
             "--shard-size", "3", "--max-new-tokens", "6", "--max-len", "96", "--threads", "1",
             "--capture-layers", "1,2"]
+    assert main(argv + ["--budget-min", "0"]) == 0  # budget spent before the first shard: nothing
+    assert not (out / "manifest.json").exists() or not json.loads((out / "manifest.json").read_text())["shards"]
     assert main(argv) == 0
     man = json.loads((out / "manifest.json").read_text())
     assert len(man["shards"]) == 1

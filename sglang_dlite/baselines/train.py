@@ -139,12 +139,12 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
     os.makedirs(out, exist_ok=True)
     log = open(os.path.join(out, "metrics.jsonl"), "a")
     t0 = time.time()
-    warm = max(1, steps // 20)
     base_vocab = data.frequent_tokens(vocab_subset) if vocab_subset else None
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else None
     step = 0
     while step < steps:
         step += 1
+        warm = max(1, steps // 20)  # 5 % warm-up of the (possibly re-planned) schedule
         cur = lr * min(1.0, step / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps))))
         for g in opt.param_groups:
             g["lr"] = cur

@@ -392,6 +392,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-shards", type=int, default=None, help="stop after this many new shards")
+    p.add_argument("--budget-min", type=float, default=None,
+                   help="start no new shard after this many minutes (finished shards are kept; rerun to continue)")
     p.add_argument("--worker", default="0/1", help="i/n: this process generates the shards with index %% n == i "
                    "(run n single-thread processes in parallel; they share --out safely)")
     p.add_argument("--reverse", action="store_true", help="work through the plan from its end (extra workers)")
@@ -529,7 +531,11 @@ def run(args) -> int:
                       args.top_p, capture_layers=layers)
     t0 = time.time()
     bar = tqdm(todo, desc="gen-data", unit="shard")
+    budget_s = None if getattr(args, "budget_min", None) is None else args.budget_min * 60
     for fname, src, convs in bar:
+        if budget_s is not None and time.time() - t0 > budget_s:
+            print(f"gen-data[{wi}/{wn}]: --budget-min {args.budget_min} reached; stopping (rerun to continue)", flush=True)
+            break
         if not _claim(args.out, fname):
             continue  # another live worker is generating it, or it is finished
         seqs, masks, feats = gen.run(convs)

@@ -21,13 +21,15 @@ import time
 DEFAULT_DATA = os.path.join("artifacts", "train", "data")
 DEFAULT_OUT = os.path.join("artifacts", "train", "default")
 DEFAULT_GEN = dict(
-    prompts=["sharegpt:144", "bfcl:96", "stdlib:96"], shard_size=12, max_new_tokens=192, max_turns=2,
+    prompts=["sharegpt:480", "bfcl:192", "stdlib:192"], shard_size=12, max_new_tokens=192, max_turns=2,
     max_user_tokens=640, max_len=1536, temperature=0.0, top_p=1.0, seed=0,
 )
+DEFAULT_GEN_BUDGET_MIN = 75.0  # with the 50-minute training budget: <= 3 h on 2 cores, features included
 DEFAULT_TRAIN = dict(
-    steps_teacher=400, steps_distill=400, steps_stabilize=600, lr=1.5e-3, batch_size=32, seqs_per_batch=2,
+    # step counts are upper bounds: the stage budgets (--stage-budget-min) end each stage
+    steps_teacher=20000, steps_distill=20000, steps_stabilize=40000, lr=1.5e-3, batch_size=32, seqs_per_batch=2,
     gamma=4.0, ce_weight=1.0, tv_weight=1.0, clip=1.0, warmup_frac=0.05, bf16=True, vocab_subset=8192,
-    eval_every=40, eval_anchors=128, save_every=10, seed=0,
+    eval_every=40, eval_anchors=256, save_every=10, seed=0,
 )
 
 
@@ -40,10 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also copy the exported drafter into the package (the shipped default checkpoint)")
     p.add_argument("--gen-max-shards", type=int, default=None, help="generate at most this many new shards")
     p.add_argument("--skip-gen", action="store_true", help="train on the shards already in --data")
-    p.add_argument("--stage-budget-min", default="40,40,50",
+    p.add_argument("--gen-budget-min", type=float, default=DEFAULT_GEN_BUDGET_MIN,
+                   help="gen-data starts no new shard after this many minutes (resumable: rerun to add more)")
+    p.add_argument("--stage-budget-min", default="14,14,22",
                    help="wall-time caps (minutes) of the teacher, distill and stabilize stages")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per training process")
-    p.add_argument("--ddp", type=int, default=2, help="data-parallel training processes (batch 32 anchors each)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per training process")
+    p.add_argument("--ddp", type=int, default=1, help="data-parallel training processes (batch 32 anchors each)")
     p.add_argument("--single-stage", action="store_true", help="the single-stage ablation instead")
     p.add_argument("--no-progress", action="store_true")
 
@@ -58,7 +62,8 @@ def gen_args(args):
                reverse=False,
                max_new_tokens=g["max_new_tokens"], max_len=g["max_len"], max_turns=g["max_turns"],
                max_user_tokens=g["max_user_tokens"], temperature=g["temperature"], top_p=g["top_p"], seed=g["seed"],
-               threads=max(2, args.threads), max_shards=args.gen_max_shards, capture_layers=None, no_features=False)
+               threads=max(2, args.threads), max_shards=args.gen_max_shards, capture_layers=None, no_features=False,
+               budget_min=args.gen_budget_min)
 
 
 def train_args(args, out):
