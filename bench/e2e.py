@@ -42,7 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--model-path", default="default")
     p.add_argument("--draft", default=None, help="DLite checkpoint (default: the shipped drafter)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
-    p.add_argument("--modes", default="dlite,nospec")
+    p.add_argument("--modes", default="dlite,nospec",
+                   help="dlite (verify all K drafts), dlite:W (verify the anchor + the first W-1 drafts, "
+                        "= --speculative-num-draft-tokens W), nospec")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -81,8 +83,11 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device):
     import sglang_fixtures as F
 
     kw = dict(max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
-    if mode == "dlite":
+    spec, _, w = mode.partition(":")
+    if spec == "dlite":
         kw["dlite"] = draft
+        if w:
+            kw["speculative_num_draft_tokens"] = int(w)
     t0 = time.perf_counter()
     if device == "cpu":
         e = F.start_engine(target, **kw)
@@ -90,8 +95,10 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device):
         import sglang as sgl
 
         args = dict(model_path=str(target), max_running_requests=max(levels), random_seed=0)
-        if mode == "dlite":
+        if spec == "dlite":
             args.update(speculative_algorithm="DLITE", speculative_draft_model_path=str(draft))
+            if w:
+                args["speculative_num_draft_tokens"] = int(w)
         e = sgl.Engine(**args)
     start_s = time.perf_counter() - t0
     sp = {"temperature": 0.0, "max_new_tokens": max_new}
@@ -133,7 +140,7 @@ def run_reference(mode, target, draft, reqs, max_new):
     with torch.no_grad():
         for r in reqs:
             t1 = time.perf_counter()
-            g = eng.generate(r, max_new, speculative=(mode == "dlite"))
+            g = eng.generate(r, max_new, speculative=mode.startswith("dlite"))
             lat.append(time.perf_counter() - t1)
             outs.append(g.output_ids)
             rounds += len(g.rounds)
@@ -181,17 +188,19 @@ def main(argv=None) -> int:
         outs[mode] = o
     table = []
     by = {(r["mode"], r["concurrency"]): r for r in rows}
-    for c in sorted({r["concurrency"] for r in rows}):
-        d, b = by.get(("dlite", c)), by.get(("nospec", c))
-        if d and b:
-            table.append({"concurrency": c, "dlite_tok_s": d["tokens_per_s"], "nospec_tok_s": b["tokens_per_s"],
-                          "speedup": round(d["tokens_per_s"] / b["tokens_per_s"], 3), "tau": d["tau"],
-                          "dlite_latency_s": d["mean_latency_s"], "nospec_latency_s": b["mean_latency_s"],
-                          "identical_outputs": outs["dlite"].get(c) == outs["nospec"].get(c)})
-    print("\n| concurrency | DLITE tok/s | no-spec tok/s | speed-up | tau | DLITE latency s | no-spec latency s | identical |")
-    print("|---|---|---|---|---|---|---|---|")
+    spec_modes = [m for m in outs if m != "nospec"]
+    for m in spec_modes:
+        for c in sorted({r["concurrency"] for r in rows}):
+            d, b = by.get((m, c)), by.get(("nospec", c))
+            if d and b:
+                table.append({"mode": m, "concurrency": c, "dlite_tok_s": d["tokens_per_s"], "nospec_tok_s": b["tokens_per_s"],
+                              "speedup": round(d["tokens_per_s"] / b["tokens_per_s"], 3), "tau": d["tau"],
+                              "dlite_latency_s": d["mean_latency_s"], "nospec_latency_s": b["mean_latency_s"],
+                              "identical_outputs": outs[m].get(c) == outs["nospec"].get(c)})
+    print("\n| mode | concurrency | DLITE tok/s | no-spec tok/s | speed-up | tau | DLITE latency s | no-spec latency s | identical |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for t in table:
-        print(f"| {t['concurrency']} | {t['dlite_tok_s']} | {t['nospec_tok_s']} | {t['speedup']}x | {t['tau']} | "
+        print(f"| {t['mode']} | {t['concurrency']} | {t['dlite_tok_s']} | {t['nospec_tok_s']} | {t['speedup']}x | {t['tau']} | "
               f"{t['dlite_latency_s']} | {t['nospec_latency_s']} | {t['identical_outputs']} |")
     result = {
         "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),

@@ -100,6 +100,20 @@ def test_dlite_equals_nospec_equals_reference_llama(llama, nospec_outputs, overl
         assert all(c > 0 for c in cached), f"no prefix-cache hit on later turns: {cached}"
 
 
+def test_dlite_verifies_a_prefix_of_the_drafts(llama):
+    """--speculative-num-draft-tokens 3 with a K=4 drafter: each round verifies the anchor + the
+    first 2 drafts (cheaper verify where it is compute-bound); still exactly the reference."""
+    target, drafter, ref = llama
+    with F.engine(target, dlite=drafter, skip_tokenizer_init=True, speculative_num_draft_tokens=3) as e:
+        got, metas = _run_batch(e)
+    assert got == ref
+    hist = [0] * 5
+    for m in metas:
+        for i, c in enumerate(m["spec_correct_drafts_histogram"]):
+            hist[i] += c
+    assert hist[2] > 0 and hist[3] == hist[4] == 0, hist  # 0..2 drafts accepted, never more
+
+
 def test_dlite_qwen3_target(tmp_path_factory):
     d = tmp_path_factory.mktemp("sglang_qwen3")
     target = F.save_tiny_qwen3(d / "target")

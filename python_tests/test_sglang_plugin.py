@@ -104,6 +104,8 @@ def test_validate_accepts_matching_drafter(tiny):
     _, target, drafter = tiny
     _validate(_args(target, drafter))
     _validate(_args(target, drafter, speculative_num_draft_tokens=5, speculative_num_steps=4))
+    _validate(_args(target, drafter, speculative_num_draft_tokens=3))  # verify a prefix of the chain
+    _validate(_args(target, drafter, speculative_num_draft_tokens=2, speculative_num_steps=1))
 
 
 @pytest.mark.parametrize("field,value,needle", [
@@ -127,10 +129,14 @@ def test_k_inconsistent_with_num_draft_tokens_fails(tiny):
     from sglang_dlite.errors import DLiteConfigError
 
     _, target, drafter = tiny  # K = 4
-    with pytest.raises(DLiteConfigError, match=r"--speculative-num-draft-tokens 8 .*K=4.*Pass --speculative-num-draft-tokens 5"):
+    with pytest.raises(DLiteConfigError, match=r"--speculative-num-draft-tokens 8 .*K=4.*between 2 and 5"):
         _validate(_args(target, drafter, speculative_num_draft_tokens=8))
-    with pytest.raises(DLiteConfigError, match="--speculative-num-steps 2"):
+    with pytest.raises(DLiteConfigError, match=r"--speculative-num-draft-tokens 1 .*between 2 and 5"):
+        _validate(_args(target, drafter, speculative_num_draft_tokens=1))
+    with pytest.raises(DLiteConfigError, match="--speculative-num-steps 2 .*pass 4"):
         _validate(_args(target, drafter, speculative_num_steps=2))
+    with pytest.raises(DLiteConfigError, match="--speculative-num-steps 4 .*pass 2"):
+        _validate(_args(target, drafter, speculative_num_draft_tokens=3, speculative_num_steps=4))
     with pytest.raises(DLiteConfigError, match="chain"):
         _validate(_args(target, drafter, speculative_eagle_topk=4))
 

@@ -53,11 +53,15 @@ class DLiteSpecAlgo(CustomSpecAlgo):
         return False
 
     def handle_server_args(self, server_args) -> None:
-        """steps = K, topk = 1, num_draft_tokens = K + 1 (anchor + K drafts), from the checkpoint."""
+        """num_draft_tokens W = K + 1 (anchor + all K drafts, from the checkpoint) unless the user
+        asked for fewer (2 <= W <= K + 1: verify the first W - 1 drafts of the chain); steps =
+        W - 1, topk = 1."""
         k = draft_block_size(server_args.speculative_draft_model_path)
-        server_args.speculative_num_steps = k
+        w = server_args.speculative_num_draft_tokens
+        w = k + 1 if w is None else int(w)
+        server_args.speculative_num_steps = w - 1
         server_args.speculative_eagle_topk = 1
-        server_args.speculative_num_draft_tokens = k + 1
+        server_args.speculative_num_draft_tokens = w
 
 
 def _read_draft_config(path):
@@ -109,17 +113,19 @@ def validate_server_args(server_args) -> None:
     config, _state = load_checkpoint(path)  # validates config + safetensors (clear errors)
     k = config.block_size
     ndt = server_args.speculative_num_draft_tokens
-    if ndt is not None and int(ndt) != k + 1:
+    if ndt is not None and not 2 <= int(ndt) <= k + 1:
         raise DLiteConfigError(
             f"--speculative-num-draft-tokens {ndt} does not fit this DLite drafter: it drafts "
-            f"K={k} tokens per round, so a round verifies K+1={k + 1} tokens (anchor + drafts). "
-            f"Pass --speculative-num-draft-tokens {k + 1} or leave it unset."
+            f"K={k} tokens per round, so a round verifies at most K+1={k + 1} tokens (anchor + drafts). "
+            f"Pass --speculative-num-draft-tokens between 2 and {k + 1} (fewer verifies a prefix of "
+            f"the drafts), or leave it unset ({k + 1})."
         )
+    w = k + 1 if ndt is None else int(ndt)
     steps = server_args.speculative_num_steps
-    if steps is not None and int(steps) != k:
+    if steps is not None and int(steps) != w - 1:
         raise DLiteConfigError(
-            f"--speculative-num-steps {steps} does not fit this DLite drafter (K={k}); pass "
-            f"{k} or leave it unset."
+            f"--speculative-num-steps {steps} does not fit this DLite drafter (K={k}, "
+            f"{w} draft tokens verified per round); pass {w - 1} or leave it unset."
         )
     topk = server_args.speculative_eagle_topk
     if topk is not None and int(topk) != 1:

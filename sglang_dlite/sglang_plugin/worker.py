@@ -128,16 +128,19 @@ class DLiteWorker(BaseSpecWorker):
         V = cfg.vocab_size
         drafter.bind_target(embed_w[:V], head_w[:V])
         self.drafter = drafter
-        self.K = cfg.block_size
-        self.W = cfg.block_size + 1
+        self.K_model = cfg.block_size  # drafts the drafter makes per round
+        # Tokens verified per round (anchor + the first W-1 drafts): K+1 unless the server asked
+        # for fewer (--speculative-num-draft-tokens; cheaper verify where it is compute-bound).
+        self.W = int(spec.speculative_num_draft_tokens)
+        self.K = self.W - 1
         self.C = cfg.num_context_positions
         self.L = cfg.num_capture_layers
         self.H = cfg.target_hidden_size
         self.state_width = self.L * self.H + 1
-        if int(spec.speculative_num_draft_tokens) != self.W:
+        if not 2 <= self.W <= self.K_model + 1:
             raise DLiteConfigError(
-                f"DLITE: speculative_num_draft_tokens={spec.speculative_num_draft_tokens} but the "
-                f"drafter has K={self.K} (needs {self.W})."
+                f"DLITE: speculative_num_draft_tokens={self.W} but the drafter has K={self.K_model} "
+                f"(needs 2..{self.K_model + 1})."
             )
         if not hasattr(model, "set_dflash_layers_to_capture"):
             raise DLiteConfigError(
@@ -150,7 +153,7 @@ class DLiteWorker(BaseSpecWorker):
         self._rng = torch.Generator(device=self.device)
         self._rng.manual_seed(int(getattr(server_args, "random_seed", 0) or 0))
         logger.info(
-            "DLITE drafter %s: K=%d, C=%d, target layers %s, dtype %s", path, self.K, self.C,
+            "DLITE drafter %s: K=%d (verifying %d per round), C=%d, target layers %s, dtype %s", path, self.K_model, self.K, self.C,
             cfg.target_layer_ids, dtype,
         )
 
@@ -298,7 +301,7 @@ class DLiteWorker(BaseSpecWorker):
         anchors = draft_input.bonus_tokens.to(torch.int64)
 
         # 1) draft
-        drafts = self._draft(state, anchors).to(torch.int64)  # [B, K]
+        drafts = self._draft(state, anchors)[:, :K].to(torch.int64)  # [B, K] (a prefix of the chain)
         block = torch.cat([anchors[:, None], drafts], dim=1)  # [B, W]
 
         # 2) verify
