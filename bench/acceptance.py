@@ -44,6 +44,9 @@ def parse_args(argv=None):
                    help="greedy only: compare speculative and target-alone outputs token for token.")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (reported in the JSON).")
     p.add_argument("--out", required=True, help="result JSON path.")
+    p.add_argument("--ar-cache", default=None,
+                   help="JSON-lines file of target-alone turn results shared between runs (the baseline "
+                        "does not depend on the drafter): later drafters reuse its outputs and timings.")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -98,10 +101,13 @@ def main(argv=None) -> int:
             print(f"warning: {w}", file=sys.stderr)
         engine = ReferenceEngine(target, drafter, eos_token_ids=eos_token_ids(tok, target))
         greedy = args.temperature <= 0
+        from sglang_dlite.workloads.replay import ARCache
+
+        ar_cache = ARCache(args.ar_cache, getattr(target.config, "_name_or_path", args.target)) if args.ar_cache else None
         stats = replay(engine, tok, convs, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                        seed=args.seed, speculative=True, autoregressive=True,
                        check_lossless=args.check_lossless and greedy, max_context_tokens=args.max_context_tokens,
-                       progress=not args.no_progress, desc=args.workload)
+                       progress=not args.no_progress, desc=args.workload, ar_cache=ar_cache)
         engine.close()
     except DLiteError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -120,6 +126,7 @@ def main(argv=None) -> int:
         r["lossless_checked"] = bool(args.check_lossless)
         if not args.check_lossless:
             r["lossless_mismatches"] = None
+    r["ar_cached_turns"] = ar_cache.hits if ar_cache else 0
     r.update({"torch_threads": torch.get_num_threads(), "target_load_s": load_s,
               "drafter_warnings": drafter_warnings, "torch_version": torch.__version__,
               "python": platform.python_version(), "argv": sys.argv[1:] if argv is None else list(argv)})

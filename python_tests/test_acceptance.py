@@ -165,3 +165,21 @@ def test_replay_metrics_with_oracle_drafter(tiny_target):
     s = replay(engine, tok, [conv], 20, check_lossless=True).to_dict()
     assert s["lossless_mismatches"] == 0 and s["ar_turns"] == 1
     assert bucket_of(0) == "0-1k" and bucket_of(1024) == "1-2k" and bucket_of(5000) == "4-8k" and bucket_of(9000) == ">=8k"
+
+
+def test_acceptance_ar_cache_is_reused_across_drafters(tiny_ckpt, tiny_drafter, workload_file, tmp_path):
+    """--ar-cache: the second run (another drafter, here ngram) takes every target-alone turn from
+    the cache and reports the same baseline; the lossless check still compares against it."""
+    cache = tmp_path / "ar.jsonl"
+    res = []
+    for i, d in enumerate([tiny_drafter, "ngram"]):
+        out = tmp_path / f"r{i}.json"
+        rc = _acceptance().main(["--engine", "reference", "--drafter", d, "--target", tiny_ckpt,
+                                 "--workload", workload_file, "--max-new-tokens", "16", "--check-lossless",
+                                 "--threads", "1", "--no-progress", "--out", str(out), "--ar-cache", str(cache)])
+        assert rc == 0
+        res.append(json.loads(out.read_text()))
+    assert res[0]["ar_cached_turns"] == 0 and res[1]["ar_cached_turns"] == res[1]["turns"] == 4
+    assert res[1]["ar_tokens_per_s"] == res[0]["ar_tokens_per_s"]
+    assert res[1]["lossless_compared_turns"] == 4 and res[1]["lossless_mismatches"] == 0
+    assert len(cache.read_text().splitlines()) == 4

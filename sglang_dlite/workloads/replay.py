@@ -58,6 +58,57 @@ def bucket_of(context_len: int) -> str:
     return ">=8k"
 
 
+class ARCache:
+    """Target-alone (autoregressive) turn results shared between runs: the baseline does not depend
+    on the drafter, so the second drafter measured on a workload reuses the first one's target-alone
+    outputs and timings instead of regenerating them (``bench/acceptance.py --ar-cache FILE``).
+    JSON lines keyed by a hash of (target, prompt ids, max new tokens, sampling, seed)."""
+
+    def __init__(self, path: str, target_id: str):
+        import json
+        import os
+
+        self.path, self.target_id, self.table = path, str(target_id), {}
+        self.hits = 0
+        if os.path.isfile(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue  # a torn last line from an interrupted writer
+                    self.table[rec["key"]] = rec
+
+    def key(self, prompt_ids, max_new_tokens, temperature, top_p, seed) -> str:
+        h = hashlib.sha256(f"{self.target_id}|{max_new_tokens}|{temperature}|{top_p}|{seed}|".encode())
+        h.update(",".join(map(str, prompt_ids)).encode())
+        return h.hexdigest()
+
+    def get(self, key):
+        from ..engine import GenerationResult
+
+        rec = self.table.get(key)
+        if rec is None:
+            return None
+        self.hits += 1
+        return GenerationResult(prompt_len=rec["prompt_len"], output_ids=list(rec["output_ids"]),
+                                prefill_ms=rec["prefill_ms"], decode_ms=rec["decode_ms"],
+                                reused_prefix=rec["reused_prefix"])
+
+    def put(self, key, res) -> None:
+        import fcntl
+        import json
+        import os
+
+        rec = {"key": key, "prompt_len": res.prompt_len, "output_ids": list(res.output_ids),
+               "prefill_ms": res.prefill_ms, "decode_ms": res.decode_ms, "reused_prefix": res.reused_prefix}
+        self.table[key] = rec
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(self.path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.write(json.dumps(rec) + "\n")
+
+
 @dataclass
 class _Side:
     turns: int = 0
@@ -179,7 +230,7 @@ def _margin(target, ids: list) -> dict:
 def replay(engine, tokenizer, conversations: list, max_new_tokens: int, *, temperature: float = 0.0,
            top_p: float = 1.0, seed: int = 0, speculative: bool = True, autoregressive: bool = False,
            check_lossless: bool = False, max_context_tokens: Optional[int] = None,
-           progress: bool = False, desc: str = "turns") -> ReplayStats:
+           progress: bool = False, desc: str = "turns", ar_cache: Optional[ARCache] = None) -> ReplayStats:
     """Replay ``conversations`` (workload records) through ``engine``; see the module docstring.
 
     ``check_lossless`` (greedy only; implies ``autoregressive``) compares each speculative output
@@ -209,7 +260,12 @@ def replay(engine, tokenizer, conversations: list, max_new_tokens: int, *, tempe
             kw = dict(temperature=temperature, top_p=top_p, seed=s)
             ar_res = sp_res = None
             if autoregressive:
-                ar_res = engine.generate(turn.prompt_ids, max_new_tokens, session=ar_sess, speculative=False, **kw)
+                ck = ar_cache.key(turn.prompt_ids, max_new_tokens, temperature, top_p, s) if ar_cache else None
+                ar_res = ar_cache.get(ck) if ar_cache else None
+                if ar_res is None:
+                    ar_res = engine.generate(turn.prompt_ids, max_new_tokens, session=ar_sess, speculative=False, **kw)
+                    if ar_cache:
+                        ar_cache.put(ck, ar_res)
                 stats.ar.add(ar_res)
             if speculative:
                 sp_res = engine.generate(turn.prompt_ids, max_new_tokens, session=spec_sess, speculative=True, **kw)
