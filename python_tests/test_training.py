@@ -314,3 +314,23 @@ def test_feature_caches_of_two_layer_sets_coexist(tmp_path, tiny_target):
     both = load_features(path, [1, 4], len(ids))
     assert np.allclose(both[: off[1] - 1, 1], hs[5][0, :-1].numpy(), atol=1e-2)
     assert np.allclose(np.array(load_features(path, [3], len(ids)))[:, 1], np.array(mine)[:, 3], atol=1e-3)
+
+
+def test_init_from_target_layers_copies_weights_and_checks_shapes(tiny_target):
+    from sglang_dlite.errors import DLiteConfigError
+    from sglang_dlite.model import DLiteDrafter
+    from sglang_dlite.training.train import init_from_target_layers
+
+    d = DLiteDrafter(tiny_dlite_config(tiny_target, intermediate_size=128))  # = the tiny target's shapes
+    init_from_target_layers(d, tiny_target, [3, 4])
+    src = tiny_target.model.layers[4]
+    assert torch.equal(d.layers[1].q_proj.weight, src.self_attn.q_proj.weight)
+    assert torch.equal(d.layers[1].down_proj.weight, src.mlp.down_proj.weight)
+    assert torch.equal(d.layers[0].post_norm.weight, tiny_target.model.layers[3].post_attention_layernorm.weight)
+    with pytest.raises(DLiteConfigError, match="out of range"):
+        init_from_target_layers(d, tiny_target, [3, 9])
+    with pytest.raises(DLiteConfigError, match="names 1 layers"):
+        init_from_target_layers(d, tiny_target, [3])
+    other = DLiteDrafter(tiny_dlite_config(tiny_target))  # intermediate 96 != 128
+    with pytest.raises(DLiteConfigError, match="intermediate size must equal"):
+        init_from_target_layers(other, tiny_target, [3, 4])

@@ -312,6 +312,7 @@ class TrainOptions:
     save_every: int = 50
     seed: int = 0
     student_history: str = "none"
+    init_layers: Optional[list] = None  # target layer ids the fresh backbones start from (None: random)
     vocab_subset: int = 0  # >0: train over the N most frequent data tokens + batch labels (0: full vocab)
     distill_init: str = "teacher"
     resume: bool = False
@@ -358,6 +359,36 @@ def plot_curves(out_dir: str) -> Optional[str]:
     fig.savefig(png, dpi=90)
     plt.close(fig)
     return png
+
+
+def init_from_target_layers(model: DLiteDrafter, target, layer_ids) -> DLiteDrafter:
+    """Copy the target's decoder layers ``layer_ids`` (attention, MLP and norms) into the drafter's
+    backbone layers, one for one: a drafter that reads layer-12 states starts as the target's own
+    next layers instead of from noise. Needs the drafter's layer shapes to equal the target's."""
+    inner = getattr(target, "model", target)
+    tl = inner.layers
+    if len(layer_ids) != len(model.layers):
+        raise DLiteConfigError(f"--init-from-target-layers names {len(layer_ids)} layers but the drafter has "
+                               f"{len(model.layers)} backbone layers.")
+    names = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm",
+             "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+             "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+             "down_proj": "mlp.down_proj"}
+    with torch.no_grad():
+        for mine, lid in zip(model.layers, layer_ids):
+            if not 0 <= lid < len(tl):
+                raise DLiteConfigError(f"--init-from-target-layers: layer {lid} is out of range for a target "
+                                       f"with {len(tl)} layers (valid: 0..{len(tl) - 1}).")
+            src = tl[lid]
+            for a, b in names.items():
+                w_dst = getattr(mine, a).weight
+                w_src = src.get_submodule(b).weight
+                if w_dst.shape != w_src.shape:
+                    raise DLiteConfigError(
+                        f"--init-from-target-layers: drafter {a} {tuple(w_dst.shape)} != target layer {lid} "
+                        f"{b} {tuple(w_src.shape)}; the drafter's heads/head_dim/intermediate size must equal the target's.")
+                w_dst.copy_(w_src.to(w_dst.dtype))
+    return model
 
 
 def make_config(target_cfg, history: str, overrides: dict) -> DLiteConfig:
@@ -560,6 +591,8 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
             teacher = load_done("teacher")
         else:
             teacher = bind(DLiteDrafter(make_config(tc, "full", opts.config_overrides)), embed_w, head_w)
+            if opts.init_layers:
+                init_from_target_layers(teacher, target, opts.init_layers)
             teacher = run_stage(StageSpec("teacher", opts.steps["teacher"], opts.lr, "ce", "full"), teacher, data,
                                 out_dir, opts, embed_w, head_w)
         done["teacher"] = os.path.join(out_dir, "teacher", "model")
@@ -581,6 +614,8 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
         else:
             if student is None:
                 student = bind(DLiteDrafter(student_cfg), embed_w, head_w)
+                if opts.init_layers:
+                    init_from_target_layers(student, target, opts.init_layers)
             lr = opts.lr if "distill" not in stages else opts.lr * 0.5
             student = run_stage(StageSpec("stabilize", opts.steps["stabilize"], lr, "ce+tv", opts.student_history),
                                 student, data, out_dir, opts, embed_w, head_w)
@@ -626,6 +661,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="wall-time cap per stage in minutes: one value for every stage, or "
                         "teacher,distill,stabilize values (e.g. 14,14,17); the cosine schedule is re-planned to fit")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--init-from-target-layers", default=None,
+                   help="comma-separated target layer ids copied into the fresh drafter's backbone layers "
+                        "(e.g. 13,14: the layers right after the captured layer 12); default: random init")
     p.add_argument("--engine-eval-convs", type=int, default=0,
                    help="at the end of each stage, measure tau through the reference engine on this many "
                         "conversations of each --engine-eval-workloads (0: off)")
@@ -658,6 +696,7 @@ def options_from_args(args) -> TrainOptions:
         lr=args.lr, batch_size=args.batch_size, seqs_per_batch=args.seqs_per_batch, warmup_frac=args.warmup_frac,
         gamma=args.gamma, ce_weight=args.ce_weight, tv_weight=args.tv_weight, clip=args.clip, bf16=args.bf16,
         eval_every=args.eval_every, eval_anchors=args.eval_anchors, save_every=args.save_every, seed=args.seed,
+        init_layers=[int(x) for x in args.init_from_target_layers.split(",")] if getattr(args, "init_from_target_layers", None) else None,
         student_history=args.history, vocab_subset=args.vocab_subset, resume=args.resume, progress=not args.no_progress, config_overrides=ov,
         time_budget_s=budget,
     )
