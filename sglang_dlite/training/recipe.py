@@ -24,7 +24,7 @@ DEFAULT_GEN = dict(
     prompts=["sharegpt:480", "bfcl:192", "stdlib:192"], shard_size=12, max_new_tokens=192, max_turns=2,
     max_user_tokens=640, max_len=1536, temperature=0.0, top_p=1.0, seed=0,
 )
-DEFAULT_GEN_BUDGET_MIN = 75.0  # with the 50-minute training budget: <= 3 h on 2 cores, features included
+DEFAULT_GEN_BUDGET_MIN = 75.0  # with the 55-minute training budget: <= 3 h on 2 cores, features included
 DEFAULT_TRAIN = dict(
     # step counts are upper bounds: the stage budgets (--stage-budget-min) end each stage
     steps_teacher=20000, steps_distill=20000, steps_stabilize=40000, lr=1.5e-3, batch_size=32, seqs_per_batch=2,
@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-gen", action="store_true", help="train on the shards already in --data")
     p.add_argument("--gen-budget-min", type=float, default=DEFAULT_GEN_BUDGET_MIN,
                    help="gen-data starts no new shard after this many minutes (resumable: rerun to add more)")
-    p.add_argument("--stage-budget-min", default="14,14,22",
+    p.add_argument("--stage-budget-min", default="15,15,25",
                    help="wall-time caps (minutes) of the teacher, distill and stabilize stages")
     p.add_argument("--threads", type=int, default=2, help="torch threads per training process")
     p.add_argument("--ddp", type=int, default=1, help="data-parallel training processes (batch 32 anchors each)")
