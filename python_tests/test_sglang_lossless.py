@@ -39,6 +39,15 @@ def llama(tmp_path_factory):
     return target, drafter, ref
 
 
+def _accept_histogram(metas, n=5):
+    """Rounds per number of accepted drafts (0..n-1), summed over requests."""
+    hist = [0] * n
+    for m in metas:
+        for i, c in enumerate(m["spec_correct_drafts_histogram"]):
+            hist[i] += c
+    return hist
+
+
 def _run_batch(engine):
     outs = engine.generate(input_ids=PROMPTS, sampling_params=[_sp(n) for n in MAX_NEW])
     return [o["output_ids"] for o in outs], [o["meta_info"] for o in outs]
@@ -85,10 +94,7 @@ def test_dlite_equals_nospec_equals_reference_llama(llama, nospec_outputs, overl
         got, metas = _run_batch(e)
         assert got == ref
         # every accept length 0..K occurs over the batch (the drafter is accepted partially)
-        hist = [0] * 5
-        for m in metas:
-            for i, c in enumerate(m["spec_correct_drafts_histogram"]):
-                hist[i] += c
+        hist = _accept_histogram(metas)
         assert hist[0] > 0 and sum(hist[1:]) > 0, hist
         assert max(m["spec_accept_length"] for m in metas) > 1.5
         # concurrent requests joining while others decode
@@ -107,10 +113,7 @@ def test_dlite_verifies_a_prefix_of_the_drafts(llama):
     with F.engine(target, dlite=drafter, skip_tokenizer_init=True, speculative_num_draft_tokens=3) as e:
         got, metas = _run_batch(e)
     assert got == ref
-    hist = [0] * 5
-    for m in metas:
-        for i, c in enumerate(m["spec_correct_drafts_histogram"]):
-            hist[i] += c
+    hist = _accept_histogram(metas)
     assert hist[2] > 0 and hist[3] == hist[4] == 0, hist  # 0..2 drafts accepted, never more
 
 
