@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from . import ops
 from .config import DLiteConfig
-from .errors import DLiteConfigError, DLiteInputError
+from .errors import DLiteInputError
 from .target_binding import TargetBoundMixin
 from .target_binding import load_checkpoint as _load_checkpoint
 
@@ -302,18 +302,7 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
     # ------------------------------------------------------------------ checkpoints
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu") -> "DLiteDrafter":
-        return cls.from_config_and_state(*load_checkpoint(path), dtype=dtype, device=device)
-
-    @classmethod
-    def from_config_and_state(cls, config, state, dtype=torch.float32, device="cpu"):
-        model = cls(config)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise DLiteConfigError(
-                f"the checkpoint does not fit a DLite drafter with its own config "
-                f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(unexpected)[:5]})."
-            )
-        return model.to(device=device, dtype=dtype).eval()
+        return cls.from_config_and_state(*load_checkpoint(path), dtype=dtype, device=device, source=path)
 
 
 def load_checkpoint(path: str):

@@ -50,6 +50,19 @@ class TargetBoundMixin:
                 "stored in the drafter checkpoint)."
             )
 
+    @classmethod
+    def from_config_and_state(cls, config, state, dtype=torch.float32, device="cpu", source: Optional[str] = None):
+        """A model of this class built from (config, state dict), checked to fit exactly."""
+        model = cls(config)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            where = f"at {source!r} " if source else ""
+            raise DLiteConfigError(
+                f"the checkpoint {where}does not fit a {config.model_type} drafter with its own config "
+                f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(unexpected)[:5]})."
+            )
+        return model.to(device=device, dtype=dtype).eval()
+
     def save_pretrained(self, path: str, dtype: Optional[torch.dtype] = None) -> None:
         from safetensors.torch import save_file
 

@@ -252,14 +252,7 @@ class BoundTargetMixin(TargetBoundMixin):
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu"):
         config, state = load_checkpoint(path, cls.config_class)
-        model = cls(config)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise DLiteConfigError(
-                f"the checkpoint at {path!r} does not fit a {config.model_type} drafter with its own config "
-                f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(unexpected)[:5]})."
-            )
-        return model.to(device=device, dtype=dtype).eval()
+        return cls.from_config_and_state(config, state, dtype=dtype, device=device, source=path)
 
 
 def read_model_type(path: str) -> Optional[str]:
