@@ -334,3 +334,22 @@ def test_init_from_target_layers_copies_weights_and_checks_shapes(tiny_target):
     other = DLiteDrafter(tiny_dlite_config(tiny_target))  # intermediate 96 != 128
     with pytest.raises(DLiteConfigError, match="intermediate size must equal"):
         init_from_target_layers(other, tiny_target, [3, 4])
+
+
+def test_time_budget_replans_warmup_and_cosine(tmp_path, tiny_target):
+    """A stage whose step count is an upper bound (budget-bound): the warm-up is 5 % of the schedule
+    as re-planned for the budget, so the learning rate peaks early and the cosine completes.
+    Regression: the warm-up used to be 5 % of the *requested* steps, so a 20 000-step request cut
+    to ~650 steps by its budget never left warm-up."""
+    from sglang_dlite.training.train import train_pipeline
+
+    data = _tiny_data(tmp_path, tiny_target)
+    out = str(tmp_path / "run")
+    opts = _opts(stages=["stabilize"], steps={"teacher": 1, "distill": 1, "stabilize": 100000},
+                 time_budget_s={"stabilize": 4.0}, lr=1e-3)
+    train_pipeline(tiny_target, data, out, opts)
+    recs = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"lr"' in x]
+    lrs = [r["lr"] for r in recs if r.get("stage") == "stabilize"]
+    assert len(lrs) >= 3
+    assert max(lrs) > 0.8e-3  # reached (near) the peak: warm-up ended
+    assert lrs[-1] < 0.3e-3  # and the cosine decayed before the budget ran out

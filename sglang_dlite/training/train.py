@@ -434,7 +434,6 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
             rng = np.random.default_rng([opts.seed, STAGES.index(spec.name), rank, step])
         torch.set_rng_state(st["torch_rng"])
         print(f"train[{spec.name}]: resumed at step {step}/{total}")
-    warmup = max(1, int(opts.warmup_frac * total))
     use_bf16 = opts.bf16
 
     def autocast():
@@ -457,6 +456,7 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
     t_last, n_anchor, loss_acc, n_acc = time.time(), 0, 0.0, 0
     while step < total:
         t0 = time.time()
+        warmup = max(1, int(opts.warmup_frac * total))  # of the schedule as (re-)planned for the budget
         lr = lr_at(step, total, spec.lr, warmup)
         for g in optim.param_groups:
             g["lr"] = lr
