@@ -9,7 +9,7 @@ import os
 from typing import Optional
 
 BENCH_CMD = ("python bench/acceptance.py --engine reference --drafter {drafter} --workload {wl} --max-convs <N> "
-             "--max-new-tokens 128 --check-lossless --threads 1 --out {out}")
+             "--max-new-tokens 128 --check-lossless --threads 1 --ar-cache artifacts/results/v2/ar_<workload>.jsonl --out {out}")
 
 
 def load_bench(paths: list) -> list:
@@ -63,7 +63,12 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
         f"- Training sequences {info.get('train_sequences')}, held-out sequences {info.get('eval_sequences')} "
         f"(hash split of the generated data), training anchors {info.get('train_anchors')}.",
         "",
-        "## Recipe (`make train-default` = `sglang-dlite train-default`)",
+        ("## Recipe (`make train-default` = `sglang-dlite train-default --single-stage`)"
+         if list(opts.get("stages", [])) == ["stabilize"] else
+         "## Recipe (`make train-two-stage` = `sglang-dlite train-default`)"),
+        ("This checkpoint: **stage 2 only** (stabilization from scratch), which beat the two-stage recipe at "
+         "equal training time on this budget (table below). The two-stage recipe:"
+         if list(opts.get("stages", [])) == ["stabilize"] else "Stages:"),
         "1. teacher: history-aware teacher (`history=full`), token-level CE over the K positions of random anchors.",
         "2. distill: DLite initialized from the teacher's weights, forward KL(teacher || DLite), position weights "
         f"w_i = exp(-(i-1)/gamma), gamma = {opts.get('gamma')}.",
@@ -110,13 +115,15 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
     lines += [
         "Commands:",
         "```",
-        "make train-default    # = sglang-dlite train-default (reuses generated data in artifacts/train/data)",
-        "# shipped drafter (= --drafter dlite), the single-stage ablation and the teacher:",
-        BENCH_CMD.format(drafter="dlite", wl="<workload>", out="artifacts/results/training/shipped_<workload>.json"),
-        BENCH_CMD.format(drafter="dlite:artifacts/train/single/stabilize/model", wl="<workload>",
-                         out="artifacts/results/training/single_<workload>.json"),
-        BENCH_CMD.format(drafter="dlite:artifacts/train/default/teacher/model", wl="<workload>",
-                         out="artifacts/results/training/teacher_<workload>.json"),
+        "make train-default     # single-stage -> artifacts/train/default-single-stage (the shipped recipe)",
+        "make train-two-stage   # teacher -> distill -> stabilize -> artifacts/train/default",
+        "# shipped drafter (= --drafter dlite), the two-stage run and its teacher (ar-cache: the target-alone",
+        "# turns are computed once per workload and shared):",
+        BENCH_CMD.format(drafter="dlite", wl="<workload>", out="artifacts/results/v2/acc_dlite_<workload>.json"),
+        BENCH_CMD.format(drafter="dlite:artifacts/train/default/stabilize/model", wl="<workload>",
+                         out="artifacts/results/v2/acc_twostage_<workload>.json"),
+        BENCH_CMD.format(drafter="dlite-teacher:artifacts/train/default/teacher/model", wl="<workload>",
+                         out="artifacts/results/v2/acc_dlite-teacher_<workload>.json"),
         "# <N>: mtbench 2, humaneval 3, bfcl-multiturn 1, sharegpt-heldout 2, agent-stdlib 4 (one conversation per context bucket)",
         "```",
     ]
