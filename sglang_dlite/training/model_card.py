@@ -74,7 +74,7 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
         f"w_i = exp(-(i-1)/gamma), gamma = {opts.get('gamma')}.",
         f"3. stabilize: CE (x{opts.get('ce_weight')}) + total variation (x{opts.get('tv_weight')}) to the target's "
         "distribution, same weights.",
-        f"- AdamW (betas 0.9/0.95, wd {opts.get('weight_decay')}), lr {opts.get('lr')} (stabilize: half), linear warm-up "
+        f"- AdamW (betas 0.9/0.95, wd {opts.get('weight_decay')}), lr {opts.get('lr')} (stabilize after distill: half), linear warm-up "
         f"{opts.get('warmup_frac')} + cosine to 0.1x, grad clip {opts.get('clip')}, batch {opts.get('batch_size')} "
         f"anchors ({opts.get('seqs_per_batch')} sequences per step), bf16 autocast: {opts.get('bf16')}.",
         f"- Training-time vocabulary subset: {opts.get('vocab_subset')} most frequent data tokens + the batch's labels "
