@@ -180,3 +180,23 @@ def test_checkpoint_errors(tiny_target, tmp_path):
     (small / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DLiteConfigError, match="does not fit"):
         DLiteDrafter.from_pretrained(str(small))
+
+
+@pytest.mark.parametrize("head_input", ["hidden", "token"])
+def test_propose_a_prefix_of_the_chain(tiny_target, head_input):
+    """propose(num_drafts=n) stops the causal head and the projection after n positions: the
+    tokens equal the first n of the full chain (greedy), and n outside [1, K] is refused."""
+    m = _drafter(tiny_target, head_input=head_input, block_size=6)
+    g = torch.Generator().manual_seed(3)
+    cfg = m.config
+    ctx = torch.randn(5, cfg.num_capture_layers, cfg.num_context_positions, cfg.target_hidden_size, generator=g) * 3
+    valid = torch.ones(5, cfg.num_context_positions, dtype=torch.bool)
+    anchor = torch.randint(0, cfg.vocab_size, (5,), generator=g)
+    full = m.propose(ctx, valid, anchor).tokens
+    assert full.shape == (5, 6) and len(set(full.flatten().tolist())) > 1
+    for n in (1, 2, 5, 6):
+        assert torch.equal(m.propose(ctx, valid, anchor, num_drafts=n).tokens, full[:, :n])
+    with pytest.raises(DLiteInputError, match=r"num_drafts=0 must be in \[1, K=6\]"):
+        m.propose(ctx, valid, anchor, num_drafts=0)
+    with pytest.raises(DLiteInputError, match=r"num_drafts=7"):
+        m.propose(ctx, valid, anchor, num_drafts=7)

@@ -266,13 +266,19 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
     @torch.no_grad()
     def propose(self, context_hidden, context_valid, anchor_ids, *, temperature: float = 0.0,
                 top_p: float = 1.0, generator: Optional[torch.Generator] = None,
-                history: Optional[History] = None, round_offset=None) -> DraftProposal:
-        """Draft K tokens per request. Greedy when temperature == 0."""
-        z = self.backbone(context_hidden, context_valid, anchor_ids, history, round_offset)
+                history: Optional[History] = None, round_offset=None,
+                num_drafts: Optional[int] = None) -> DraftProposal:
+        """Draft K tokens per request (greedy when temperature == 0), or only the first
+        ``num_drafts`` of the chain: the backbone still sees the whole block, but the causal head
+        and the vocabulary projection stop there (the tokens equal the full chain's prefix)."""
         K = self.config.block_size
+        if num_drafts is not None and not 1 <= num_drafts <= K:
+            raise DLiteInputError(f"num_drafts={num_drafts} must be in [1, K={K}].")
+        n = K if num_drafts is None else num_drafts
+        z = self.backbone(context_hidden, context_valid, anchor_ids, history, round_offset)
         if self.config.head_input == "hidden":
             with ops.nvtx_range("dlite.head"):
-                y = self.head(z[:, :-1], z[:, 1:])
+                y = self.head(z[:, :n], z[:, 1:n + 1])
             with ops.nvtx_range("dlite.projection"):
                 if temperature <= 0:  # greedy: fused final norm + LM head + argmax
                     tokens = ops.lm_head_argmax(y, self.final_norm.weight, self.final_norm.eps,
@@ -286,7 +292,7 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         state = torch.zeros(z.shape[0], self.config.rnn_rank, device=z.device)
         prev = anchor_ids
         toks, probs_all = [], []
-        for i in range(K):
+        for i in range(n):
             emb = F.embedding(prev, self.embed_weight).to(z.dtype)
             state, y = self.head.step(state, z[:, 1 + i], emb)
             logits = self.lm_logits(y).float()

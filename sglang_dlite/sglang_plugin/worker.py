@@ -58,7 +58,7 @@ class _DrafterCudaGraphs:
     static input buffers (context, validity, anchor) and one output buffer (tokens).
     """
 
-    def __init__(self, drafter: DLiteDrafter, max_bs: int, device, dtype):
+    def __init__(self, drafter: DLiteDrafter, max_bs: int, device, dtype, num_drafts: Optional[int] = None):
         cfg = drafter.config
         self.drafter = drafter
         self.buckets = [b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256) if b <= max_bs]
@@ -76,10 +76,10 @@ class _DrafterCudaGraphs:
         with torch.cuda.stream(stream):
             for bs in reversed(self.buckets):
                 for _ in range(2):  # warm-up outside the graph
-                    drafter.propose(self.ctx[:bs], self.valid[:bs], self.anchor[:bs])
+                    drafter.propose(self.ctx[:bs], self.valid[:bs], self.anchor[:bs], num_drafts=num_drafts)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool, stream=stream):
-                    out = drafter.propose(self.ctx[:bs], self.valid[:bs], self.anchor[:bs]).tokens
+                    out = drafter.propose(self.ctx[:bs], self.valid[:bs], self.anchor[:bs], num_drafts=num_drafts).tokens
                 pool = g.pool()
                 self.graphs[bs], self.outs[bs] = g, out
         torch.cuda.current_stream().wait_stream(stream)
@@ -180,7 +180,7 @@ class DLiteWorker(BaseSpecWorker):
         if use:
             max_bs = int(self.model_runner.max_running_requests or 64)
             self._graphs = _DrafterCudaGraphs(self.drafter, min(max_bs, 256), self.device,
-                                              self.model_runner.dtype)
+                                              self.model_runner.dtype, num_drafts=self.K)
             logger.info("DLITE drafter CUDA graphs captured for batch sizes %s", self._graphs.buckets)
 
     def clear_cache_pool(self):
@@ -213,7 +213,7 @@ class DLiteWorker(BaseSpecWorker):
             out = self._graphs.propose(ctx, valid, anchors)
             if out is not None:
                 return out.clone()
-        return self.drafter.propose(ctx.contiguous(), valid, anchors).tokens
+        return self.drafter.propose(ctx.contiguous(), valid, anchors, num_drafts=self.K).tokens
 
     def _accept(self, drafts: torch.Tensor, logits: torch.Tensor, sampling_info):
         """drafts [B, K], logits [B, W, V] -> (accepted count a [B], bonus [B])."""
@@ -301,7 +301,7 @@ class DLiteWorker(BaseSpecWorker):
         anchors = draft_input.bonus_tokens.to(torch.int64)
 
         # 1) draft
-        drafts = self._draft(state, anchors)[:, :K].to(torch.int64)  # [B, K] (a prefix of the chain)
+        drafts = self._draft(state, anchors).to(torch.int64)  # [B, K] (the first K = W-1 of the chain)
         block = torch.cat([anchors[:, None], drafts], dim=1)  # [B, W]
 
         # 2) verify
