@@ -75,26 +75,24 @@ def loss_fn(name, model, data, batch, weights, head_w, gamma_unused=None, base_v
     from contextlib import nullcontext
 
     from ..training.losses import tv_distance, weighted_ce
+    from ..training.train import batch_vocab_subset
 
     K, L = model.config.block_size, model.config.num_capture_layers
     autocast = autocast or nullcontext
     inputs = [sequence_inputs(data, seq_i, anchors, K, L) for seq_i, anchors in batch]
-    vocab = lookup = None
+    labels_all = [x[3][0] for x in inputs]
+    vocab = None
     if base_vocab is not None:
-        labs = torch.cat([x[3][x[4]] for x in inputs])
-        vocab = torch.unique(torch.cat([base_vocab, labs]))
-        lookup = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
-        lookup[vocab] = torch.arange(len(vocab))
+        vocab, labels_all = batch_vocab_subset(base_vocab, labels_all, [x[4][0] for x in inputs],
+                                               model.config.vocab_size)
     model.train_vocab = vocab
     total, n, taus = 0.0, 0, []
     try:
-        for (seq_i, anchors), (hidden, ids, anc, labels, valid, trows) in zip(batch, inputs):
+        for (seq_i, anchors), (hidden, ids, anc, _, valid, trows), lab in zip(batch, inputs, labels_all):
             with autocast():
                 logits = model.training_forward(hidden, ids, anc)[0]  # [N, K, V or |vocab|]
             logits = logits.float()
-            lab, val = labels[0], valid[0]
-            if lookup is not None:
-                lab = torch.where(val, lookup[lab], torch.zeros_like(lab))
+            val = valid[0]
             if name == "dspark":
                 feats = data.shards[data.seqs[seq_i][0]][2]
                 th = torch.from_numpy(np.asarray(feats[trows.reshape(-1), L], dtype=np.float32)).view(*trows.shape, -1)

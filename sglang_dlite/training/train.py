@@ -230,6 +230,16 @@ def target_probs(head_w, target_hidden, dtype, vocab=None):
         return torch.softmax(logits.float(), dim=-1)
 
 
+def batch_vocab_subset(base_vocab: torch.Tensor, labels: list, valid: list, vocab_size: int):
+    """The training-time vocabulary subset of one batch: the frequent tokens ``base_vocab`` plus
+    every valid label. Returns (sorted token ids, labels remapped to their index in the subset;
+    invalid positions get 0)."""
+    vocab = torch.unique(torch.cat([base_vocab] + [lab[v] for lab, v in zip(labels, valid)]))
+    lookup = torch.full((vocab_size,), -1, dtype=torch.long)
+    lookup[vocab] = torch.arange(len(vocab))
+    return vocab, [torch.where(v, lookup[lab], torch.zeros_like(lab)) for lab, v in zip(labels, valid)]
+
+
 def concat_groups(batches: list) -> dict:
     out = {}
     for key in batches[0]:
@@ -447,7 +457,6 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
 
     egroups = eval_groups(data, opts.eval_anchors, seed=opts.seed + 99)
     base_vocab = data.frequent_tokens(opts.vocab_subset) if opts.vocab_subset else None
-    lookup = torch.full((cfg.vocab_size,), -1, dtype=torch.long) if base_vocab is not None else None
     budget = (opts.time_budget_s or {}).get(spec.name)
     model.train()
     if teacher is not None:
@@ -472,12 +481,10 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
         vocab = None
         if base_vocab is not None:
             # training-time vocabulary subset: frequent tokens + every label of the batch
-            labs = torch.cat([b["labels"][b["valid"]] for b in bs])
-            vocab = torch.unique(torch.cat([base_vocab, labs]))
-            lookup.fill_(-1)
-            lookup[vocab] = torch.arange(len(vocab))
-            for b in bs:
-                b["labels_sub"] = torch.where(b["valid"], lookup[b["labels"]], torch.zeros_like(b["labels"]))
+            vocab, subs = batch_vocab_subset(base_vocab, [b["labels"] for b in bs], [b["valid"] for b in bs],
+                                             cfg.vocab_size)
+            for b, sub in zip(bs, subs):
+                b["labels_sub"] = sub
         optim.zero_grad(set_to_none=True)
         loss_val = 0.0
         t_logits_all = None
