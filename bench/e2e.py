@@ -84,21 +84,16 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device):
 
     kw = dict(max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
     spec, _, w = mode.partition(":")
-    if spec == "dlite":
-        kw["dlite"] = draft
-        if w:
-            kw["speculative_num_draft_tokens"] = int(w)
+    verify_kw = {"speculative_num_draft_tokens": int(w)} if spec == "dlite" and w else {}
     t0 = time.perf_counter()
     if device == "cpu":
-        e = F.start_engine(target, **kw)
+        e = F.start_engine(target, dlite=draft if spec == "dlite" else None, **kw, **verify_kw)
     else:
         import sglang as sgl
 
-        args = dict(model_path=str(target), max_running_requests=max(levels), random_seed=0)
+        args = dict(model_path=str(target), max_running_requests=max(levels), random_seed=0, **verify_kw)
         if spec == "dlite":
             args.update(speculative_algorithm="DLITE", speculative_draft_model_path=str(draft))
-            if w:
-                args["speculative_num_draft_tokens"] = int(w)
         e = sgl.Engine(**args)
     start_s = time.perf_counter() - t0
     sp = {"temperature": 0.0, "max_new_tokens": max_new}

@@ -21,7 +21,10 @@ on the drafter, so contexts stay identical across drafters when the baseline run
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -65,9 +68,6 @@ class ARCache:
     JSON lines keyed by a hash of (target, prompt ids, max new tokens, sampling, seed)."""
 
     def __init__(self, path: str, target_id: str):
-        import json
-        import os
-
         self.path, self.target_id, self.table = path, str(target_id), {}
         self.hits = 0
         if os.path.isfile(path):
@@ -96,10 +96,6 @@ class ARCache:
                                 reused_prefix=rec["reused_prefix"])
 
     def put(self, key, res) -> None:
-        import fcntl
-        import json
-        import os
-
         rec = {"key": key, "prompt_len": res.prompt_len, "output_ids": list(res.output_ids),
                "prefill_ms": res.prefill_ms, "decode_ms": res.decode_ms, "reused_prefix": res.reused_prefix}
         self.table[key] = rec
@@ -261,10 +257,10 @@ def replay(engine, tokenizer, conversations: list, max_new_tokens: int, *, tempe
             ar_res = sp_res = None
             if autoregressive:
                 ck = ar_cache.key(turn.prompt_ids, max_new_tokens, temperature, top_p, s) if ar_cache else None
-                ar_res = ar_cache.get(ck) if ar_cache else None
+                ar_res = ar_cache.get(ck) if ck else None
                 if ar_res is None:
                     ar_res = engine.generate(turn.prompt_ids, max_new_tokens, session=ar_sess, speculative=False, **kw)
-                    if ar_cache:
+                    if ck:
                         ar_cache.put(ck, ar_res)
                 stats.ar.add(ar_res)
             if speculative:
