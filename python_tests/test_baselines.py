@@ -243,8 +243,9 @@ def test_memory_per_request_grows_with_context_for_kv_baselines_not_dlite(tiny_t
 def test_reference_training_loop_learns_and_writes_a_loadable_checkpoint(tiny_target, tmp_path):
     """A few steps of the baselines' training loop on a tiny gen-data folder (features computed
     with the tiny target); the checkpoint loads through the registry."""
-    from sglang_dlite.baselines.train import train_kv_baseline
+    from sglang_dlite.baselines.train import sequence_inputs, train_kv_baseline
     from sglang_dlite.training.data import save_shard, write_manifest
+    from sglang_dlite.training.train import FeatureData
 
     rng = random.Random(5)
     data = tmp_path / "data"
@@ -261,7 +262,9 @@ def test_reference_training_loop_learns_and_writes_a_loadable_checkpoint(tiny_ta
         out = tmp_path / name
         steps = 30 if name == "dflash" else 3
         # dspark: the vocabulary-subset + bf16 + wall-budget path (budget far above what it needs)
+        # eagle3: every position as an anchor (--anchor-tokens all)
         extra = dict(vocab_subset=16, bf16=True, budget_min=10.0) if name == "dspark" else {}
+        extra = dict(anchor_tokens="all") if name == "eagle3" else extra
         train_kv_baseline(name, tiny_target, str(data), str(out), steps=steps, lr=3e-3, batch_size=16,
                           seqs_per_batch=2, progress=False, log_every=1, **extra)
         recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -271,6 +274,11 @@ def test_reference_training_loop_learns_and_writes_a_loadable_checkpoint(tiny_ta
             last = sum(r["loss"] for r in recs[-5:]) / 5
             assert last < first
         d = make_baseline_drafter(name, str(out), tiny_target)
+        if name == "eagle3":  # prompt-side labels count only with anchor_tokens="all"
+            L = json.loads((out / "config.json").read_text())["target_layer_ids"]
+            for mode, want in (("generated", False), ("all", True)):  # the label at 2 is a prompt token
+                fd = FeatureData(str(data), L, anchor_tokens=mode)
+                assert bool(sequence_inputs(fd, 0, [1], 2, len(L))[4][0, 0, 0]) is want, mode
         eng = ReferenceEngine(tiny_target, d, [EOS])
         assert eng.generate(seqs[0][:8], 8).output_ids == greedy_ref(tiny_target, seqs[0][:8], 8)
 

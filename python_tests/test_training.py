@@ -201,6 +201,49 @@ def test_features_computed_when_missing(tmp_path, tiny_target):
     assert os.path.isfile(os.path.join(data, "tiny_00000.feat.npy"))
 
 
+def test_anchor_tokens_all_adds_prompt_anchors_but_evaluates_on_generated_spans(tmp_path, tiny_target):
+    """--anchor-tokens all: every position with a next token is a training anchor, its labels
+    valid on prompt tokens too; "generated" (default) keeps only anchors whose next token the
+    target generated. Held-out eval anchors stay on generated spans either way."""
+    from sglang_dlite.errors import DLiteInputError
+    from sglang_dlite.training.train import FeatureData, eval_groups, sample_batch
+
+    data = _tiny_data(tmp_path, tiny_target, n_seqs=3, prompt_len=6, gen_len=10)
+    layers = tiny_dlite_config(tiny_target).target_layer_ids
+    gen = FeatureData(data, layers, heldout_mod=0)
+    full = FeatureData(data, layers, heldout_mod=0, anchor_tokens="all")
+    # sequences of 16 tokens: anchors n in 1..14 whose next token is generated = 5..14 (10);
+    # all = 1..14 (14); one sequence is held out
+    assert [a.tolist() for a in map(gen.train_anchors, gen.train_idx)] == [list(range(5, 15))] * 2
+    assert [a.tolist() for a in map(full.train_anchors, full.train_idx)] == [list(range(1, 15))] * 2
+    assert (gen.num_train_anchors, full.num_train_anchors) == (20, 28)
+    # eval anchors identical in both modes, all on generated spans
+    eg, ef = eval_groups(gen, 64), eval_groups(full, 64)
+    assert [(s, a.tolist()) for s, a in eg] == [(s, a.tolist()) for s, a in ef]
+    assert all(int(a.min()) >= 5 for _, a in ef)
+    # label validity: prompt-side labels only count with all_tokens
+    C, K = 2, 3
+    b_gen = full.group(0, np.array([1, 3]), C, K, 0, False)
+    b_all = full.group(0, np.array([1, 3]), C, K, 0, False, all_tokens=True)
+    assert b_gen["valid"].tolist() == [[False, False, False], [False, False, True]]
+    assert b_all["valid"].all()
+    rng = np.random.default_rng(0)
+    groups = sample_batch(full, rng, batch_size=28, seqs_per_batch=2)
+    assert min(int(a.min()) for _, a in groups) < 5  # prompt-side anchors are sampled
+    with pytest.raises(DLiteInputError, match="anchor_tokens"):
+        FeatureData(data, layers, anchor_tokens="prompt")
+
+
+def test_train_with_all_anchor_tokens_lowers_the_loss(tmp_path, tiny_target):
+    from sglang_dlite.training.train import train_pipeline
+
+    data = _tiny_data(tmp_path, tiny_target, n_seqs=3)
+    out = str(tmp_path / "run")
+    train_pipeline(tiny_target, data, out, _opts(stages=["stabilize"], anchor_tokens="all", steps={"stabilize": 40}))
+    recs = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in x]
+    assert recs[-1]["loss"] < recs[0]["loss"]
+
+
 def test_empty_prompt_source(tmp_path):
     from sglang_dlite.errors import DLiteInputError
     from sglang_dlite.training.gen_data import load_prompts

@@ -63,7 +63,8 @@ def sequence_inputs(data, seq_i: int, anchors, K: int, L: int):
     anc = torch.from_numpy(a)[None]
     labels, valid = anchor_targets(input_ids, anc, K)
     lpos = (anc[..., None] + 1 + torch.arange(K)).clamp(max=T - 1)
-    valid = valid & torch.from_numpy(mask[start:start + T] == 1)[lpos]
+    if data.anchor_tokens != "all":  # labels on the target's generated spans only
+        valid = valid & torch.from_numpy(mask[start:start + T] == 1)[lpos]
     target_rows = start + (anc[0][:, None] + torch.arange(K)).clamp(max=T - 2)
     return hidden, input_ids, anc, labels, valid, target_rows.numpy()
 
@@ -114,12 +115,13 @@ def loss_fn(name, model, data, batch, weights, head_w, gamma_unused=None, base_v
 def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 900, lr: float = 1e-3,
                       batch_size: int = 64, seqs_per_batch: int = 4, gamma: float = 4.0, seed: int = 0,
                       log_every: int = 10, progress: bool = True, vocab_subset: int = 0, bf16: bool = False,
-                      budget_min: Optional[float] = None) -> str:
+                      budget_min: Optional[float] = None, anchor_tokens: str = "generated") -> str:
     """Train eagle3 / dflash / dspark; writes OUT/config.json + model.safetensors + metrics.jsonl.
 
     ``vocab_subset`` / ``bf16`` as DLite's trainer (``--vocab-subset``, ``--bf16``);
     ``budget_min``: a wall-clock budget; the cosine schedule is re-planned to end inside it (the
-    same rule as DLite's ``--stage-budget-min``), so drafters compare at equal training time."""
+    same rule as DLite's ``--stage-budget-min``), so drafters compare at equal training time;
+    ``anchor_tokens``: as DLite's ``--anchor-tokens`` (generated spans only, or every position)."""
     from ..training.train import FeatureData, sample_batch
 
     if name not in KV_BASELINES:
@@ -129,7 +131,8 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
     embed_w = target.get_input_embeddings().weight.detach()
     head_w = target.get_output_embeddings().weight.detach()
     model.bind_target(embed_w, head_w).train()
-    data = FeatureData(data_dir, model.config.target_layer_ids, model_loader=lambda: target, progress=progress)
+    data = FeatureData(data_dir, model.config.target_layer_ids, model_loader=lambda: target, progress=progress,
+                       anchor_tokens=anchor_tokens)
     weights = step_weights(name, model.config.block_size, gamma)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -168,7 +171,8 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
         json.dump({"drafter": name, "data": data_dir, "steps": steps, "batch_size": batch_size,
                    "seqs_per_batch": seqs_per_batch, "lr": lr, "gamma": gamma, "seed": seed,
                    "anchors_seen": steps * batch_size, "wall_s": round(time.time() - t0, 1),
-                   "vocab_subset": vocab_subset, "bf16": bf16, "budget_min": budget_min}, f, indent=1)
+                   "vocab_subset": vocab_subset, "bf16": bf16, "budget_min": budget_min,
+                   "anchor_tokens": anchor_tokens}, f, indent=1)
     return out
 
 
@@ -210,6 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (as DLite's trainer)")
     ap.add_argument("--budget-min", type=float, default=None,
                     help="wall-clock budget in minutes; the schedule is re-planned to end inside it")
+    ap.add_argument("--anchor-tokens", choices=("generated", "all"), default="generated",
+                    help="training anchors on the target's generated spans only, or every position (as DLite's)")
     args, extra = ap.parse_known_args(argv)
     out = args.out or default_checkpoint(args.drafter_type)
     torch.set_num_threads(args.threads)
@@ -217,7 +223,7 @@ def main(argv=None) -> int:
         # the shared options, in `sglang-dlite train` spelling (the budget covers all its stages)
         shared = ["--batch-size", str(args.batch_size), "--seqs-per-batch", str(args.seqs_per_batch),
                   "--gamma", str(args.gamma), "--seed", str(args.seed), "--threads", str(args.threads),
-                  "--vocab-subset", str(args.vocab_subset)]
+                  "--vocab-subset", str(args.vocab_subset), "--anchor-tokens", args.anchor_tokens]
         shared += ["--bf16"] if args.bf16 else []
         shared += ["--no-progress"] if args.no_progress else []
         if args.budget_min is not None:
@@ -236,7 +242,7 @@ def main(argv=None) -> int:
     train_kv_baseline(args.drafter_type, target, args.data, out, steps=args.steps, lr=args.lr,
                       batch_size=args.batch_size, seqs_per_batch=args.seqs_per_batch, gamma=args.gamma,
                       seed=args.seed, progress=not args.no_progress, vocab_subset=args.vocab_subset,
-                      bf16=args.bf16, budget_min=args.budget_min)
+                      bf16=args.bf16, budget_min=args.budget_min, anchor_tokens=args.anchor_tokens)
     print(f"train[{args.drafter_type}] -> {out}")
     return 0
 

@@ -49,6 +49,7 @@ from .features import ensure_features, load_features
 from .losses import forward_kl, greedy_accept_length, position_weights, tv_distance, weighted_ce
 
 STAGES = ("teacher", "distill", "stabilize")
+ANCHOR_TOKENS = ("generated", "all")
 
 # Data-parallel training over several single-thread processes (``--ddp N``, gloo all-reduce):
 # on a shared, loaded CPU several processes get more CPU time than one with several threads.
@@ -95,7 +96,11 @@ def _min_int(x: int) -> int:
 class FeatureData:
     """All sequences of a gen-data folder with their memory-mapped target features."""
 
-    def __init__(self, data_dir: str, layer_ids, heldout_mod: int = 16, model_loader=None, progress=True):
+    def __init__(self, data_dir: str, layer_ids, heldout_mod: int = 16, model_loader=None, progress=True,
+                 anchor_tokens: str = "generated"):
+        if anchor_tokens not in ANCHOR_TOKENS:
+            raise DLiteInputError(f"anchor_tokens must be one of {', '.join(ANCHOR_TOKENS)}, not {anchor_tokens!r}.")
+        self.anchor_tokens = anchor_tokens
         man = read_manifest(data_dir)
         shards = man.get("shards", [])
         if not shards:
@@ -104,7 +109,8 @@ class FeatureData:
             ensure_features(data_dir, shards, model_loader, layer_ids, progress=progress)
         self.L = len(layer_ids)
         self.shards = []  # (ids, mask, feats)
-        self.seqs = []  # (shard index, start, length, anchors array)
+        self.seqs = []  # (shard index, start, length, generated-span anchors, name)
+        self.all_anchors = []  # per sequence: every position with a next token (anchor_tokens="all")
         for k, sh in enumerate(shards):
             path = os.path.join(data_dir, sh["file"])
             ids, mask, off = load_shard(path)
@@ -119,6 +125,7 @@ class FeatureData:
                 anchors = n[m[n + 1] == 1] if len(n) else n
                 if len(anchors):
                     self.seqs.append((k, a, b - a, anchors, f"{sh['file']}:{s}"))
+                    self.all_anchors.append(n)
         if not self.seqs:
             raise DataError(f"{data_dir!r} has no sequence with a loss-masked (generated) span.")
         self.hidden = self.shards[0][2].shape[-1]
@@ -128,7 +135,7 @@ class FeatureData:
             held = [len(self.seqs) - 1] if len(self.seqs) > 1 else []
         self.eval_idx = held
         self.train_idx = [i for i in range(len(self.seqs)) if i not in set(held)] or list(range(len(self.seqs)))
-        self.num_train_anchors = int(sum(len(self.seqs[i][3]) for i in self.train_idx))
+        self.num_train_anchors = int(sum(len(self.train_anchors(i)) for i in self.train_idx))
         counts = None
         for i in self.train_idx:
             k, a, n, _, _ = self.seqs[i]
@@ -140,14 +147,22 @@ class FeatureData:
                 counts = np.pad(counts, (0, m - len(counts))) + np.pad(c, (0, m - len(c)))
         self.token_counts = counts
 
+    def train_anchors(self, seq_i: int) -> np.ndarray:
+        """The anchors training samples from: positions whose next token the target generated
+        ("generated"), or every position ("all": prompt text too; its labels are the real next
+        tokens and its TV target the target's distribution there)."""
+        return self.all_anchors[seq_i] if self.anchor_tokens == "all" else self.seqs[seq_i][3]
+
     def frequent_tokens(self, n: int) -> torch.Tensor:
         """The n most frequent token ids of the training sequences (those that occur)."""
         order = np.argsort(-self.token_counts, kind="stable")
         order = order[self.token_counts[order] > 0][:n]
         return torch.from_numpy(np.sort(order).astype(np.int64))
 
-    def group(self, seq_i: int, anchors, C: int, K: int, history: Optional[int], want_target: bool):
-        """Tensors for anchors of one sequence. history: 0 none, None full, W window."""
+    def group(self, seq_i: int, anchors, C: int, K: int, history: Optional[int], want_target: bool,
+              all_tokens: bool = False):
+        """Tensors for anchors of one sequence. history: 0 none, None full, W window. Labels are
+        valid on generated tokens only, or on every token with ``all_tokens``."""
         k, start, length, _, _ = self.seqs[seq_i]
         ids, mask, feats = self.shards[k]
         n = np.asarray(anchors, dtype=np.int64)
@@ -161,7 +176,7 @@ class FeatureData:
         inside = lpos < length
         lp = np.clip(lpos, 0, length - 1)
         labels = ids[start + lp].astype(np.int64)
-        lvalid = inside & (mask[start + lp] == 1)
+        lvalid = inside if all_tokens else inside & (mask[start + lp] == 1)
         out = {
             "context_hidden": torch.from_numpy(ctx).permute(0, 2, 1, 3).contiguous(),
             "context_valid": torch.from_numpy(cvalid),
@@ -200,7 +215,7 @@ def sample_batch(data: FeatureData, rng: np.random.Generator, batch_size: int, s
     groups = []
     for c in chosen:
         si = data.train_idx[c]
-        anchors = data.seqs[si][3]
+        anchors = data.train_anchors(si)
         take = rng.choice(anchors, size=min(per, len(anchors)), replace=False)
         groups.append((si, np.sort(take)))
     return groups
@@ -324,6 +339,7 @@ class TrainOptions:
     student_history: str = "none"
     init_layers: Optional[list] = None  # target layer ids the fresh backbones start from (None: random)
     vocab_subset: int = 0  # >0: train over the N most frequent data tokens + batch labels (0: full vocab)
+    anchor_tokens: str = "generated"  # train anchors: "generated" spans only, or "all" positions
     distill_init: str = "teacher"
     resume: bool = False
     progress: bool = True
@@ -471,10 +487,11 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
             g["lr"] = lr
         groups = sample_batch(data, rng, opts.batch_size, opts.seqs_per_batch)
         want_t = "tv" in spec.loss
-        bs = [data.group(si, a, C, K, hist, want_t) for si, a in groups]
+        all_tok = data.anchor_tokens == "all"
+        bs = [data.group(si, a, C, K, hist, want_t, all_tok) for si, a in groups]
         tbs = None
         if teacher is not None:
-            tbs = [data.group(si, a, C, K, _hist_mode(teacher.config), False) for si, a in groups]
+            tbs = [data.group(si, a, C, K, _hist_mode(teacher.config), False, all_tok) for si, a in groups]
         if hist == 0:
             bs = [concat_groups(bs)]
         n_total = sum(int(b["valid"].sum()) for b in bs)
@@ -563,10 +580,11 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
     student_cfg = make_config(tc, opts.student_history, opts.config_overrides)
     layer_ids = student_cfg.target_layer_ids
     if is_main():
-        data = FeatureData(data_dir, layer_ids, model_loader=lambda: target, progress=opts.progress)
+        data = FeatureData(data_dir, layer_ids, model_loader=lambda: target, progress=opts.progress,
+                           anchor_tokens=opts.anchor_tokens)
     _barrier()
     if not is_main():
-        data = FeatureData(data_dir, layer_ids)
+        data = FeatureData(data_dir, layer_ids, anchor_tokens=opts.anchor_tokens)
     embed_w = target.get_input_embeddings().weight.detach()
     head_w = target.get_output_embeddings().weight.detach()
     stages = list(opts.stages)
@@ -654,6 +672,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-subset", type=int, default=0,
                    help="train the losses over the N most frequent tokens of the data + the batch labels "
                         "(the frozen LM head's rows for them only; 0 = full vocabulary). Eval is full-vocab.")
+    p.add_argument("--anchor-tokens", choices=ANCHOR_TOKENS, default="generated",
+                   help="where training anchors come from: 'generated' = the target's regenerated spans only; "
+                        "'all' = every position (prompt text too, labels = the real next tokens, TV to the "
+                        "target's distribution there: ~3x the anchors of the same data). Eval: generated only.")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-anchors", type=int, default=256)
     p.add_argument("--save-every", type=int, default=50)
@@ -704,7 +726,8 @@ def options_from_args(args) -> TrainOptions:
         gamma=args.gamma, ce_weight=args.ce_weight, tv_weight=args.tv_weight, clip=args.clip, bf16=args.bf16,
         eval_every=args.eval_every, eval_anchors=args.eval_anchors, save_every=args.save_every, seed=args.seed,
         init_layers=[int(x) for x in args.init_from_target_layers.split(",")] if getattr(args, "init_from_target_layers", None) else None,
-        student_history=args.history, vocab_subset=args.vocab_subset, resume=args.resume, progress=not args.no_progress, config_overrides=ov,
+        student_history=args.history, vocab_subset=args.vocab_subset,
+        anchor_tokens=getattr(args, "anchor_tokens", "generated"), resume=args.resume, progress=not args.no_progress, config_overrides=ov,
         time_budget_s=budget,
     )
 
