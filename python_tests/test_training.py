@@ -396,3 +396,33 @@ def test_time_budget_replans_warmup_and_cosine(tmp_path, tiny_target):
     assert len(lrs) >= 3
     assert max(lrs) > 0.8e-3  # reached (near) the peak: warm-up ended
     assert lrs[-1] < 0.3e-3  # and the cosine decayed before the budget ran out
+
+
+def test_bench_heldout_tau_matches_the_trainers_evaluation(tmp_path, tiny_target):
+    """bench/heldout_tau.py scores a drafter on a fixed held-out anchor set exactly as the
+    trainer's evaluate() does (same tau, same per-position acceptance), with a CI around it;
+    history-aware checkpoints are refused with a clear message."""
+    import importlib.util
+
+    from sglang_dlite.errors import DLiteInputError
+    from sglang_dlite.model import DLiteDrafter
+    from sglang_dlite.training.train import FeatureData, evaluate, eval_groups
+
+    spec = importlib.util.spec_from_file_location("heldout_tau", os.path.join(os.path.dirname(__file__), "..", "bench", "heldout_tau.py"))
+    ht = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ht)
+    data = _tiny_data(tmp_path, tiny_target, n_seqs=4)
+    cfg = tiny_dlite_config(tiny_target)
+    fd = FeatureData(data, cfg.target_layer_ids, heldout_mod=0)
+    torch.manual_seed(3)
+    model = DLiteDrafter(cfg).bind_hf_target(tiny_target).eval()
+    groups = eval_groups(fd, 64)
+    got = ht.heldout_tau(model, fd, groups, bf16=False)
+    ref = evaluate(model, fd, groups, autocast=lambda: torch.autocast("cpu", enabled=False))
+    assert got["anchors"] == ref["eval_anchors"] == sum(len(a) for _, a in groups)
+    assert got["tau"] == pytest.approx(ref["tau_proxy"], abs=1e-4)
+    assert got["acc_per_pos"] == pytest.approx(ref["acc_per_pos"], abs=1e-4)
+    assert got["tau_ci95"][0] <= got["tau"] <= got["tau_ci95"][1]
+    teacher = DLiteDrafter(tiny_dlite_config(tiny_target, history="full")).bind_hf_target(tiny_target)
+    with pytest.raises(DLiteInputError, match="history-free"):
+        ht.heldout_tau(teacher, fd, groups, bf16=False)

@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""Held-out tau of several DLite checkpoints on the SAME held-out anchors (cached features).
+
+    python bench/heldout_tau.py --data artifacts/train/data --anchors 2048 \
+        --drafter shipped=dlite run1=artifacts/train/ab_all/stabilize/model \
+        --out artifacts/results/heldout_tau.json
+
+The in-training evaluation (``sglang-dlite train --eval-anchors``) uses a few hundred anchors,
+too few to tell two runs apart (std ~0.04 in tau). This draws one larger fixed set of anchors from
+the held-out sequences of a gen-data folder (the trainer's hash split; generated spans only) and
+evaluates every drafter on exactly those: tau = 1 + the number of leading drafts equal to the
+target's greedy continuation (what a greedy round commits at that anchor), plus the acceptance
+rate per draft position and a bootstrap 95 % interval. Drafters with different captured layers
+read their own feature cache (``X.feat-l<ids>.npy``; computed with the target when missing).
+Threads are pinned (``--threads``). Writes JSON and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sglang_dlite.drafters import load_dlite  # noqa: E402
+from sglang_dlite.errors import DLiteInputError  # noqa: E402
+from sglang_dlite.target import load_target  # noqa: E402
+from sglang_dlite.training.losses import greedy_accept_length  # noqa: E402
+from sglang_dlite.training.train import FeatureData, concat_groups, eval_groups, model_forward  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=os.path.join("artifacts", "train", "data"), help="gen-data folder")
+    p.add_argument("--drafter", nargs="+", required=True,
+                   help="LABEL=PATH (or LABEL=dlite for the shipped checkpoint) of DLite checkpoint folders")
+    p.add_argument("--target", default="default")
+    p.add_argument("--anchors", type=int, default=2048, help="held-out anchors (one fixed set for all drafters)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast, as training evaluates")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None, help="JSON file")
+    return p.parse_args(argv)
+
+
+def bootstrap_ci(x: np.ndarray, n: int = 1000, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    means = np.array([x[rng.integers(0, len(x), len(x))].mean() for _ in range(n)])
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+@torch.no_grad()
+def heldout_tau(model, data: FeatureData, groups, bf16: bool, chunk: int = 256) -> dict:
+    cfg = model.config
+    if cfg.history_window != 0:
+        raise DLiteInputError(f"heldout_tau evaluates history-free DLite checkpoints (history=none), not history={cfg.history!r}.")
+    C, K = cfg.num_context_positions, cfg.block_size
+    taus, hits, n_valid = [], torch.zeros(K), torch.zeros(K)
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else nullcontext
+    for i in range(0, len(groups), 8):
+        b = concat_groups([data.group(si, a, C, K, 0, False) for si, a in groups[i:i + 8]])
+        with ctx():
+            draft = model_forward(model, b).float().argmax(-1)
+        taus.append(greedy_accept_length(draft, b["labels"], b["valid"]))
+        hits += ((draft == b["labels"]) & b["valid"]).float().sum(0)
+        n_valid += b["valid"].float().sum(0)
+    tau = torch.cat(taus).numpy()
+    lo, hi = bootstrap_ci(tau)
+    return {"tau": round(float(tau.mean()), 4), "tau_ci95": [round(lo, 4), round(hi, 4)], "anchors": int(len(tau)),
+            "acc_per_pos": [round(float(x), 4) for x in (hits / n_valid.clamp(min=1))]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target, _ = load_target(args.target)
+    specs = []
+    for item in args.drafter:
+        label, sep, path = item.partition("=")
+        if not sep:
+            label, path = os.path.basename(item.rstrip("/")), item
+        specs.append((label, None if path == "dlite" else path))
+    datas, rows = {}, []
+    for label, path in specs:
+        model = load_dlite(path, target).eval()
+        ids = tuple(model.config.target_layer_ids)
+        if ids not in datas:
+            datas[ids] = FeatureData(args.data, list(ids), model_loader=lambda: target, progress=False)
+        data = datas[ids]
+        groups = eval_groups(data, args.anchors, seed=args.seed)
+        r = {"drafter": label, "path": path or "shipped", "layers": list(ids), **heldout_tau(model, data, groups, args.bf16)}
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    res = {"data": args.data, "anchors_requested": args.anchors, "seed": args.seed, "threads": torch.get_num_threads(),
+           "bf16": args.bf16, "rows": rows}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    print("\n| drafter | layers | held-out tau | 95 % CI | anchors | P[accept] per position |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['drafter']} | {r['layers']} | {r['tau']:.3f} | {r['tau_ci95'][0]:.3f}-{r['tau_ci95'][1]:.3f} | "
+              f"{r['anchors']} | {r['acc_per_pos']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
