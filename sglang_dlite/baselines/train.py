@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import time
@@ -122,7 +121,7 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
     ``budget_min``: a wall-clock budget; the cosine schedule is re-planned to end inside it (the
     same rule as DLite's ``--stage-budget-min``), so drafters compare at equal training time;
     ``anchor_tokens``: as DLite's ``--anchor-tokens`` (generated spans only, or every position)."""
-    from ..training.train import FeatureData, sample_batch
+    from ..training.train import FeatureData, lr_at, sample_batch
 
     if name not in KV_BASELINES:
         raise DLiteInputError(f"train_kv_baseline trains {', '.join(KV_BASELINES)}, not {name!r}.")
@@ -145,8 +144,8 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
     step = 0
     while step < steps:
         step += 1
-        warm = max(1, steps // 20)  # 5 % warm-up of the (possibly re-planned) schedule
-        cur = lr * min(1.0, step / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps))))
+        # DLite's schedule: 5 % linear warm-up of the (possibly re-planned) steps, cosine to 0.1x
+        cur = lr_at(step - 1, steps, lr, max(1, steps // 20))
         for g in opt.param_groups:
             g["lr"] = cur
         batch = sample_batch(data, rng, batch_size, seqs_per_batch)
