@@ -4,8 +4,11 @@
 ``extend_prefix_lens`` / ``extend_seq_lens`` unset for it. This wraps ``forward_extend`` so that a
 TARGET_VERIFY forward writes the W = tokens/requests verify tokens' K/V into their reserved slots
 and attends, per request, W queries over the committed prefix (seq_lens) + the verify tokens with
-a causal mask: exactly a chain verify. (The backend's own extend path would build a query the
-length of the whole context, O(context^2) per verify; this is O(W * context), like decode.) Installed lazily (on first import of the backend) by
+a causal mask: exactly a chain verify. If the verify input carries a draft-only tree mask
+(``custom_mask`` of bs*W*W, sglang's NGRAM worker on a CPU device), each verify token instead
+sees the prefix + its tree ancestors and itself: a tree verify. (The backend's own extend path
+would build a query the length of the whole context, O(context^2) per verify; this is
+O(W * context), like decode.) Installed lazily (on first import of the backend) by
 ``sitecustomize`` in this folder; never used on a CUDA deployment.
 """
 
@@ -45,6 +48,7 @@ def patch(module) -> None:
         prefixes = fb.seq_lens.tolist()
         rows = fb.req_pool_indices.tolist()
         steps = torch.arange(width)
+        tree = _tree_mask(fb, bs, width)
         for i in range(bs):
             pre = int(prefixes[i])
             total = pre + width
@@ -54,8 +58,12 @@ def patch(module) -> None:
             qq = q_[i * width:(i + 1) * width].movedim(0, 1)  # [Hq, W, D]
             if kk.dtype != qq.dtype:
                 kk, vv = kk.to(qq.dtype), vv.to(qq.dtype)
-            # verify token j sees the committed prefix and verify tokens 0..j (causal chain)
-            mask = torch.arange(total)[None, :] <= (pre + steps)[:, None]
+            if tree is None:
+                # verify token j sees the committed prefix and verify tokens 0..j (causal chain)
+                mask = torch.arange(total)[None, :] <= (pre + steps)[:, None]
+            else:
+                # tree verify (NGRAM): the committed prefix + the node's ancestors and itself
+                mask = torch.cat([torch.ones(width, pre, dtype=torch.bool), tree[i]], dim=1)
             out = sdpa(qq[None], kk[None], vv[None], attn_mask=mask, scale=layer.scaling,
                        enable_gqa=hq != hk)
             o_[i * width:(i + 1) * width] = out[0].movedim(0, 1)
@@ -63,6 +71,23 @@ def patch(module) -> None:
 
     cls.forward_extend = forward_extend
     cls._dlite_verify_patched = True
+
+
+def _tree_mask(fb, bs, width):
+    """NGRAM's draft-only tree mask as [bs, W, W] bool (row i: node i's ancestors and itself), or
+    None for a chain verify. On a CPU device sglang's NGRAM worker keeps the QLEN-style mask
+    (``ngram_worker.py``: the full prefix+tree mask is built only when not ``is_cpu``)."""
+    import torch
+
+    spec = getattr(fb, "spec_info", None)
+    cm = getattr(spec, "custom_mask", None)
+    if cm is None:
+        return None
+    if cm.numel() != bs * width * width:
+        raise NotImplementedError(
+            f"CPU verify hook: custom_mask of {cm.numel()} elements, expected the draft-only "
+            f"tree mask of bs*W*W = {bs * width * width}")
+    return cm.reshape(bs, width, width).to(dtype=torch.bool, device="cpu")
 
 
 class _PostImport(importlib.abc.MetaPathFinder):
