@@ -1,14 +1,15 @@
-"""End-to-end serving benchmark: DLITE vs no speculation, same prompts, one run.
+"""End-to-end serving benchmark: DLITE (and sglang's NGRAM) vs no speculation, same prompts, one run.
 
     python bench/e2e.py --engine sglang --workload agent-stdlib --concurrency 1,4,16 --out RESULT.json
 
-For every mode (``dlite``, ``nospec``) one sglang Engine is started (start-up is not timed) and
+For every mode (``dlite``, ``dlite:W``, ``ngram``, ``ngram:W``, ``nospec``) one sglang Engine is started (start-up is not timed) and
 the same requests (every recorded turn of the first ``--max-convs`` conversations of the
 workload, rendered with the target's chat template) are run greedily at each concurrency:
 ``c`` requests in flight at a time (asyncio, ``Engine.async_generate``). Reported per
 (mode, concurrency): output tokens/s (all output tokens / wall time), mean latency per request,
-tau (sglang's spec_accept_length: completion tokens / verify rounds), and whether DLITE's outputs
-equal the no-speculation outputs (they must, greedy). ``--engine reference`` runs the HF reference
+tau (completion tokens / verify rounds), and whether the speculative outputs equal the
+no-speculation outputs (they must, greedy). ``ngram`` is sglang's own prompt-lookup drafter (its
+trie corpus, tree verify; W = 8 draft tokens by default): the training-free peer. ``--engine reference`` runs the HF reference
 engine instead (concurrency 1 only).
 
 On this project's CPU machines the CPU-only stand-ins are loaded (``--device cpu``, default when
@@ -44,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--modes", default="dlite,nospec",
                    help="dlite (verify all K drafts), dlite:W (verify the anchor + the first W-1 drafts, "
-                        "= --speculative-num-draft-tokens W), nospec")
+                        "= --speculative-num-draft-tokens W), ngram[:W] (sglang's NGRAM, default W=8), nospec")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -84,7 +85,11 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device):
 
     kw = dict(max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
     spec, _, w = mode.partition(":")
-    verify_kw = {"speculative_num_draft_tokens": int(w)} if spec == "dlite" and w else {}
+    if spec not in ("dlite", "ngram", "nospec"):
+        raise SystemExit(f"unknown mode {mode!r}: dlite[:W], ngram[:W] or nospec")
+    verify_kw = {"speculative_num_draft_tokens": int(w)} if spec != "nospec" and w else {}
+    if spec == "ngram":
+        verify_kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8, **verify_kw}
     t0 = time.perf_counter()
     if device == "cpu":
         e = F.start_engine(target, dlite=draft if spec == "dlite" else None, **kw, **verify_kw)
@@ -172,6 +177,8 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(target)
     reqs = build_requests(tok, args.workload, args.max_convs, args.max_requests, args.max_new_tokens)
     levels = [int(x) for x in args.concurrency.split(",") if x]
+    if args.engine == "reference" and any(m.startswith("ngram") for m in args.modes.split(",")):
+        raise SystemExit("--engine reference runs dlite and nospec; ngram is sglang's NGRAM (--engine sglang)")
     print(f"{len(reqs)} requests ({sum(map(len, reqs))} prompt tokens), levels {levels}, device {device}", flush=True)
     rows, outs = [], {}
     for mode in [m for m in args.modes.split(",") if m]:
@@ -188,15 +195,15 @@ def main(argv=None) -> int:
         for c in sorted({r["concurrency"] for r in rows}):
             d, b = by.get((m, c)), by.get(("nospec", c))
             if d and b:
-                table.append({"mode": m, "concurrency": c, "dlite_tok_s": d["tokens_per_s"], "nospec_tok_s": b["tokens_per_s"],
+                table.append({"mode": m, "concurrency": c, "spec_tok_s": d["tokens_per_s"], "nospec_tok_s": b["tokens_per_s"],
                               "speedup": round(d["tokens_per_s"] / b["tokens_per_s"], 3), "tau": d["tau"],
-                              "dlite_latency_s": d["mean_latency_s"], "nospec_latency_s": b["mean_latency_s"],
+                              "spec_latency_s": d["mean_latency_s"], "nospec_latency_s": b["mean_latency_s"],
                               "identical_outputs": outs[m].get(c) == outs["nospec"].get(c)})
-    print("\n| mode | concurrency | DLITE tok/s | no-spec tok/s | speed-up | tau | DLITE latency s | no-spec latency s | identical |")
+    print("\n| mode | concurrency | spec tok/s | no-spec tok/s | speed-up | tau | spec latency s | no-spec latency s | identical |")
     print("|---|---|---|---|---|---|---|---|---|")
     for t in table:
-        print(f"| {t['mode']} | {t['concurrency']} | {t['dlite_tok_s']} | {t['nospec_tok_s']} | {t['speedup']}x | {t['tau']} | "
-              f"{t['dlite_latency_s']} | {t['nospec_latency_s']} | {t['identical_outputs']} |")
+        print(f"| {t['mode']} | {t['concurrency']} | {t['spec_tok_s']} | {t['nospec_tok_s']} | {t['speedup']}x | {t['tau']} | "
+              f"{t['spec_latency_s']} | {t['nospec_latency_s']} | {t['identical_outputs']} |")
     result = {
         "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),
         "engine": args.engine, "device": device, "workload": args.workload, "target": str(target),
