@@ -357,3 +357,28 @@ def test_training_vocab_subset_selects_lm_head_rows(tiny_target, name):
         sub = model.training_forward(hidden, ids, anchors)
         model.train_vocab = None
     torch.testing.assert_close(sub, full[..., vocab])
+
+
+def test_ablation_cli_forwards_the_shared_training_options(monkeypatch, tmp_path):
+    """`python -m sglang_dlite.baselines.train --drafter-type dlite-window128 ...` runs DLite's own
+    trainer: lr, step counts, anchor tokens, vocabulary subset and the wall budget must reach it
+    (regression: lr and steps were dropped, so an ablation stopped after the trainer's default
+    300 steps at lr 1e-3)."""
+    import sglang_dlite.baselines.train as bt
+
+    seen = {}
+
+    def fake(name, data_dir, out, target_spec, extra):
+        seen.update(name=name, extra=extra)
+        return out
+
+    monkeypatch.setattr(bt, "train_dlite_ablation", fake)
+    assert bt.main(["--drafter-type", "dlite-window128", "--data", str(tmp_path), "--out", str(tmp_path / "o"),
+                    "--lr", "0.0015", "--steps", "40000", "--anchor-tokens", "all", "--vocab-subset", "8192",
+                    "--budget-min", "15", "--single-stage"]) == 0
+    ex = seen["extra"]
+    opt = {k: v for k, v in zip(ex, ex[1:]) if k.startswith("--")}
+    assert seen["name"] == "dlite-window128"
+    assert (opt["--lr"], opt["--steps-stabilize"], opt["--anchor-tokens"], opt["--vocab-subset"]) == \
+        ("0.0015", "40000", "all", "8192")
+    assert opt["--stage-budget-min"] == "4.5,4.5,6" and "--single-stage" in ex  # single-stage: the sum

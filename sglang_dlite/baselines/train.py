@@ -222,7 +222,9 @@ def main(argv=None) -> int:
         # the shared options, in `sglang-dlite train` spelling (the budget covers all its stages)
         shared = ["--batch-size", str(args.batch_size), "--seqs-per-batch", str(args.seqs_per_batch),
                   "--gamma", str(args.gamma), "--seed", str(args.seed), "--threads", str(args.threads),
-                  "--vocab-subset", str(args.vocab_subset), "--anchor-tokens", args.anchor_tokens]
+                  "--vocab-subset", str(args.vocab_subset), "--anchor-tokens", args.anchor_tokens,
+                  "--lr", str(args.lr), "--steps-teacher", str(args.steps), "--steps-distill", str(args.steps),
+                  "--steps-stabilize", str(args.steps)]
         shared += ["--bf16"] if args.bf16 else []
         shared += ["--no-progress"] if args.no_progress else []
         if args.budget_min is not None:
