@@ -426,3 +426,24 @@ def test_bench_heldout_tau_matches_the_trainers_evaluation(tmp_path, tiny_target
     teacher = DLiteDrafter(tiny_dlite_config(tiny_target, history="full")).bind_hf_target(tiny_target)
     with pytest.raises(DLiteInputError, match="history-free"):
         ht.heldout_tau(teacher, fd, groups, bf16=False)
+
+
+def test_stage_budget_minutes_parse():
+    """--stage-budget-min: one value per stage or three; with --single-stage one value is the
+    stage's own budget (regression: it was tripled) and three give their sum."""
+    import argparse
+
+    from sglang_dlite.training.train import add_arguments, options_from_args
+
+    def budget(*argv):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return options_from_args(p.parse_args(["--data", "d", "--out", "o", *argv])).time_budget_s
+
+    assert budget("--stage-budget-min", "10") == {"teacher": 600, "distill": 600, "stabilize": 600}
+    assert budget("--stage-budget-min", "15,15,25") == {"teacher": 900, "distill": 900, "stabilize": 1500}
+    assert budget("--single-stage", "--stage-budget-min", "60")["stabilize"] == 3600
+    assert budget("--single-stage", "--stage-budget-min", "15,15,25")["stabilize"] == 3300
+    assert budget() is None
+    with pytest.raises(Exception, match="one value or one per stage"):
+        budget("--stage-budget-min", "1,2")

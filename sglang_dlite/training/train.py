@@ -688,7 +688,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-layer-ids", default=None)
     p.add_argument("--stage-budget-min", type=str, default=None,
                    help="wall-time cap per stage in minutes: one value for every stage, or "
-                        "teacher,distill,stabilize values (e.g. 14,14,17); the cosine schedule is re-planned to fit")
+                        "teacher,distill,stabilize values (e.g. 14,14,17); the cosine schedule is re-planned to fit. "
+                        "With --single-stage, one value is the stabilize stage's budget and three values give it "
+                        "their sum (the two-stage recipe's total, for equal-compute ablations)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--init-from-target-layers", default=None,
                    help="comma-separated target layer ids copied into the fresh drafter's backbone layers "
@@ -713,13 +715,14 @@ def options_from_args(args) -> TrainOptions:
     budget = None
     if args.stage_budget_min:
         vals = [float(x) for x in str(args.stage_budget_min).split(",")]
-        if len(vals) == 1:
+        one = len(vals) == 1
+        if one:
             vals = vals * len(STAGES)
         if len(vals) != len(STAGES):
             raise DLiteInputError("--stage-budget-min takes one value or one per stage (teacher,distill,stabilize).")
         budget = {s: v * 60 for s, v in zip(STAGES, vals)}
-        if args.single_stage:
-            budget["stabilize"] = sum(vals) * 60
+        if args.single_stage:  # one value: the stage's own budget; three: the recipe's total
+            budget["stabilize"] = (vals[0] if one else sum(vals)) * 60
     return TrainOptions(
         stages=stages, steps={"teacher": args.steps_teacher, "distill": args.steps_distill, "stabilize": args.steps_stabilize},
         lr=args.lr, batch_size=args.batch_size, seqs_per_batch=args.seqs_per_batch, warmup_frac=args.warmup_frac,
