@@ -185,3 +185,15 @@ def engine(model_path, **kw):
         yield e
     finally:
         e.shutdown()
+
+
+def default_target_chat_prompts(messages: list) -> tuple:
+    """(bundled SmolLM2 target folder, [token ids of each user message in its chat template])."""
+    from transformers import AutoTokenizer
+
+    from sglang_dlite.target import prepare_default_target
+
+    target = str(prepare_default_target(verbose=False))
+    tok = AutoTokenizer.from_pretrained(target)
+    return target, [list(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=True)["input_ids"]) for m in messages]

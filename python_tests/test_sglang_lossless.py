@@ -132,20 +132,13 @@ def test_real_target_shipped_drafter_rounds_equal_reference():
     produce the same tokens in the same number of verify rounds. The round count depends on every
     draft, so a worker that carried the wrong context rows (or none) to the drafter would differ
     here even though its output stays lossless."""
-    from transformers import AutoTokenizer
-
     from sglang_dlite.drafters import shipped_drafter_path
-    from sglang_dlite.target import prepare_default_target
 
     drafter = shipped_drafter_path()
     if drafter is None:
         pytest.skip("no shipped drafter checkpoint in this build")
-    target = str(prepare_default_target(verbose=False))
-    tok = AutoTokenizer.from_pretrained(target)
-    msgs = ["Write a Python function that checks whether a string is a palindrome.",
-            "Explain the difference between a list and a tuple in Python."]
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"]) for m in msgs]
+    target, prompts = F.default_target_chat_prompts(["Write a Python function that checks whether a string is a palindrome.",
+                                                     "Explain the difference between a list and a tuple in Python."])
     ref = F.reference_results(target, drafter, prompts, 40)
     with F.engine(target, dlite=drafter, skip_tokenizer_init=True) as e:
         outs = e.generate(input_ids=prompts, sampling_params=_sp(40))

@@ -85,17 +85,8 @@ def _sp(n):
 
 @pytest.fixture(scope="module")
 def real_prompts():
-    from transformers import AutoTokenizer
-
-    from sglang_dlite.target import prepare_default_target
-
-    target = str(prepare_default_target(verbose=False))
-    tok = AutoTokenizer.from_pretrained(target)
-    msgs = ["Repeat this line five times: the quick brown fox jumps over the lazy dog.",
-            "Count from 1 to 30, separated by commas."]
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"]) for m in msgs]
-    return target, prompts
+    return F.default_target_chat_prompts(["Repeat this line five times: the quick brown fox jumps over the lazy dog.",
+                                          "Count from 1 to 30, separated by commas."])
 
 
 def test_ngram_equals_nospec_real_target(real_prompts):

@@ -447,3 +447,22 @@ def test_stage_budget_minutes_parse():
     assert budget() is None
     with pytest.raises(Exception, match="one value or one per stage"):
         budget("--stage-budget-min", "1,2")
+
+
+def test_train_default_recipe_wiring():
+    """`make train-default` (= train-default --single-stage): gen-data captures the recipe's layers,
+    training uses every position as an anchor, the same layers, and 55 minutes of stabilization."""
+    import argparse
+
+    from sglang_dlite.training import recipe
+    from sglang_dlite.training.train import options_from_args
+
+    p = argparse.ArgumentParser()
+    recipe.add_arguments(p)
+    args = p.parse_args(["--single-stage"])
+    g = recipe.gen_args(args)
+    assert g.capture_layers == "2,15,27" and g.prompts == ["sharegpt:480", "bfcl:192", "stdlib:192"]
+    opts = options_from_args(recipe.train_args(args, "out"))
+    assert opts.stages == ["stabilize"] and opts.anchor_tokens == "all"
+    assert opts.config_overrides["target_layer_ids"] == [2, 15, 27]
+    assert opts.time_budget_s["stabilize"] == 55 * 60 and opts.bf16 and opts.vocab_subset == 8192

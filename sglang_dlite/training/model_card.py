@@ -35,12 +35,14 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
     rec = d.get("recipe", {})
     info = s.get("train_info", {})
     opts = info.get("options", {})
+    layers = opts.get("config_overrides", {}).get("target_layer_ids") or [10, 12]
+    anchors = opts.get("anchor_tokens", "generated")
     lines = [
         "# DLite drafter for SmolLM2-135M-Instruct (`dlite-smollm2-135m`)",
         "",
         "A history-free DLite drafter (`history=none`, K = 7 draft positions, C = "
         f"{opts.get('config_overrides', {}).get('num_context_positions', 4)} context positions, captured target "
-        "layers 10 and 12 along the sequence axis, 2 backbone layers, low-rank RNN head r = 72) for the bundled "
+        f"layers {', '.join(map(str, layers))} along the sequence axis, 2 backbone layers, low-rank RNN head r = 72) for the bundled "
         "SmolLM2-135M-Instruct target. The token embedding and LM head are the target's own (frozen, not stored "
         "here). Weights: bf16 safetensors. `--drafter dlite` with no path loads this checkpoint.",
         "",
@@ -61,7 +63,10 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
                      f"({r.get('tokens_per_s')} tok/s, {r.get('threads')} thread(s))")
     lines += [
         f"- Training sequences {info.get('train_sequences')}, held-out sequences {info.get('eval_sequences')} "
-        f"(hash split of the generated data), training anchors {info.get('train_anchors')}.",
+        f"(hash split of the generated data), training anchors {info.get('train_anchors')} "
+        + ("(`--anchor-tokens all`: every position of the sequences, prompt text too; labels = the real next "
+           "tokens, TV to the target's distribution there; held-out evaluation on generated spans only)."
+           if anchors == "all" else "(positions whose next token the target generated)."),
         "",
         ("## Recipe (`make train-default` = `sglang-dlite train-default --single-stage`)"
          if list(opts.get("stages", [])) == ["stabilize"] else
