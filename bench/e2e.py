@@ -9,7 +9,9 @@ workload, rendered with the target's chat template) are run greedily at each con
 (mode, concurrency): output tokens/s (all output tokens / wall time), mean latency per request,
 tau (completion tokens / verify rounds), and whether the speculative outputs equal the
 no-speculation outputs (they must, greedy). ``ngram`` is sglang's own prompt-lookup drafter (its
-trie corpus, tree verify; W = 8 draft tokens by default): the training-free peer. ``--engine reference`` runs the HF reference
+trie corpus, tree verify; W = 8 draft tokens by default): the training-free peer. Its corpus keeps
+the outputs of earlier levels (``flush_cache`` flushes the radix cache, not the corpus), and every
+level replays the same requests, so only the FIRST level of an ngram mode is a clean measurement. ``--engine reference`` runs the HF reference
 engine instead (concurrency 1 only).
 
 On this project's CPU machines the CPU-only stand-ins are loaded (``--device cpu``, default when
