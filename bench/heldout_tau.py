@@ -32,8 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sglang_dlite.drafters import load_dlite  # noqa: E402
 from sglang_dlite.errors import DLiteInputError  # noqa: E402
 from sglang_dlite.target import load_target  # noqa: E402
-from sglang_dlite.training.losses import greedy_accept_length  # noqa: E402
-from sglang_dlite.training.train import FeatureData, concat_groups, eval_groups, model_forward  # noqa: E402
+from sglang_dlite.training.train import FeatureData, eval_groups, greedy_scores  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -56,25 +55,16 @@ def bootstrap_ci(x: np.ndarray, n: int = 1000, seed: int = 0):
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-@torch.no_grad()
-def heldout_tau(model, data: FeatureData, groups, bf16: bool, chunk: int = 256) -> dict:
+def heldout_tau(model, data: FeatureData, groups, bf16: bool) -> dict:
     cfg = model.config
     if cfg.history_window != 0:
         raise DLiteInputError(f"heldout_tau evaluates history-free DLite checkpoints (history=none), not history={cfg.history!r}.")
-    C, K = cfg.num_context_positions, cfg.block_size
-    taus, hits, n_valid = [], torch.zeros(K), torch.zeros(K)
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else nullcontext
-    for i in range(0, len(groups), 8):
-        b = concat_groups([data.group(si, a, C, K, 0, False) for si, a in groups[i:i + 8]])
-        with ctx():
-            draft = model_forward(model, b).float().argmax(-1)
-        taus.append(greedy_accept_length(draft, b["labels"], b["valid"]))
-        hits += ((draft == b["labels"]) & b["valid"]).float().sum(0)
-        n_valid += b["valid"].float().sum(0)
-    tau = torch.cat(taus).numpy()
+    tau, acc = greedy_scores(model, data, groups, ctx)
+    tau = tau.numpy()
     lo, hi = bootstrap_ci(tau)
     return {"tau": round(float(tau.mean()), 4), "tau_ci95": [round(lo, 4), round(hi, 4)], "anchors": int(len(tau)),
-            "acc_per_pos": [round(float(x), 4) for x in (hits / n_valid.clamp(min=1))]}
+            "acc_per_pos": [round(float(x), 4) for x in acc]}
 
 
 def main(argv=None) -> int:

@@ -110,7 +110,6 @@ class FeatureData:
         self.L = len(layer_ids)
         self.shards = []  # (ids, mask, feats)
         self.seqs = []  # (shard index, start, length, generated-span anchors, name)
-        self.all_anchors = []  # per sequence: every position with a next token (anchor_tokens="all")
         for k, sh in enumerate(shards):
             path = os.path.join(data_dir, sh["file"])
             ids, mask, off = load_shard(path)
@@ -125,7 +124,6 @@ class FeatureData:
                 anchors = n[m[n + 1] == 1] if len(n) else n
                 if len(anchors):
                     self.seqs.append((k, a, b - a, anchors, f"{sh['file']}:{s}"))
-                    self.all_anchors.append(n)
         if not self.seqs:
             raise DataError(f"{data_dir!r} has no sequence with a loss-masked (generated) span.")
         self.hidden = self.shards[0][2].shape[-1]
@@ -151,7 +149,8 @@ class FeatureData:
         """The anchors training samples from: positions whose next token the target generated
         ("generated"), or every position ("all": prompt text too; its labels are the real next
         tokens and its TV target the target's distribution there)."""
-        return self.all_anchors[seq_i] if self.anchor_tokens == "all" else self.seqs[seq_i][3]
+        _, _, length, generated, _ = self.seqs[seq_i]
+        return np.arange(1, length - 1) if self.anchor_tokens == "all" else generated
 
     def frequent_tokens(self, n: int) -> torch.Tensor:
         """The n most frequent token ids of the training sequences (those that occur)."""
@@ -276,28 +275,32 @@ def model_forward(model, b, vocab: Optional[torch.Tensor] = None):
 
 
 @torch.no_grad()
-def evaluate(model: DLiteDrafter, data: FeatureData, groups, autocast) -> dict:
-    """Expected greedy tau on held-out anchors (1 + leading drafts equal to the target's greedy
-    tokens) and per-position accuracy. The data is greedy-regenerated, so labels are the target's
-    greedy continuation."""
+def greedy_scores(model: DLiteDrafter, data: FeatureData, groups, autocast, chunk: int = 8):
+    """Per held-out anchor: the committed tokens of a greedy round there (1 + leading drafts equal
+    to the target's greedy tokens; the data is greedy-regenerated, so labels are the target's
+    continuation), and per draft position the accuracy. Returns (tau [N], acc per position).
+    History-free drafters run ``chunk`` sequences' anchors per forward, others one sequence."""
     cfg = model.config
-    model.eval()
     C, K = cfg.num_context_positions, cfg.block_size
     hist = _hist_mode(cfg)
-    taus, accs, ws = [], [], []
-    bs = [data.group(si, a, C, K, hist, False) for si, a in groups]
-    if hist == 0:
-        bs = [concat_groups(bs)]
-    for b in bs:
+    taus, hits, n_valid = [], torch.zeros(K), torch.zeros(K)
+    step = chunk if hist == 0 else 1
+    for i in range(0, len(groups), step):
+        gs = [data.group(si, a, C, K, hist, False) for si, a in groups[i:i + step]]
+        b = concat_groups(gs) if hist == 0 else gs[0]  # a history is per sequence
         with autocast():
-            logits = model_forward(model, b)
-        draft = logits.float().argmax(-1)
+            draft = model_forward(model, b).float().argmax(-1)
         taus.append(greedy_accept_length(draft, b["labels"], b["valid"]))
-        accs.append(((draft == b["labels"]) & b["valid"]).float().sum(0))
-        ws.append(b["valid"].float().sum(0))
+        hits += ((draft == b["labels"]) & b["valid"]).float().sum(0)
+        n_valid += b["valid"].float().sum(0)
+    return torch.cat(taus), (hits / n_valid.clamp(min=1)).tolist()
+
+
+def evaluate(model: DLiteDrafter, data: FeatureData, groups, autocast) -> dict:
+    """Expected greedy tau on held-out anchors and per-position accuracy (``greedy_scores``)."""
+    model.eval()
+    tau, acc = greedy_scores(model, data, groups, autocast)
     model.train()
-    tau = torch.cat(taus)
-    acc = (torch.stack(accs).sum(0) / torch.stack(ws).sum(0).clamp(min=1)).tolist()
     return {"tau_proxy": float(tau.mean()), "acc_per_pos": [round(x, 4) for x in acc], "eval_anchors": int(len(tau))}
 
 
