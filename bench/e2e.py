@@ -14,6 +14,22 @@ the outputs of earlier levels (``flush_cache`` flushes the radix cache, not the 
 level replays the same requests, so only the FIRST level of an ngram mode is a clean measurement. ``--engine reference`` runs the HF reference
 engine instead (concurrency 1 only).
 
+Noise: on a 2-core machine one run's tokens/s moves by 10-15 % (the scheduler's two torch threads
+share the cores with the tokenizer and detokenizer processes). ``--repeats R`` runs every mode R
+times (a fresh engine each time, the mode order rotated between repeats so drift hits every mode
+alike) and reports the MEDIAN wall time per (mode, concurrency), with the min-max spread.
+
+Precision: ``--dtype bfloat16`` (default) is what a CPU or GPU deployment runs. Greedy output is
+then identical to no speculation only up to bf16 rounding: a verify pass computes a token's logits
+in a W-token GEMM, a decode step in a 1-token GEMM, and bf16 logits near 20 are spaced 0.125
+apart, so exact and near ties fall either way (no-speculation itself differs between concurrency
+levels for the same reason; the table shows that floor). For every request whose output differs,
+the first differing position is re-scored with the HF target in float32 and the logit gap
+between the two tokens is reported: a divergence is a ``tie`` if that gap is below
+``--tie-margin`` (default 0.25, two bf16 steps at |logit| ~ 20), otherwise it is counted as a
+real mismatch and the run exits 1. ``--dtype float32`` makes the comparison exact
+(tokens/s lower: fp32 GEMMs of 2-8 rows cost 1.6-1.8x a 1-row GEMV on this CPU).
+
 On this project's CPU machines the CPU-only stand-ins are loaded (``--device cpu``, default when
 no CUDA device is visible); on a CUDA machine pass ``--device cuda`` (no stand-ins).
 """
@@ -48,6 +64,14 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="dlite,nospec",
                    help="dlite (verify all K drafts), dlite:W (verify the anchor + the first W-1 drafts, "
                         "= --speculative-num-draft-tokens W), ngram[:W] (sglang's NGRAM, default W=8), nospec")
+    p.add_argument("--dtype", default="bfloat16",
+                   help="target (and drafter) dtype, the same for every mode: bfloat16 (default; on a CPU with "
+                        "avx512_bf16/AMX a 4-8 token verify then costs little more than a 1-token decode step), "
+                        "float32, or auto (the checkpoint's)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every mode this many times (fresh engine each, rotated order); report the median")
+    p.add_argument("--tie-margin", type=float, default=0.25,
+                   help="float32 logit gap below which a differing greedy token is a precision tie (see above)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -82,10 +106,11 @@ async def _run_level(engine, reqs, conc, sp):
     return outs, lat, time.perf_counter() - t0
 
 
-def run_sglang(mode, target, draft, reqs, levels, max_new, device):
+def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype):
     import sglang_fixtures as F
 
-    kw = dict(max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
+    # sleep_on_idle: an idle sglang scheduler otherwise busy-polls one of this machine's 2 cores.
+    kw = dict(dtype=dtype, sleep_on_idle=True, max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
     spec, _, w = mode.partition(":")
     if spec not in ("dlite", "ngram", "nospec"):
         raise SystemExit(f"unknown mode {mode!r}: dlite[:W], ngram[:W] or nospec")
@@ -98,7 +123,7 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device):
     else:
         import sglang as sgl
 
-        args = dict(model_path=str(target), max_running_requests=max(levels), random_seed=0, **verify_kw)
+        args = dict(model_path=str(target), dtype=dtype, sleep_on_idle=True, max_running_requests=max(levels), random_seed=0, **verify_kw)
         if spec == "dlite":
             args.update(speculative_algorithm="DLITE", speculative_draft_model_path=str(draft))
         e = sgl.Engine(**args)
@@ -156,11 +181,36 @@ def run_reference(mode, target, draft, reqs, max_new):
     return [row], {1: outs}
 
 
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def aggregate(runs):
+    """runs: [[row per level] per repeat] of one mode -> one row per level: median tokens/s,
+    latency and tau over the repeats, with the tokens/s spread."""
+    rows = []
+    for level_rows in zip(*runs):
+        tps = [r["tokens_per_s"] for r in level_rows]
+        row = dict(level_rows[0])
+        row.update(
+            tokens_per_s=round(_median(tps), 2),
+            wall_s=round(_median([r["wall_s"] for r in level_rows]), 3),
+            mean_latency_s=round(_median([r["mean_latency_s"] for r in level_rows]), 3),
+            tau=None if level_rows[0]["tau"] is None else round(_median([r["tau"] for r in level_rows]), 3),
+            repeats=len(level_rows), tokens_per_s_min=min(tps), tokens_per_s_max=max(tps),
+        )
+        rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
     from transformers import AutoTokenizer
 
+    from sglang_dlite.divergence import Fp32LogitGap, classify_divergences
     from sglang_dlite.drafters import shipped_drafter_path
     from sglang_dlite.target import resolve_target
 
@@ -179,45 +229,72 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(target)
     reqs = build_requests(tok, args.workload, args.max_convs, args.max_requests, args.max_new_tokens)
     levels = [int(x) for x in args.concurrency.split(",") if x]
-    if args.engine == "reference" and any(m.startswith("ngram") for m in args.modes.split(",")):
+    modes = [m for m in args.modes.split(",") if m]
+    if args.engine == "reference" and any(m.startswith("ngram") for m in modes):
         raise SystemExit("--engine reference runs dlite and nospec; ngram is sglang's NGRAM (--engine sglang)")
-    print(f"{len(reqs)} requests ({sum(map(len, reqs))} prompt tokens), levels {levels}, device {device}", flush=True)
-    rows, outs = [], {}
-    for mode in [m for m in args.modes.split(",") if m]:
-        if args.engine == "sglang":
-            r, o = run_sglang(mode, target, draft, reqs, levels, args.max_new_tokens, device)
-        else:
-            r, o = run_reference(mode, target, draft, reqs, args.max_new_tokens)
-        rows += r
-        outs[mode] = o
-    table = []
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    print(f"{len(reqs)} requests ({sum(map(len, reqs))} prompt tokens), levels {levels}, device {device}, "
+          f"dtype {args.dtype}, {args.repeats} repeat(s), torch threads {torch.get_num_threads()} here", flush=True)
+    runs, outs = {m: [] for m in modes}, {}
+    for rep in range(args.repeats):
+        order = modes[rep % len(modes):] + modes[: rep % len(modes)]
+        for mode in order:
+            if args.engine == "sglang":
+                r, o = run_sglang(mode, target, draft, reqs, levels, args.max_new_tokens, device, args.dtype)
+            else:
+                r, o = run_reference(mode, target, draft, reqs, args.max_new_tokens)
+            runs[mode].append(r)
+            outs.setdefault(mode, o)  # outputs of the first repeat
+    rows = [row for m in modes for row in aggregate(runs[m])]
+
+    score = Fp32LogitGap(target)
+    table, divergences = [], {}
     by = {(r["mode"], r["concurrency"]): r for r in rows}
-    spec_modes = [m for m in outs if m != "nospec"]
-    for m in spec_modes:
-        for c in sorted({r["concurrency"] for r in rows}):
+    spec_modes = [m for m in modes if m != "nospec"]
+    base = outs.get("nospec", {})
+    for c in sorted({r["concurrency"] for r in rows}):
+        if c != levels[0] and levels[0] in base and c in base:  # the no-speculation floor
+            divergences[f"nospec@{c} vs nospec@{levels[0]}"] = classify_divergences(
+                reqs, base[c], base[levels[0]], score, args.tie_margin)
+        for m in spec_modes:
             d, b = by.get((m, c)), by.get(("nospec", c))
-            if d and b:
-                table.append({"mode": m, "concurrency": c, "spec_tok_s": d["tokens_per_s"], "nospec_tok_s": b["tokens_per_s"],
-                              "speedup": round(d["tokens_per_s"] / b["tokens_per_s"], 3), "tau": d["tau"],
-                              "spec_latency_s": d["mean_latency_s"], "nospec_latency_s": b["mean_latency_s"],
-                              "identical_outputs": outs[m].get(c) == outs["nospec"].get(c)})
-    print("\n| mode | concurrency | spec tok/s | no-spec tok/s | speed-up | tau | spec latency s | no-spec latency s | identical |")
-    print("|---|---|---|---|---|---|---|---|---|")
+            if not (d and b):
+                continue
+            div = classify_divergences(reqs, outs[m][c], base[c], score, args.tie_margin)
+            divergences[f"{m}@{c} vs nospec@{c}"] = div
+            table.append({"mode": m, "concurrency": c, "spec_tok_s": d["tokens_per_s"], "nospec_tok_s": b["tokens_per_s"],
+                          "speedup": round(d["tokens_per_s"] / b["tokens_per_s"], 3), "tau": d["tau"],
+                          "spec_latency_s": d["mean_latency_s"], "nospec_latency_s": b["mean_latency_s"],
+                          "identical": len(reqs) - len(div), "requests": len(reqs),
+                          "ties": sum(x["tie"] for x in div), "mismatches": sum(not x["tie"] for x in div),
+                          "identical_outputs": not div})
+    print("\n| mode | concurrency | spec tok/s | no-spec tok/s | speed-up | tau | spec latency s | no-spec latency s "
+          "| identical | precision ties | mismatches |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for t in table:
         print(f"| {t['mode']} | {t['concurrency']} | {t['spec_tok_s']} | {t['nospec_tok_s']} | {t['speedup']}x | {t['tau']} | "
-              f"{t['spec_latency_s']} | {t['nospec_latency_s']} | {t['identical_outputs']} |")
+              f"{t['spec_latency_s']} | {t['nospec_latency_s']} | {t['identical']}/{t['requests']} | {t['ties']} | "
+              f"{t['mismatches']} |")
+    for k, div in divergences.items():
+        if k.startswith("nospec@"):
+            print(f"floor: {k}: {len(reqs) - len(div)}/{len(reqs)} identical, "
+                  f"{sum(x['tie'] for x in div)} precision ties, {sum(not x['tie'] for x in div)} other")
     result = {
         "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),
         "engine": args.engine, "device": device, "workload": args.workload, "target": str(target),
         "drafter": str(draft), "note": note, "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype if args.engine == "sglang" else "float32", "repeats": args.repeats,
+        "tie_margin": args.tie_margin,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "rows": rows, "table": table,
+        "rows": rows, "runs": runs, "table": table, "divergences": divergences,
+        "outputs": {m: {str(c): o for c, o in lv.items()} for m, lv in outs.items()},
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
         print(f"wrote {args.out}")
-    return 0 if all(t["identical_outputs"] for t in table) else 1
+    return 0 if all(t["mismatches"] == 0 for t in table) else 1
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ def engine_kwargs(model_path: str, *, dlite: str | None = None, overlap: bool = 
         sampling_backend="pytorch", dtype="float32", disable_cuda_graph=True,
         max_total_tokens=extra.pop("max_total_tokens", 16384), max_running_requests=extra.pop("max_running_requests", 16),
         mem_fraction_static=0.5, log_level=extra.pop("log_level", "error"), random_seed=0,
+        # An idle scheduler otherwise busy-polls one of the 2 cores the tests and the HF reference need.
+        sleep_on_idle=extra.pop("sleep_on_idle", True),
         disable_overlap_schedule=not overlap, chunked_prefill_size=extra.pop("chunked_prefill_size", 4096),
     )
     if dlite:

@@ -145,3 +145,22 @@ def test_real_target_shipped_drafter_rounds_equal_reference():
     assert [o["output_ids"] for o in outs] == [r.output_ids for r in ref]
     assert [o["meta_info"]["spec_verify_ct"] for o in outs] == [len(r.rounds) for r in ref]
     assert sum(r.accepted for x in ref for r in x.rounds) > 0  # the drafter is accepted at all
+
+
+def test_dlite_bf16_parts_from_nospec_only_at_precision_ties(llama):
+    """bfloat16, what deployments run. A verify pass computes a token's logits in a W-token GEMM, a
+    decode step in a 1-token GEMM; bf16 rounds the two differently, so greedy outputs may part at
+    an exact or near tie. Every divergence from no speculation (bf16 too) must be such a tie of
+    the float32 target (sglang_dlite/divergence.py), and the drafter must still be accepted."""
+    from sglang_dlite.divergence import Fp32LogitGap, classify_divergences
+
+    target, drafter, _ = llama
+    with F.engine(target, skip_tokenizer_init=True, dtype="bfloat16") as e:
+        base, _ = _run_batch(e)
+    with F.engine(target, dlite=drafter, skip_tokenizer_init=True, dtype="bfloat16") as e:
+        got, metas = _run_batch(e)
+    recs = classify_divergences(PROMPTS, got, base, Fp32LogitGap(target), tie_margin=0.1)
+    print("bf16 divergences:", recs)
+    assert all(r["tie"] for r in recs), recs
+    assert len(recs) < len(PROMPTS), recs
+    assert max(m["spec_accept_length"] for m in metas) > 1.5

@@ -1,0 +1,77 @@
+"""sglang_dlite/divergence.py (bf16 precision ties vs real mismatches) and bench/e2e.py's
+median-of-repeats aggregation."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from sglang_dlite.divergence import Fp32LogitGap, classify_divergences, first_divergence
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 9]) == 2  # one stopped where the other went on
+    assert first_divergence([], []) is None
+
+
+def test_classify_divergences_ties_and_mismatches():
+    gaps = {(7, 8): 0.01, (4, 5): 3.0}
+    seen = []
+
+    def score(prefix, a, b):
+        seen.append((list(prefix), a, b))
+        return gaps[(a, b)]
+
+    prompts = [[1], [2], [3], [4]]
+    outs = [[10, 7, 1], [20, 4], [30], [40, 41]]
+    base = [[10, 8, 1], [20, 5], [30], [40]]
+    recs = classify_divergences(prompts, outs, base, score, tie_margin=0.25)
+    assert [r["request"] for r in recs] == [0, 1, 3]
+    assert recs[0]["tie"] and recs[0]["position"] == 1 and recs[0]["fp32_logit_gap"] == 0.01
+    assert not recs[1]["tie"] and recs[1]["token"] == 4 and recs[1]["baseline_token"] == 5
+    assert not recs[2]["tie"] and recs[2]["baseline_token"] is None and recs[2]["fp32_logit_gap"] is None
+    # scored after the prompt + the common prefix of the outputs
+    assert seen == [([1, 10], 7, 8), ([2, 20], 4, 5)]
+    with pytest.raises(ValueError, match="2 prompts, 1 outputs"):
+        classify_divergences([[1], [2]], [[1]], [[1]], score, 0.25)
+
+
+def test_fp32_logit_gap_is_the_targets_logit_difference(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    m = LlamaForCausalLM(cfg).eval()
+    m.save_pretrained(tmp_path / "t")
+    prefix = [3, 4, 5, 6]
+    with torch.no_grad():
+        lg = m(torch.tensor([prefix])).logits[0, -1]
+    gap = Fp32LogitGap(str(tmp_path / "t"))
+    assert gap(prefix, 7, 9) == pytest.approx(abs(float(lg[7] - lg[9])), abs=1e-5)
+    assert gap(prefix, 9, 9) == 0.0
+
+
+def test_e2e_aggregate_takes_the_median_of_repeats():
+    spec = importlib.util.spec_from_file_location("e2e", os.path.join(ROOT, "bench", "e2e.py"))
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+
+    def row(c, tps, tau):
+        return {"mode": "dlite", "concurrency": c, "tokens_per_s": tps, "wall_s": 100 / tps,
+                "mean_latency_s": 1.0 / tps, "tau": tau}
+
+    runs = [[row(1, 10.0, 1.5), row(4, 20.0, 1.4)], [row(1, 14.0, 1.5), row(4, 18.0, 1.6)],
+            [row(1, 11.0, 1.5), row(4, 30.0, 1.5)]]
+    out = e2e.aggregate(runs)
+    assert [r["tokens_per_s"] for r in out] == [11.0, 20.0]
+    assert [r["tau"] for r in out] == [1.5, 1.5]
+    assert (out[0]["tokens_per_s_min"], out[0]["tokens_per_s_max"], out[0]["repeats"]) == (10.0, 14.0, 3)
+    assert e2e._median([1.0, 2.0]) == 1.5
