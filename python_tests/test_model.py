@@ -200,3 +200,114 @@ def test_propose_a_prefix_of_the_chain(tiny_target, head_input):
         m.propose(ctx, valid, anchor, num_drafts=0)
     with pytest.raises(DLiteInputError, match=r"num_drafts=7"):
         m.propose(ctx, valid, anchor, num_drafts=7)
+
+
+# ---------------------------------------------------------------------- drafting vocabulary
+def _round_inputs(m, B=6, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    cfg = m.config
+    ctx = torch.randn(B, cfg.num_capture_layers, cfg.num_context_positions, cfg.target_hidden_size, generator=g) * 3
+    valid = torch.ones(B, cfg.num_context_positions, dtype=torch.bool)
+    anchor = torch.randint(0, cfg.vocab_size, (B,), generator=g)
+    return ctx, valid, anchor
+
+
+@pytest.mark.parametrize("head_input", ["hidden", "token"])
+def test_draft_vocab_greedy_is_the_argmax_over_the_subset(tiny_target, head_input):
+    """A drafter with a drafting vocabulary drafts the argmax of the full logits restricted to
+    those ids (hidden head: all positions at once; token head: step by step, so compare the first
+    position), and a vocabulary of every id drafts exactly what no vocabulary drafts."""
+    m = _drafter(tiny_target, head_input=head_input)
+    ctx, valid, anchor = _round_inputs(m)
+    V = m.config.vocab_size
+    full = m.propose(ctx, valid, anchor).tokens
+    m.set_draft_vocab(torch.arange(V))
+    assert torch.equal(m.propose(ctx, valid, anchor).tokens, full)
+    # drop each request's first drafted token from the vocabulary
+    banned = set(full[:, 0].tolist())
+    ids = torch.tensor([i for i in range(V) if i not in banned])
+    m.set_draft_vocab(ids)
+    assert m.config.draft_vocab_size == len(ids) and m.draft_head_weight.shape == (len(ids), m.config.target_hidden_size)
+    got = m.propose(ctx, valid, anchor).tokens
+    assert set(got.flatten().tolist()) <= set(ids.tolist())
+    if head_input == "hidden":
+        with torch.no_grad():
+            logits = m(ctx, valid, anchor)  # full-vocabulary scoring forward (training / eval)
+        want = ids[logits[..., ids].argmax(-1)]
+        assert torch.equal(got, want)
+    else:
+        with torch.no_grad():
+            logits = m(ctx, valid, anchor, feedback_tokens=got)
+        assert torch.equal(got[:, 0], ids[logits[:, 0, ids].argmax(-1)])
+    m.set_draft_vocab(None)
+    assert m.config.draft_vocab_size == 0 and torch.equal(m.propose(ctx, valid, anchor).tokens, full)
+
+
+def test_draft_vocab_sampling_keeps_full_vocabulary_probs(tiny_target):
+    m = _drafter(tiny_target)
+    ids = torch.arange(0, m.config.vocab_size, 3)
+    m.set_draft_vocab(ids)
+    ctx, valid, anchor = _round_inputs(m)
+    prop = m.propose(ctx, valid, anchor, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert prop.probs.shape[-1] == m.config.vocab_size
+    assert set(prop.tokens.flatten().tolist()) <= set(ids.tolist())
+    outside = torch.ones(m.config.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert prop.probs[..., outside].abs().max() == 0
+    torch.testing.assert_close(prop.probs.sum(-1), torch.ones(prop.probs.shape[:2]))
+    # the sampled token's probability is positive under the returned distribution
+    assert (prop.probs.gather(-1, prop.tokens[..., None]) > 0).all()
+
+
+def test_draft_vocab_survives_a_bf16_checkpoint(tiny_target, tmp_path):
+    """Token ids are saved as integers even when the weights are exported in bf16 (bf16 cannot
+    hold ids above 256 exactly), and the LM-head rows are gathered again at bind time."""
+    m = _drafter(tiny_target)
+    V = m.config.vocab_size
+    ids = torch.tensor(sorted({0, 1, 5, V // 2, V - 1}))
+    m.set_draft_vocab(ids)
+    m.save_pretrained(str(tmp_path / "d"), dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["draft_vocab_size"] == len(ids)
+    back = DLiteDrafter.from_pretrained(str(tmp_path / "d"))
+    assert torch.equal(back.draft_vocab, ids) and back.draft_vocab.dtype == torch.int64
+    back.bind_hf_target(tiny_target)
+    torch.testing.assert_close(back.draft_head_weight, tiny_target.lm_head.weight[ids])
+
+
+def test_draft_vocab_errors(tiny_target):
+    m = _drafter(tiny_target)
+    V = m.config.vocab_size
+    with pytest.raises(DLiteConfigError, match="sorted ascending without duplicates"):
+        m.set_draft_vocab(torch.tensor([3, 1, 2]))
+    with pytest.raises(DLiteConfigError, match=r"outside \[0, %d\)" % V):
+        m.set_draft_vocab(torch.tensor([0, V]))
+    with pytest.raises(DLiteConfigError, match="draft_vocab_size=99999 must be in"):
+        DLiteConfig(vocab_size=V, target_hidden_size=64, target_num_layers=6, draft_vocab_size=99999)
+
+
+def test_draft_vocab_cli_counts_the_data(tiny_target, tmp_path):
+    """`sglang-dlite draft-vocab` picks the data's most frequent ids (ties: lower id first),
+    reports their coverage, keeps the checkpoint's bf16 weights and model card; size 0 removes it."""
+    import numpy as np
+
+    from sglang_dlite.cli import main
+
+    m = _drafter(tiny_target)
+    m.save_pretrained(str(tmp_path / "d"), dtype=torch.bfloat16)
+    (tmp_path / "d" / "README.md").write_text("card\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    np.savez(data / "a_00000.npz", ids=np.array([7, 7, 7, 3, 3, 9, 1], dtype=np.int32),
+             mask=np.zeros(7, dtype=np.int8), offsets=np.array([0, 7]))
+    assert main(["draft-vocab", "--drafter", str(tmp_path / "d"), "--data", str(data), "--size", "3",
+                 "--out", str(tmp_path / "o")]) == 0
+    back = DLiteDrafter.from_pretrained(str(tmp_path / "o"))
+    assert back.draft_vocab.tolist() == [1, 3, 7]  # 7 x3, 3 x2, then 1 and 9 once each: 1 first
+    assert (tmp_path / "o" / "README.md").read_text().startswith("card")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "o" / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("mask_embed").get_dtype() == "BF16"
+    assert main(["draft-vocab", "--drafter", str(tmp_path / "o"), "--data", str(data), "--size", "0"]) == 0
+    assert DLiteDrafter.from_pretrained(str(tmp_path / "o")).config.draft_vocab_size == 0
+    assert main(["draft-vocab", "--drafter", str(tmp_path / "d"), "--data", str(tmp_path), "--size", "3"]) == 2

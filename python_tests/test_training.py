@@ -150,9 +150,14 @@ def test_tiny_end_to_end_lowers_loss(tmp_path, tiny_target):
 
     card = render_card(summarize(out, data))
     assert "| stabilize |" in card and "| teacher |" in card
-    dest = export(done["stabilize"], str(tmp_path / "export"), card)
-    assert DLiteDrafter.from_pretrained(dest).config.history == "none"
-    assert os.path.isfile(os.path.join(dest, "README.md"))
+    dest = export(done["stabilize"], str(tmp_path / "export"), card, data, draft_vocab=40)
+    exported = DLiteDrafter.from_pretrained(dest)
+    assert exported.config.history == "none" and exported.config.draft_vocab_size == 40
+    with open(os.path.join(dest, "README.md")) as f:
+        assert "- Drafting vocabulary: the 40 most frequent" in f.read()
+    # the exported drafter (drafting vocabulary included) is still lossless
+    eng = ReferenceEngine(tiny_target, DLiteEngineDrafter(exported.float().bind_hf_target(tiny_target)))
+    assert eng.generate([5, 6, 7], 16).output_ids == base.output_ids
     # resume: finished stages are skipped, nothing is lost
     done2 = train_pipeline(tiny_target, data, out, _opts(resume=True))
     assert done2 == done
@@ -466,3 +471,4 @@ def test_train_default_recipe_wiring():
     assert opts.stages == ["stabilize"] and opts.anchor_tokens == "all"
     assert opts.config_overrides["target_layer_ids"] == [2, 15, 27]
     assert opts.time_budget_s["stabilize"] == 55 * 60 and opts.bf16 and opts.vocab_subset == 8192
+    assert args.draft_vocab == 8192  # the export drafts over the same most-frequent tokens

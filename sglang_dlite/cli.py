@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "gen-data": ("sglang_dlite.training.gen_data", "regenerate training responses with the target"),
     "train": ("sglang_dlite.training.train", "train a drafter (two-stage DLite recipe)"),
     "train-default": ("sglang_dlite.training.recipe", "the whole default recipe for the shipped drafter"),
+    "draft-vocab": ("sglang_dlite.training.draft_vocab", "give a drafter a drafting vocabulary (the data's N most frequent tokens)"),
     "serve": ("sglang_dlite.sglang_plugin.serve", "launch an sglang server with --speculative-algorithm DLITE"),
 }
 

@@ -69,6 +69,7 @@ class DLiteConfig(PretrainedConfig):
         history: str = "none",
         head_input: str = "hidden",
         target_model_type: Optional[str] = None,
+        draft_vocab_size: int = 0,
         **kwargs,
     ):
         self.target_hidden_size = int(target_hidden_size)
@@ -93,6 +94,9 @@ class DLiteConfig(PretrainedConfig):
         self.history = history
         self.head_input = head_input
         self.target_model_type = target_model_type
+        # >0: drafts are chosen among this many tokens (the ``draft_vocab`` buffer of the
+        # checkpoint: the training data's most frequent ids); 0: the whole vocabulary.
+        self.draft_vocab_size = int(draft_vocab_size)
         # sglang reads these generic names from any draft config.
         kwargs.setdefault("hidden_size", self.target_hidden_size)
         kwargs.setdefault("num_hidden_layers", self.num_layers)
@@ -133,6 +137,8 @@ class DLiteConfig(PretrainedConfig):
             bad(f"block_attention={self.block_attention!r}; choose one of {BLOCK_ATTENTION_MODES}.")
         if self.head_input not in HEAD_INPUTS:
             bad(f"head_input={self.head_input!r}; choose one of {HEAD_INPUTS}.")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            bad(f"draft_vocab_size={self.draft_vocab_size} must be in [0, vocab_size={self.vocab_size}] (0: no drafting vocabulary).")
         parse_history(self.history)
 
     @property

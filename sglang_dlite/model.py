@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from . import ops
 from .config import DLiteConfig
-from .errors import DLiteInputError
+from .errors import DLiteConfigError, DLiteInputError
 from .target_binding import TargetBoundMixin
 from .target_binding import load_checkpoint as _load_checkpoint
 
@@ -148,6 +148,11 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
             for lin in (layer.o_proj, layer.down_proj):
                 nn.init.normal_(lin.weight, std=0.02 / (2 * cfg.num_layers) ** 0.5)
         self._init_target_buffers()  # the target's frozen embedding + LM head (bind_target)
+        # Drafting vocabulary (training/draft_vocab.py): token ids, saved with the checkpoint; the
+        # matching rows of the target's LM head are gathered at bind time (never saved).
+        if cfg.draft_vocab_size:
+            self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("draft_head_weight", torch.empty(0), persistent=False)
         pos = ops.round_positions(L, cfg.num_context_positions, cfg.block_size)
         cos, sin = ops.rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -240,7 +245,55 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
             raise DLiteInputError(f"anchor_ids must be [{B}], got {tuple(anchor_ids.shape)}.")
 
     def lm_logits(self, y: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary (training and scoring)."""
         return F.linear(self.final_norm(y), self.lm_head_weight.to(y.dtype))
+
+    # ------------------------------------------------------------------ drafting vocabulary
+    def set_draft_vocab(self, ids: Optional[torch.Tensor]) -> "DLiteDrafter":
+        """Draft among these token ids only (sorted, unique, in range), or None for all tokens."""
+        if ids is None:
+            self.config.draft_vocab_size = 0
+            if "draft_vocab" in self._buffers:
+                del self._buffers["draft_vocab"]
+            self.draft_head_weight = torch.empty(0, device=self.mask_embed.device)
+            return self
+        ids = torch.as_tensor(ids, dtype=torch.int64).flatten()
+        self._check_draft_vocab(ids)
+        self.config.draft_vocab_size = int(ids.numel())
+        self.register_buffer("draft_vocab", ids.to(self.mask_embed.device))
+        if self.lm_head_weight.numel():
+            self.draft_head_weight = self.lm_head_weight[self.draft_vocab.to(self.lm_head_weight.device)]
+        return self
+
+    def _check_draft_vocab(self, ids: torch.Tensor) -> None:
+        V = self.config.vocab_size
+        if ids.numel() < 1 or ids.numel() > V:
+            raise DLiteConfigError(f"the drafting vocabulary has {ids.numel()} ids; it needs 1..{V}.")
+        if int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise DLiteConfigError(f"the drafting vocabulary has ids outside [0, {V}): built for another target?")
+        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise DLiteConfigError("the drafting vocabulary must be sorted ascending without duplicates.")
+
+    def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        super().bind_target(embed_weight, lm_head_weight)
+        if self.config.draft_vocab_size:
+            self._check_draft_vocab(self.draft_vocab)
+            self.draft_head_weight = self.lm_head_weight[self.draft_vocab.to(self.lm_head_weight.device)]
+        return self
+
+    def _draft_head(self) -> torch.Tensor:
+        return self.draft_head_weight if self.config.draft_vocab_size else self.lm_head_weight
+
+    def _draft_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices into the drafting vocabulary -> token ids."""
+        return self.draft_vocab[idx] if self.config.draft_vocab_size else idx
+
+    def _full_vocab_probs(self, p: torch.Tensor) -> torch.Tensor:
+        """A distribution over the drafting vocabulary, as one over the whole vocabulary."""
+        if not self.config.draft_vocab_size:
+            return p
+        full = p.new_zeros(*p.shape[:-1], self.config.vocab_size)
+        return full.index_copy_(-1, self.draft_vocab, p)
 
     def forward(self, context_hidden, context_valid, anchor_ids, history: Optional[History] = None,
                 round_offset=None, feedback_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -280,14 +333,14 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
             with ops.nvtx_range("dlite.head"):
                 y = self.head(z[:, :n], z[:, 1:n + 1])
             with ops.nvtx_range("dlite.projection"):
+                head_w = self._draft_head().to(y.dtype)
                 if temperature <= 0:  # greedy: fused final norm + LM head + argmax
-                    tokens = ops.lm_head_argmax(y, self.final_norm.weight, self.final_norm.eps,
-                                                self.lm_head_weight.to(y.dtype))
-                    return DraftProposal(tokens, None)
-                logits = self.lm_logits(y).float()
+                    idx = ops.lm_head_argmax(y, self.final_norm.weight, self.final_norm.eps, head_w)
+                    return DraftProposal(self._draft_ids(idx), None)
+                logits = F.linear(self.final_norm(y), head_w).float()
             probs = logits_to_probs(logits, temperature, top_p)
             flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
-            return DraftProposal(flat.view(probs.shape[:2]), probs)
+            return DraftProposal(self._draft_ids(flat.view(probs.shape[:2])), self._full_vocab_probs(probs))
         # token-feedback ablation: K sequential vocabulary projections
         state = torch.zeros(z.shape[0], self.config.rnn_rank, device=z.device)
         prev = anchor_ids
@@ -295,13 +348,13 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         for i in range(n):
             emb = F.embedding(prev, self.embed_weight).to(z.dtype)
             state, y = self.head.step(state, z[:, 1 + i], emb)
-            logits = self.lm_logits(y).float()
+            logits = F.linear(self.final_norm(y), self._draft_head().to(y.dtype)).float()
             if temperature <= 0:
-                prev = logits.argmax(-1)
+                prev = self._draft_ids(logits.argmax(-1))
             else:
                 p = logits_to_probs(logits, temperature, top_p)
-                prev = torch.multinomial(p, 1, generator=generator).squeeze(1)
-                probs_all.append(p)
+                prev = self._draft_ids(torch.multinomial(p, 1, generator=generator).squeeze(1))
+                probs_all.append(self._full_vocab_probs(p))
             toks.append(prev)
         return DraftProposal(torch.stack(toks, 1), torch.stack(probs_all, 1) if probs_all else None)
 

@@ -68,7 +68,9 @@ class TargetBoundMixin:
 
         os.makedirs(path, exist_ok=True)
         self.config.save_pretrained(path)
-        state = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in self.state_dict().items()}
+        # only floating tensors take ``dtype``: integer buffers (token ids) stay exact
+        state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+                 for k, v in self.state_dict().items()}
         save_file(state, os.path.join(path, WEIGHTS_NAME),
                   metadata={"format": "pt", "model_type": self.config.model_type})
 

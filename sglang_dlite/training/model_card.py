@@ -84,7 +84,8 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
         f"anchors ({opts.get('seqs_per_batch')} sequences per step), bf16 autocast: {opts.get('bf16')}.",
         f"- Training-time vocabulary subset: {opts.get('vocab_subset')} most frequent data tokens + the batch's labels "
         "(the frozen LM head's rows for them; the losses are computed over that subset, 6x cheaper on CPU). "
-        "Evaluation and serving use the full vocabulary.",
+        "Held-out evaluation uses the full vocabulary; serving drafts over the drafting vocabulary "
+        "below when the export has one.",
         "",
         "| stage | steps | wall (s) | final loss | anchors/s | held-out tau (expected, greedy) | P[accept] per position |",
         "|---|---|---|---|---|---|---|",

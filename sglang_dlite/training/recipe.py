@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import time
+from typing import Optional
 
 DEFAULT_DATA = os.path.join("artifacts", "train", "data")
 DEFAULT_OUT = os.path.join("artifacts", "train", "default")
@@ -36,6 +37,9 @@ DEFAULT_TRAIN = dict(
     target_layer_ids="2,15,27",
 )
 
+# drafting vocabulary of the export: the same N most frequent tokens the training losses use
+DEFAULT_DRAFT_VOCAB = DEFAULT_TRAIN["vocab_subset"]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default")
@@ -53,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads per training process")
     p.add_argument("--ddp", type=int, default=1, help="data-parallel training processes (batch 32 anchors each)")
     p.add_argument("--single-stage", action="store_true", help="the single-stage ablation instead")
+    p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB,
+                   help="export with a drafting vocabulary of the data's N most frequent tokens (0: none; "
+                        "see training/draft_vocab.py)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -137,12 +144,21 @@ def summarize(out_dir: str, data_dir: str) -> dict:
     return s
 
 
-def export(model_dir: str, dest: str, card: str) -> str:
+def export(model_dir: str, dest: str, card: str, data_dir: Optional[str] = None, draft_vocab: int = 0) -> str:
+    """The drafter in bf16 safetensors + its model card; with ``draft_vocab`` N > 0, a drafting
+    vocabulary of the N most frequent tokens of ``data_dir`` (training/draft_vocab.py)."""
     import torch
 
     from ..model import DLiteDrafter
+    from . import draft_vocab as dv
 
     m = DLiteDrafter.from_pretrained(model_dir)
+    if draft_vocab:
+        counts = dv.token_counts(data_dir, m.config.vocab_size)
+        ids = dv.frequent_token_ids(counts, draft_vocab)
+        m.set_draft_vocab(ids)
+        card = dv._with_card_line(card, f"the {len(ids)} most frequent of {m.config.vocab_size} tokens in the "
+                                        f"training data ({100 * dv.coverage(counts, ids):.2f} % of its tokens)")
     tmp = dest.rstrip("/") + ".partial"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
@@ -173,11 +189,11 @@ def run(args) -> int:
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
     dest = args.export or os.path.join(out, "dlite-smollm2-135m")
-    export(final, dest, render_card(summary))
+    export(final, dest, render_card(summary), args.data, args.draft_vocab)
     print(f"train-default: exported {dest} ({os.path.getsize(os.path.join(dest, 'model.safetensors')) / 1e6:.1f} MB)")
     if args.install:
         from ..drafters import SHIPPED_DRAFTER_DIR
 
-        export(final, SHIPPED_DRAFTER_DIR, render_card(summary))
+        export(final, SHIPPED_DRAFTER_DIR, render_card(summary), args.data, args.draft_vocab)
         print(f"train-default: installed as the shipped default drafter in {SHIPPED_DRAFTER_DIR}")
     return 0
