@@ -6,11 +6,12 @@
 Reads whatever exists (any subset is fine):
   - acceptance results ``acc_*.json`` written by ``bench/acceptance.py`` (one per drafter x workload
     [x engine]; when several files share drafter, workload, engine and temperature, the newest wins);
-  - draft-cost results ``draft_cost*.json`` written by ``bench/draft_cost.py`` (the newest is used).
+  - draft-cost results ``draft_cost*.json`` written by ``bench/draft_cost.py`` (the newest is used);
+  - sglang end-to-end results written by ``bench/e2e.py`` (``--e2e FILE ...``).
 Writes: tau per drafter x workload; tau per context bucket (all workloads pooled, rounds-weighted)
 and per workload; per-position acceptance; end-to-end tokens/s vs autoregressive; draft ms and
 drafter memory vs context; the commands that produced each file. Plots (bench/plots/):
-tau_vs_context.png, draft_ms_vs_context.png, speedup_per_workload.png.
+tau_vs_context.png, draft_ms_vs_context.png, speedup_per_workload.png, e2e_speedup.png.
 """
 
 from __future__ import annotations
@@ -198,8 +199,70 @@ def tables_draft_cost(dc) -> list:
     return lines
 
 
+def load_e2e(paths) -> list:
+    out = []
+    for f in paths or []:
+        r = load_json(f)
+        if r and r.get("table") is not None:
+            r["_file"] = os.path.relpath(os.path.abspath(f), ROOT)
+            out.append(r)
+        elif r is not None:
+            print(f"warning: {f} is not a bench/e2e.py result", file=sys.stderr)
+    return out
+
+
+def tables_e2e(results) -> list:
+    lines = []
+    for r in results:
+        rows = {(x["mode"], x["concurrency"]): x for x in r.get("rows", [])}
+        lines += [f"### {r.get('engine')} engine, {r.get('device')}, {r.get('workload')}, {r.get('dtype', '?')}, "
+                  f"{r.get('max_new_tokens')} new tokens, median of {r.get('repeats', 1)} run(s)", "",
+                  f"`{r.get('command')}`", "",
+                  "| mode | concurrency | spec tok/s (min-max) | no-spec tok/s (min-max) | speed-up | tau | "
+                  "identical | bf16 precision ties | mismatches |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for t in r["table"]:
+            d, b = rows.get((t["mode"], t["concurrency"]), {}), rows.get(("nospec", t["concurrency"]), {})
+
+            def rng(x):
+                return f" ({x['tokens_per_s_min']}-{x['tokens_per_s_max']})" if "tokens_per_s_min" in x else ""
+
+            ident = f"{t['identical']}/{t['requests']}" if "identical" in t else str(t.get("identical_outputs"))
+            lines.append(f"| {t['mode']} | {t['concurrency']} | {t['spec_tok_s']}{rng(d)} | {t['nospec_tok_s']}{rng(b)} | "
+                         f"{t['speedup']}x | {t['tau']} | {ident} | {t.get('ties', '-')} | {t.get('mismatches', '-')} |")
+        floors = [(k, v) for k, v in (r.get("divergences") or {}).items() if k.startswith("nospec@")]
+        for k, v in floors:
+            lines.append(f"\nNo-speculation floor, {k}: {len(v)} of the requests differ, "
+                         f"{sum(x['tie'] for x in v)} of them at bf16 precision ties.")
+        lines.append("")
+    return lines
+
+
 # ---------------------------------------------------------------------------- plots
-def plot_all(acc, dc, plots: Path) -> list:
+def plot_e2e(results, plots: Path, plt) -> list:
+    if not results:
+        return []
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for r in results:
+        modes = sorted({t["mode"] for t in r["table"]})
+        for m in modes:
+            ts = sorted((t for t in r["table"] if t["mode"] == m), key=lambda t: t["concurrency"])
+            ax.plot([t["concurrency"] for t in ts], [t["speedup"] for t in ts], marker="o",
+                    label=f"{m} ({r.get('workload')}, {r.get('dtype', '?')})")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("tokens/s vs no speculation")
+    ax.set_title("sglang end to end: DLITE speed-up vs concurrency")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(plots / "e2e_speedup.png", dpi=110)
+    plt.close(fig)
+    return ["e2e_speedup.png"]
+
+
+def plot_all(acc, dc, plots: Path, e2e=None) -> list:
     try:
         import matplotlib
 
@@ -257,6 +320,7 @@ def plot_all(acc, dc, plots: Path) -> list:
 
         plot(dc, plots / "draft_ms_vs_context.png")
         made.append("draft_ms_vs_context.png")
+    made += plot_e2e(e2e, plots, plt)
     return made
 
 
@@ -265,10 +329,12 @@ def main(argv=None) -> int:
     ap.add_argument("--results", default=str(ROOT / "artifacts" / "results"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"))
     ap.add_argument("--plots", default=str(ROOT / "bench" / "plots"))
+    ap.add_argument("--e2e", nargs="*", default=[], help="bench/e2e.py result JSON files to include")
     args = ap.parse_args(argv)
 
     acc, skipped = load_acceptance(args.results)
     dc = load_draft_cost(args.results)
+    e2e = load_e2e(args.e2e)
     out, plots = Path(args.out), Path(args.plots)
     lines = ["# Results: DLite and the baselines side by side", "",
              f"Generated by `python bench/report.py` from `{os.path.relpath(args.results, ROOT)}`; "
@@ -276,7 +342,7 @@ def main(argv=None) -> int:
     if not acc and not dc:
         lines += ["No results yet. Produce them with `bench/acceptance.py --out artifacts/results/acc_DRAFTER_WORKLOAD.json` "
                   "and `bench/draft_cost.py --out artifacts/results/draft_cost.json`.", ""]
-    made = plot_all(acc, dc, plots)
+    made = plot_all(acc, dc, plots, e2e)
     if made:
         rel = os.path.relpath(plots, out.parent)
         lines += ["Plots: " + ", ".join(f"[{m}]({rel}/{m})" for m in made), ""]
@@ -286,6 +352,8 @@ def main(argv=None) -> int:
         lines += ["## Acceptance and end-to-end speed", "",
                   "No `acc_*.json` results yet (`bench/acceptance.py --drafter NAME --workload W --out "
                   "artifacts/results/acc_NAME_W.json`).", ""]
+    if e2e:
+        lines += ["## End to end in a real sglang engine", ""] + tables_e2e(e2e)
     if dc:
         lines += ["## Draft cost", ""] + tables_draft_cost(dc)
     lines += ["## Sources", ""]
@@ -295,6 +363,8 @@ def main(argv=None) -> int:
         lines.append(f"- `{r['_file']}`: `{cmd}` (torch threads {r.get('torch_threads', '?')})")
     if dc:
         lines.append(f"- `{os.path.relpath(dc['_file'], ROOT)}`: `python {dc.get('env', {}).get('command', 'bench/draft_cost.py')}`")
+    for r in e2e:
+        lines.append(f"- `{r['_file']}`: `{r.get('command')}`")
     for f in skipped:
         lines.append(f"- skipped (not an acceptance result): `{f}`")
     lines.append("")

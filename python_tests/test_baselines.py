@@ -326,12 +326,25 @@ def test_acceptance_harness_runs_baselines_and_report_renders(tmp_path):
     dc = json.loads((res / "draft_cost.json").read_text())
     mem = {(r["drafter"], r["context"]): r["memory_bytes"] for r in dc["results"]}
     assert mem[("dflash", 256)] > mem[("dflash", 64)] > 0 and mem[("dlite", 256)] == 0
+    # an sglang end-to-end result in bench/e2e.py's format (median of repeats, divergences)
+    row = lambda m, c, tps: {"mode": m, "concurrency": c, "tokens_per_s": tps, "tokens_per_s_min": tps - 1,  # noqa: E731
+                             "tokens_per_s_max": tps + 1}
+    e2e = {"command": "python bench/e2e.py --repeats 3", "engine": "sglang", "device": "cpu", "workload": "agent-stdlib",
+           "dtype": "bfloat16", "max_new_tokens": 128, "repeats": 3,
+           "rows": [row("dlite", 1, 15.0), row("nospec", 1, 12.0), row("dlite", 4, 30.0), row("nospec", 4, 20.0)],
+           "table": [{"mode": "dlite", "concurrency": c, "spec_tok_s": s_, "nospec_tok_s": n_, "speedup": round(s_ / n_, 3),
+                      "tau": 1.5, "identical": 7, "requests": 8, "ties": 1, "mismatches": 0}
+                     for c, s_, n_ in ((1, 15.0, 12.0), (4, 30.0, 20.0))],
+           "divergences": {"nospec@4 vs nospec@1": [{"tie": True}]}}
+    (res / "e2e.json").write_text(json.dumps(e2e))
     assert load("report").main(["--results", str(res), "--out", str(tmp_path / "RESULTS.md"),
-                                "--plots", str(tmp_path / "plots")]) == 0
+                                "--plots", str(tmp_path / "plots"), "--e2e", str(res / "e2e.json")]) == 0
     md = (tmp_path / "RESULTS.md").read_text()
     assert "| ngram |" in md and "| dspark:" in md and "cost 256/64" in md
-    assert sorted(os.listdir(tmp_path / "plots")) == ["draft_ms_vs_context.png", "speedup_per_workload.png",
-                                                      "tau_vs_context.png"]
+    assert "| dlite | 1 | 15.0 (14.0-16.0) | 12.0 (11.0-13.0) | 1.25x | 1.5 | 7/8 | 1 | 0 |" in md
+    assert "nospec@4 vs nospec@1: 1 of the requests differ, 1 of them at bf16 precision ties" in md
+    assert sorted(os.listdir(tmp_path / "plots")) == ["draft_ms_vs_context.png", "e2e_speedup.png",
+                                                      "speedup_per_workload.png", "tau_vs_context.png"]
 
 
 @pytest.mark.parametrize("name", KV_NAMES)

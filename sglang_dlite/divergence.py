@@ -49,18 +49,60 @@ def classify_divergences(prompts, outs, base_outs, score: Score, tie_margin: flo
 
 
 class Fp32LogitGap:
-    """``score`` for ``classify_divergences``: the HF target in float32 (loaded on first use)."""
+    """``score`` for ``classify_divergences``: the HF target in float32.
+
+    Scored in a child process (started on first use, one JSON line per query): loading a HF model
+    in a process that has run and shut down an sglang Engine makes multiprocessing's resource
+    tracker print a spurious KeyError traceback at exit."""
 
     def __init__(self, target_path: str):
-        self.target_path, self.model = str(target_path), None
+        self.target_path, self.proc = str(target_path), None
 
     def __call__(self, prefix: list, a: int, b: int) -> float:
-        import torch
+        import json
+        import subprocess
+        import sys
 
-        if self.model is None:
-            from transformers import AutoModelForCausalLM
+        if self.proc is None:
+            self.proc = subprocess.Popen([sys.executable, "-m", "sglang_dlite.divergence", self.target_path],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc.stdin.write(json.dumps([list(map(int, prefix)), int(a), int(b)]) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the float32 scorer for {self.target_path!r} exited (rc {self.proc.poll()})")
+        return float(line)
 
-            self.model = AutoModelForCausalLM.from_pretrained(self.target_path, dtype=torch.float32).eval()
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+            self.proc = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def logit_gap_server(target_path: str, inp, out) -> None:
+    """Read [prefix, a, b] JSON lines, write |logit a - logit b| of the float32 target per line."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    for line in inp:
+        prefix, a, b = json.loads(line)
         with torch.no_grad():
-            logits = self.model(torch.tensor([prefix])).logits[0, -1].float()
-        return abs(float(logits[a] - logits[b]))
+            logits = model(torch.tensor([prefix])).logits[0, -1].float()
+        out.write(f"{abs(float(logits[a] - logits[b]))!r}\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    import sys
+
+    logit_gap_server(sys.argv[1], sys.stdin, sys.stdout)
