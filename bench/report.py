@@ -239,6 +239,18 @@ def tables_e2e(results) -> list:
 
 
 # ---------------------------------------------------------------------------- plots
+def _finish(fig, ax, plt, path: Path, xlabel: str, ylabel: str, title: str, legend_size: int = 8) -> None:
+    """Labels, grid, legend; save as PNG and close."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_e2e(results, plots: Path, plt) -> list:
     if not results:
         return []
@@ -251,14 +263,8 @@ def plot_e2e(results, plots: Path, plt) -> list:
                     label=f"{m} ({r.get('workload')}, {r.get('dtype', '?')})")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("tokens/s vs no speculation")
-    ax.set_title("sglang end to end: DLITE speed-up vs concurrency")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(plots / "e2e_speedup.png", dpi=110)
-    plt.close(fig)
+    _finish(fig, ax, plt, plots / "e2e_speedup.png", "concurrent requests", "tokens/s vs no speculation",
+            "sglang end to end: DLITE speed-up vs concurrency", legend_size=7)
     return ["e2e_speedup.png"]
 
 
@@ -286,14 +292,8 @@ def plot_all(acc, dc, plots: Path, e2e=None) -> list:
                                                         for d in drafters)]
         ax.set_xticks(used)
         ax.set_xticklabels([BUCKETS[i] for i in used])
-        ax.set_xlabel("context length before the round (tokens)")
-        ax.set_ylabel("acceptance length tau")
-        ax.set_title("tau vs context length (all workloads pooled)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(plots / "tau_vs_context.png", dpi=110)
-        plt.close(fig)
+        _finish(fig, ax, plt, plots / "tau_vs_context.png", "context length before the round (tokens)",
+                "acceptance length tau", "tau vs context length (all workloads pooled)")
         made.append("tau_vs_context.png")
 
         workloads = sorted({k[2] for k in ref})
