@@ -42,12 +42,15 @@ import json
 import os
 import platform
 import sys
+from statistics import median
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "python_tests"))
+
+from sglang_dlite.divergence import DEFAULT_TIE_MARGIN, Fp32LogitGap, classify_divergences  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -70,7 +73,7 @@ def parse_args(argv=None):
                         "float32, or auto (the checkpoint's)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every mode this many times (fresh engine each, rotated order); report the median")
-    p.add_argument("--tie-margin", type=float, default=0.25,
+    p.add_argument("--tie-margin", type=float, default=DEFAULT_TIE_MARGIN,
                    help="float32 logit gap below which a differing greedy token is a precision tie (see above)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
@@ -109,8 +112,7 @@ async def _run_level(engine, reqs, conc, sp):
 def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype):
     import sglang_fixtures as F
 
-    # sleep_on_idle: an idle sglang scheduler otherwise busy-polls one of this machine's 2 cores.
-    kw = dict(dtype=dtype, sleep_on_idle=True, max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
+    kw = dict(dtype=dtype, max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
     spec, _, w = mode.partition(":")
     if spec not in ("dlite", "ngram", "nospec"):
         raise SystemExit(f"unknown mode {mode!r}: dlite[:W], ngram[:W] or nospec")
@@ -181,12 +183,6 @@ def run_reference(mode, target, draft, reqs, max_new):
     return [row], {1: outs}
 
 
-def _median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
-
-
 def aggregate(runs):
     """runs: [[row per level] per repeat] of one mode -> one row per level: median tokens/s,
     latency and tau over the repeats, with the tokens/s spread."""
@@ -195,10 +191,10 @@ def aggregate(runs):
         tps = [r["tokens_per_s"] for r in level_rows]
         row = dict(level_rows[0])
         row.update(
-            tokens_per_s=round(_median(tps), 2),
-            wall_s=round(_median([r["wall_s"] for r in level_rows]), 3),
-            mean_latency_s=round(_median([r["mean_latency_s"] for r in level_rows]), 3),
-            tau=None if level_rows[0]["tau"] is None else round(_median([r["tau"] for r in level_rows]), 3),
+            tokens_per_s=round(median(tps), 2),
+            wall_s=round(median([r["wall_s"] for r in level_rows]), 3),
+            mean_latency_s=round(median([r["mean_latency_s"] for r in level_rows]), 3),
+            tau=None if level_rows[0]["tau"] is None else round(median([r["tau"] for r in level_rows]), 3),
             repeats=len(level_rows), tokens_per_s_min=min(tps), tokens_per_s_max=max(tps),
         )
         rows.append(row)
@@ -210,7 +206,6 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from sglang_dlite.divergence import Fp32LogitGap, classify_divergences
     from sglang_dlite.drafters import shipped_drafter_path
     from sglang_dlite.target import resolve_target
 

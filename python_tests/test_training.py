@@ -471,4 +471,4 @@ def test_train_default_recipe_wiring():
     assert opts.stages == ["stabilize"] and opts.anchor_tokens == "all"
     assert opts.config_overrides["target_layer_ids"] == [2, 15, 27]
     assert opts.time_budget_s["stabilize"] == 55 * 60 and opts.bf16 and opts.vocab_subset == 8192
-    assert args.draft_vocab == 8192  # the export drafts over the same most-frequent tokens
+    assert args.draft_vocab == 8192  # as many most-frequent tokens as the training losses cover

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+# float32 logit gap under which a differing bf16 greedy token is a precision tie: two bf16 steps
+# at |logit| ~ 20 (where bf16 values are 0.125 apart)
+DEFAULT_TIE_MARGIN = 0.25
+
 Score = Callable[[list, int, int], float]  # (prefix ids, token a, token b) -> |logit a - logit b|
 
 

@@ -262,8 +262,12 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         self.config.draft_vocab_size = int(ids.numel())
         self.register_buffer("draft_vocab", ids.to(self.mask_embed.device))
         if self.lm_head_weight.numel():
-            self.draft_head_weight = self.lm_head_weight[self.draft_vocab.to(self.lm_head_weight.device)]
+            self._gather_draft_head()
         return self
+
+    def _gather_draft_head(self) -> None:
+        """The bound LM head's rows of the drafting vocabulary (a copy: [N, H])."""
+        self.draft_head_weight = self.lm_head_weight[self.draft_vocab.to(self.lm_head_weight.device)]
 
     def _check_draft_vocab(self, ids: torch.Tensor) -> None:
         V = self.config.vocab_size
@@ -278,11 +282,15 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         super().bind_target(embed_weight, lm_head_weight)
         if self.config.draft_vocab_size:
             self._check_draft_vocab(self.draft_vocab)
-            self.draft_head_weight = self.lm_head_weight[self.draft_vocab.to(self.lm_head_weight.device)]
+            self._gather_draft_head()
         return self
 
     def _draft_head(self) -> torch.Tensor:
         return self.draft_head_weight if self.config.draft_vocab_size else self.lm_head_weight
+
+    def draft_logits(self, y: torch.Tensor) -> torch.Tensor:
+        """Logits over the drafting vocabulary (the whole vocabulary without one)."""
+        return F.linear(self.final_norm(y), self._draft_head().to(y.dtype))
 
     def _draft_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices into the drafting vocabulary -> token ids."""
@@ -333,11 +341,11 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
             with ops.nvtx_range("dlite.head"):
                 y = self.head(z[:, :n], z[:, 1:n + 1])
             with ops.nvtx_range("dlite.projection"):
-                head_w = self._draft_head().to(y.dtype)
                 if temperature <= 0:  # greedy: fused final norm + LM head + argmax
-                    idx = ops.lm_head_argmax(y, self.final_norm.weight, self.final_norm.eps, head_w)
+                    idx = ops.lm_head_argmax(y, self.final_norm.weight, self.final_norm.eps,
+                                             self._draft_head().to(y.dtype))
                     return DraftProposal(self._draft_ids(idx), None)
-                logits = F.linear(self.final_norm(y), head_w).float()
+                logits = self.draft_logits(y).float()
             probs = logits_to_probs(logits, temperature, top_p)
             flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
             return DraftProposal(self._draft_ids(flat.view(probs.shape[:2])), self._full_vocab_probs(probs))
@@ -348,7 +356,7 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         for i in range(n):
             emb = F.embedding(prev, self.embed_weight).to(z.dtype)
             state, y = self.head.step(state, z[:, 1 + i], emb)
-            logits = F.linear(self.final_norm(y), self._draft_head().to(y.dtype)).float()
+            logits = self.draft_logits(y).float()
             if temperature <= 0:
                 prev = self._draft_ids(logits.argmax(-1))
             else:

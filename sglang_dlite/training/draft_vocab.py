@@ -6,8 +6,9 @@ SmolLM2's head in bf16) and a large part of it on a GPU. A drafter with a drafti
 projects onto those N rows of the target's LM head only and maps the argmax back to token ids:
 the cost drops ~V/N-fold; a draft can no longer be a token outside the set, which costs
 acceptance only where the target emits such a rare token (the verify pass keeps the output
-exact either way). The shipped recipe trains over the same N most frequent tokens
-(``--vocab-subset``), so the drafter never learned to rank anything else highly.
+exact either way). The shipped recipe's losses cover the N most frequent tokens too
+(``--vocab-subset``; the trainer counts the training split only, this module every shard, so the
+two sets can differ at the margin), so the drafter rarely learned to rank anything else highly.
 
     sglang-dlite draft-vocab --drafter CKPT --data DATA_DIR --size 8192 [--out NEW_CKPT]
 """
@@ -52,6 +53,20 @@ def coverage(counts: np.ndarray, ids: torch.Tensor) -> float:
     return float(counts[ids.numpy()].sum() / total) if total else 0.0
 
 
+def apply(drafter, data_dir: str, n: int) -> str:
+    """Give ``drafter`` the drafting vocabulary of the n most frequent tokens of ``data_dir``
+    (n = 0: remove it). Returns the model-card line that describes it."""
+    if n == 0:
+        drafter.set_draft_vocab(None)
+        return f"none: drafts over all {drafter.config.vocab_size} tokens"
+    counts = token_counts(data_dir, drafter.config.vocab_size)
+    ids = frequent_token_ids(counts, n)
+    drafter.set_draft_vocab(ids)
+    return (f"the {len(ids)} most frequent of {drafter.config.vocab_size} tokens in the training data "
+            f"({100 * coverage(counts, ids):.2f} % of its {int(counts.sum())} tokens; "
+            f"`sglang-dlite draft-vocab --size {n}`)")
+
+
 def add_arguments(p) -> None:
     p.add_argument("--drafter", required=True, help="DLite checkpoint folder")
     p.add_argument("--data", required=True, help="training data folder (gen-data shards) to count tokens in")
@@ -65,21 +80,12 @@ def run(args) -> int:
     d = DLiteDrafter.from_pretrained(args.drafter)
     out = args.out or args.drafter
     saved_dtype = _checkpoint_float_dtype(args.drafter)
-    if args.size == 0:
-        d.set_draft_vocab(None)
-        line = f"none: drafts over all {d.config.vocab_size} tokens"
-    else:
-        counts = token_counts(args.data, d.config.vocab_size)
-        ids = frequent_token_ids(counts, args.size)
-        d.set_draft_vocab(ids)
-        line = (f"the {len(ids)} most frequent of {d.config.vocab_size} tokens in the training data "
-                f"({100 * coverage(counts, ids):.2f} % of its {int(counts.sum())} tokens; "
-                f"`sglang-dlite draft-vocab --size {args.size}`)")
+    line = apply(d, args.data, args.size)
     card = _card_text(args.drafter)
     d.save_pretrained(out, dtype=saved_dtype)
     if card is not None:
         with open(os.path.join(out, "README.md"), "w") as f:
-            f.write(_with_card_line(card, line))
+            f.write(with_card_line(card, line))
     print(f"{out}: drafting vocabulary: {line}")
     return 0
 
@@ -95,7 +101,7 @@ def _card_text(path: str):
         return f.read()
 
 
-def _with_card_line(card: str, line: str) -> str:
+def with_card_line(card: str, line: str) -> str:
     """The model card with its drafting-vocabulary line replaced (or appended)."""
     lines = [x for x in card.rstrip("\n").split("\n") if not x.startswith(CARD_PREFIX)]
     return "\n".join(lines + [CARD_PREFIX + line]) + "\n"

@@ -37,7 +37,7 @@ DEFAULT_TRAIN = dict(
     target_layer_ids="2,15,27",
 )
 
-# drafting vocabulary of the export: the same N most frequent tokens the training losses use
+# drafting vocabulary of the export: as many most frequent tokens as the training losses cover
 DEFAULT_DRAFT_VOCAB = DEFAULT_TRAIN["vocab_subset"]
 
 
@@ -154,11 +154,7 @@ def export(model_dir: str, dest: str, card: str, data_dir: Optional[str] = None,
 
     m = DLiteDrafter.from_pretrained(model_dir)
     if draft_vocab:
-        counts = dv.token_counts(data_dir, m.config.vocab_size)
-        ids = dv.frequent_token_ids(counts, draft_vocab)
-        m.set_draft_vocab(ids)
-        card = dv._with_card_line(card, f"the {len(ids)} most frequent of {m.config.vocab_size} tokens in the "
-                                        f"training data ({100 * dv.coverage(counts, ids):.2f} % of its tokens)")
+        card = dv.with_card_line(card, dv.apply(m, data_dir, draft_vocab))
     tmp = dest.rstrip("/") + ".partial"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
