@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# `make cuda-check`: compile every csrc/*.cu with standalone nvcc for Ampere (sm_80) and Hopper
+# `make cuda-check`: compile every csrc/cuda/*.cu with standalone nvcc for Ampere (sm_80) and Hopper
 # (sm_90a), all warnings as errors. Needs no GPU and no CUDA torch. Skips (exit 0) without nvcc.
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/cuda"
 NVCC="${NVCC:-$(command -v nvcc || true)}"
 if [[ -z "$NVCC" ]]; then
   echo "cuda-check skipped: nvcc not found (install the CUDA toolkit or set NVCC=/path/to/nvcc)."

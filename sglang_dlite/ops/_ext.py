@@ -16,7 +16,7 @@ LIB_NAME = "sglang_dlite_ops"
 OPS = ("assemble_round_inputs", "round_attention", "lowrank_rnn_scan", "lm_head_argmax")
 BUILD_HINT = "build it with `make build-ext` (or `python -m sglang_dlite.ops.build`)"
 
-_state: dict = {"tried": False, "path": None, "error": None}
+_state: dict = {"tried": False, "path": None, "error": None, "ok": False, "cuda": None}
 
 
 def repo_root() -> Path:
@@ -41,26 +41,33 @@ def _registered() -> bool:
 
 
 def load() -> bool:
-    """Load the library once (if built). Returns whether the CPU ops are available."""
-    if not _state["tried"]:
-        _state["tried"] = True
-        path = lib_path()
-        if _registered():  # already loaded (e.g. by the builder in this process)
+    """Load the library once (if built). Returns whether the CPU ops are available (cached: the
+    dispatcher asks on every call, also while torch.compile traces it)."""
+    if _state["tried"]:
+        return _state["ok"]
+    _state["tried"] = True
+    path = lib_path()
+    if _registered():  # already loaded (e.g. by the builder in this process)
+        _state["path"] = str(path)
+    elif path.is_file():
+        try:
+            torch.ops.load_library(str(path))
             _state["path"] = str(path)
-        elif path.is_file():
-            try:
-                torch.ops.load_library(str(path))
-                _state["path"] = str(path)
-            except Exception as exc:  # a stale build against another torch, a bad file, ...
-                _state["error"] = f"{path} failed to load: {exc}"
-        else:
-            _state["error"] = f"{path} is missing"
-    return _state["path"] is not None and _registered()
+        except Exception as exc:  # a stale build against another torch, a bad file, ...
+            _state["error"] = f"{path} failed to load: {exc}"
+    else:
+        _state["error"] = f"{path} is missing"
+    ok = _state["ok"] = _state["path"] is not None and _registered()
+    if ok:
+        from . import fake  # fake kernels: the ops trace under torch.compile
+
+        fake.register()
+    return ok
 
 
 def reset() -> None:
     """Forget the load attempt (the builder calls this after building)."""
-    _state.update(tried=False, path=None, error=None)
+    _state.update(tried=False, path=None, error=None, ok=False, cuda=None)
 
 
 def has_cpu() -> bool:
@@ -68,12 +75,14 @@ def has_cpu() -> bool:
 
 
 def has_cuda() -> bool:
-    if not load() or not torch.cuda.is_available():
-        return False
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key("sglang_dlite::lowrank_rnn_scan", "CUDA")
-    except Exception:  # pragma: no cover
-        return False
+    if _state["cuda"] is None:
+        _state["cuda"] = False
+        if load() and torch.cuda.is_available():
+            try:
+                _state["cuda"] = torch._C._dispatch_has_kernel_for_dispatch_key("sglang_dlite::lowrank_rnn_scan", "CUDA")
+            except Exception:  # pragma: no cover
+                pass
+    return _state["cuda"]
 
 
 def status() -> str:

@@ -2,10 +2,10 @@
 
     python -m sglang_dlite.ops.build [--verbose] [--force]     (``make build-ext`` runs this)
 
-CPU ops always (csrc/dlite_cpu.cpp: ATen + TORCH_LIBRARY only, ~15 s on 2 cores); the CUDA ops
-(csrc/dlite_cuda.cu + csrc/dlite_cuda_bindings.cpp) too when torch was built with CUDA and nvcc is
-found. Uses torch.utils.cpp_extension.load with ninja, so a second run with unchanged sources does
-nothing. The output directory is $SGLANG_DLITE_EXT_DIR or <repo>/build/ext (git-ignored).
+The op schemas (csrc/schemas.cpp) and the CPU ops (csrc/cpu/: ATen + TORCH_LIBRARY only, ~15 s on
+2 cores) always; the CUDA ops (csrc/cuda/: the kernels + their TORCH_LIBRARY_IMPL bindings) too when
+torch was built with CUDA and nvcc is found. Uses torch.utils.cpp_extension.load with ninja, so a
+second run with unchanged sources does nothing. The output directory is $SGLANG_DLITE_EXT_DIR or <repo>/build/ext (git-ignored).
 Compiler flags: -O3 -march=native by default (the library is built on the machine that runs it);
 set SGLANG_DLITE_CPU_FLAGS to replace ``-march=native`` (e.g. "-mavx2 -mfma" or "").
 """
@@ -47,11 +47,11 @@ def build(verbose: bool = False, force: bool = False, cuda: bool | None = None) 
             if p.is_file():
                 p.unlink()
     with_cuda = want_cuda() if cuda is None else cuda
-    sources = [str(csrc / "dlite_cpu.cpp")]
+    sources = [str(csrc / "schemas.cpp"), str(csrc / "cpu" / "dlite_cpu.cpp")]
     arch = os.environ.get("SGLANG_DLITE_CPU_FLAGS", "-march=native").split()
     cflags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi", *arch]
     if with_cuda:
-        sources += [str(csrc / "dlite_cuda.cu"), str(csrc / "dlite_cuda_bindings.cpp")]
+        sources += [str(csrc / "cuda" / "dlite_cuda.cu"), str(csrc / "cuda" / "dlite_cuda_bindings.cpp")]
         cflags.append("-DDLITE_WITH_CUDA")
     load(
         name=_ext.LIB_NAME,

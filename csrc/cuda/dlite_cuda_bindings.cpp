@@ -1,5 +1,5 @@
 // Registers the CUDA implementations of torch.ops.sglang_dlite.* (schemas are defined in
-// dlite_cpu.cpp). Built only with a CUDA torch (sglang_dlite/ops/build.py adds this file and
+// csrc/schemas.cpp). Built only with a CUDA torch (sglang_dlite/ops/build.py adds this file and
 // -DDLITE_WITH_CUDA). Checks inputs, makes them contiguous and calls the plain C launchers of
 // dlite_cuda.cu on the current stream.
 #ifdef DLITE_WITH_CUDA

@@ -13,8 +13,8 @@
 // are reproduced so results agree to the dtype's precision. Parallel over independent rows with
 // at::parallel_for (OpenMP, torch's thread count).
 //
-// TORCH_LIBRARY(sglang_dlite) lives here (the CPU library is always built); CUDA kernels register
-// their implementations from dlite_cuda_bindings.cpp when built with a CUDA torch.
+// The op schemas are defined once, in csrc/schemas.cpp; this file registers the CPU
+// implementations. CUDA implementations register from csrc/cuda/dlite_cuda_bindings.cpp.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -557,17 +557,6 @@ at::Tensor lm_head_argmax_cpu(const at::Tensor& hidden_, const at::Tensor& norm_
 
 }  // namespace
 }  // namespace dlite
-
-TORCH_LIBRARY(sglang_dlite, m) {
-  m.def(
-      "assemble_round_inputs(Tensor context_hidden, Tensor anchor_embeds, Tensor ctx_norm_weight, "
-      "Tensor depth_embed, Tensor mask_embed, int block_size, float eps) -> Tensor");
-  m.def(
-      "round_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor context_valid, "
-      "int num_layers, int block_size, bool causal) -> Tensor");
-  m.def("lowrank_rnn_scan(Tensor gate_logits, Tensor inputs) -> Tensor");
-  m.def("lm_head_argmax(Tensor hidden, Tensor norm_weight, float eps, Tensor lm_head_weight) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(sglang_dlite, CPU, m) {
   m.impl("assemble_round_inputs", &dlite::assemble_round_inputs_cpu);

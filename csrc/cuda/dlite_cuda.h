@@ -1,4 +1,4 @@
-// Plain C launchers of the DLite CUDA kernels (csrc/dlite_cuda.cu). CUDA runtime types only, so
+// Plain C launchers of the DLite CUDA kernels (csrc/cuda/dlite_cuda.cu). CUDA runtime types only, so
 // the .cu compiles with standalone nvcc; dlite_cuda_bindings.cpp wraps them as torch ops.
 // Every launcher returns a cudaError_t (cudaSuccess = 0) as int; 'dtype' is a DliteDtype.
 // All tensors are contiguous, on the current device, in the layout of ops/reference.py.
