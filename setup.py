@@ -12,7 +12,7 @@ setup(
     version="0.1.0",
     description="DLite: a history-free speculative-decoding drafter for SGLang, with custom kernels",
     packages=find_packages(include=["sglang_dlite", "sglang_dlite.*"]),
-    package_data={"sglang_dlite": ["checkpoints/*/*", "workloads/data/*"]},
+    package_data={"sglang_dlite": ["checkpoints/*/*"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "transformers>=4.57", "safetensors", "tqdm"],
     extras_require={

@@ -1,66 +1,14 @@
-"""Shared helpers for the sglang tests (test_sglang_*.py), the CPU demo and bench/e2e.py.
-
-``cpu_environ()`` is the ONE place that turns on the CPU-only stand-ins for a real sglang engine
-(``cpu_support/sglang_cpu``: the ``sgl_kernel`` stand-in + the torch_native verify hook, loaded in
-every sglang subprocess through PYTHONPATH/sitecustomize). Nothing in the runtime package does.
+"""Shared helpers for the sglang tests (test_sglang_*.py): tiny random targets and drafters, the
+reference-engine oracle. The CPU launch environment (``cpu_environ``, ``start_engine``, ...) is the
+package's public ``sglang_dlite.cpu_launch``, re-exported here for the tests.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-CPU_STANDINS = REPO / "cpu_support" / "sglang_cpu"
-
-
-def cpu_environ() -> dict:
-    """Environment for sglang on this CPU: stand-ins on PYTHONPATH, CPU engine on, quiet logs."""
-    pp = os.environ.get("PYTHONPATH", "")
-    parts = [str(CPU_STANDINS)] + [p for p in pp.split(os.pathsep) if p and p != str(CPU_STANDINS)]
-    return {
-        "PYTHONPATH": os.pathsep.join(parts),
-        "SGLANG_USE_CPU_ENGINE": "1",
-        "SGLANG_DLITE_CACHE": os.environ.get("SGLANG_DLITE_CACHE", str(REPO / "artifacts" / "cache")),
-        "TOKENIZERS_PARALLELISM": "false",
-        # A leaked KV / req slot crashes the scheduler at the next idle check instead of a warning.
-        "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
-    }
-
-
-def activate_cpu_standins() -> None:
-    """Apply cpu_environ() to this process (and its children) and load the stand-ins here too."""
-    os.environ.update(cpu_environ())
-    if str(CPU_STANDINS) not in sys.path:
-        sys.path.insert(0, str(CPU_STANDINS))
-    import dlite_cpu_verify_hook
-
-    dlite_cpu_verify_hook.install_lazy()
-
-
-def engine_kwargs(model_path: str, *, dlite: str | None = None, overlap: bool = False, **extra) -> dict:
-    kw = dict(
-        model_path=str(model_path), device="cpu", attention_backend="torch_native",
-        sampling_backend="pytorch", dtype="float32", disable_cuda_graph=True,
-        max_total_tokens=extra.pop("max_total_tokens", 16384), max_running_requests=extra.pop("max_running_requests", 16),
-        mem_fraction_static=0.5, log_level=extra.pop("log_level", "error"), random_seed=0,
-        # An idle scheduler otherwise busy-polls one of the 2 cores the tests and the HF reference need.
-        sleep_on_idle=extra.pop("sleep_on_idle", True),
-        disable_overlap_schedule=not overlap, chunked_prefill_size=extra.pop("chunked_prefill_size", 4096),
-    )
-    if dlite:
-        kw.update(speculative_algorithm="DLITE", speculative_draft_model_path=str(dlite))
-    kw.update(extra)
-    return kw
-
-
-def start_engine(model_path, **kw):
-    activate_cpu_standins()
-    import sglang as sgl
-
-    return sgl.Engine(**engine_kwargs(model_path, **kw))
+from sglang_dlite.cpu_launch import (  # noqa: F401  (the CPU launch environment lives in the package)
+    CPU_STANDINS, REPO, activate_cpu_standins, cpu_environ, engine_kwargs, start_engine,
+)
+from sglang_dlite.cpu_launch import cpu_engine as engine  # noqa: F401
 
 
 def save_tiny_llama(path, seed: int = 0, vocab: int = 96, hidden: int = 64, layers: int = 6,
@@ -178,15 +126,6 @@ def reference_results(target_path, drafter_path, prompts, max_new_tokens, eos=()
         d = DLiteDrafter.from_pretrained(drafter_path).bind_hf_target(target)
         eng = _REF_ENGINES[key] = ReferenceEngine(target, DLiteEngineDrafter(d), eos_token_ids=eos)
     return [eng.generate(list(p), max_new_tokens) for p in prompts]
-
-
-@contextlib.contextmanager
-def engine(model_path, **kw):
-    e = start_engine(model_path, **kw)
-    try:
-        yield e
-    finally:
-        e.shutdown()
 
 
 def default_target_chat_prompts(messages: list) -> tuple:

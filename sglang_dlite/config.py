@@ -150,11 +150,6 @@ class DLiteConfig(PretrainedConfig):
         """0 for DLite (no history), W for a window, None for the full-history teacher."""
         return parse_history(self.history)
 
-    @property
-    def round_length(self) -> int:
-        """Rows in one round's input sequence: L*C context rows + anchor + K placeholders."""
-        return self.num_capture_layers * self.num_context_positions + 1 + self.block_size
-
     def check_target(self, *, hidden_size: int, vocab_size: int, num_layers: int,
                      model_type: Optional[str] = None) -> None:
         """Raise a clear error when this drafter was built for another target."""

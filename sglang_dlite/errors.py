@@ -16,15 +16,3 @@ class DLiteInputError(DLiteError, ValueError):
 class MissingDependencyError(DLiteError, ImportError):
     """An optional dependency is not installed; the message says what to install."""
 
-
-def require(module: str, install_hint: str):
-    """Import ``module`` or raise MissingDependencyError naming the package to install."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise MissingDependencyError(
-            f"`{module}` is required for this feature but is not installed ({exc}). "
-            f"Install it with: {install_hint}"
-        ) from exc

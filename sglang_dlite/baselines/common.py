@@ -6,8 +6,6 @@ Everything here is pure torch and imports no sglang.
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Optional, Sequence
 
 import torch
@@ -230,9 +228,6 @@ class KVCache:
     def used_bytes(self) -> int:
         return 2 * self.len * self.k.shape[0] * self.k.shape[2] * self.k.element_size()
 
-    def allocated_bytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
 
 # ---------------------------------------------------------------------------- binding / checkpoints
 class BoundTargetMixin(TargetBoundMixin):
@@ -253,14 +248,6 @@ class BoundTargetMixin(TargetBoundMixin):
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu"):
         config, state = load_checkpoint(path, cls.config_class)
         return cls.from_config_and_state(config, state, dtype=dtype, device=device, source=path)
-
-
-def read_model_type(path: str) -> Optional[str]:
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            return json.load(f).get("model_type")
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 # ---------------------------------------------------------------------------- training helpers
@@ -337,9 +324,6 @@ class CacheState:
 
     def used_bytes(self) -> int:
         return sum(c.used_bytes() for c in self.kv)
-
-    def allocated_bytes(self) -> int:
-        return sum(c.allocated_bytes() for c in self.kv)
 
 
 def valid_cached_prefix(st: CacheState, tokens: list) -> int:

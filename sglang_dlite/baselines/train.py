@@ -68,7 +68,7 @@ def sequence_inputs(data, seq_i: int, anchors, K: int, L: int):
     return hidden, input_ids, anc, labels, valid, target_rows.numpy()
 
 
-def loss_fn(name, model, data, batch, weights, head_w, gamma_unused=None, base_vocab=None, autocast=None):
+def loss_fn(name, model, data, batch, weights, head_w, base_vocab=None, autocast=None):
     """Mean loss over the batch's anchors and the training tau proxy. ``base_vocab``: the
     training-time vocabulary subset (frequent tokens; the batch's labels are added), as DLite's
     trainer uses it; ``autocast``: a context factory (bf16)."""

@@ -19,12 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
 
 # bf16 verify of 4 tokens costs ~1.1x a 1-token decode step on this CPU (8 tokens: ~1.4x); the
 # e2e bench measured W = 4 faster than W = 8 at every concurrency (README)
@@ -101,8 +97,7 @@ def _requests(args, tok):
 
 
 def _run_sglang(target, draft, reqs, max_new, eos, dtype="float32", num_draft_tokens=None):
-    sys.path.insert(0, str(REPO / "python_tests"))
-    import sglang_fixtures as F
+    from .. import cpu_launch as F
 
     F.activate_cpu_standins()
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # sglang's CPU-platform warnings, x3 processes

@@ -52,20 +52,17 @@ def build_command(args) -> tuple[list, dict]:
         draft = args.draft or shipped_drafter_path()
         if draft is None:
             raise DLiteInputError(
-                "no DLite drafter: this build ships none yet. Pass --draft PATH (a DLite checkpoint "
-                "folder) or --no-spec."
+                "no DLite drafter: the shipped checkpoint (sglang_dlite/checkpoints/dlite-smollm2-135m/"
+                "model.safetensors) is missing from this install. Pass --draft PATH (a DLite checkpoint "
+                "folder), reinstall the package, or use --no-spec."
             )
         check_plugin_enabled()
         cmd += ["--speculative-algorithm", "DLITE", "--speculative-draft-model-path", draft]
     if args.cpu:
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python_tests"))
-        try:
-            import sglang_fixtures
-        except ImportError as exc:  # installed without the source tree
-            raise DLiteInputError("--cpu needs the source checkout (python_tests/sglang_fixtures.py).") from exc
-        env.update(sglang_fixtures.cpu_environ())
-        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32",
-                "--disable-cuda-graph", "--sampling-backend", "pytorch"]
+        from ..cpu_launch import SERVER_CPU_ARGS, cpu_environ
+
+        env.update(cpu_environ())
+        cmd += SERVER_CPU_ARGS
     extra = list(args.sglang_args or [])
     if extra[:1] == ["--"]:
         extra = extra[1:]

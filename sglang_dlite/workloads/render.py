@@ -136,14 +136,6 @@ def _encode_chat(tokenizer, messages: list, tools, caps: TemplateCaps, generatio
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def render_prompt(tokenizer, conversation: dict, j: int) -> list:
-    """Token ids of ``messages[:j]`` + the generation prompt (placeholders must be filled)."""
-    caps = template_caps(tokenizer)
-    tools = conversation.get("tools")
-    msgs = adapt_messages(conversation["messages"][:j], tools, caps)
-    return _encode_chat(tokenizer, msgs, tools, caps, True)
-
-
 def default_context_limit(tokenizer, max_new_tokens: int = 0, model_limit: Optional[int] = None) -> Optional[int]:
     limit = model_limit
     if limit is None:

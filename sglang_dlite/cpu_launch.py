@@ -1,0 +1,101 @@
+"""The CPU launch environment: how this project runs a real sglang engine or server on a CPU.
+
+The one public place that turns on the CPU-only stand-ins (``cpu_support/sglang_cpu`` of the
+source checkout: the ``sgl_kernel`` stand-in and the torch_native verify hook, loaded in every
+sglang subprocess through ``PYTHONPATH`` + ``sitecustomize``). ``sglang-dlite serve --cpu``, the
+demo, ``bench/`` and the tests all use it; the sglang plugin itself never does, and nothing here is
+needed on a CUDA deployment.
+
+    from sglang_dlite.cpu_launch import cpu_engine
+    with cpu_engine(target_path, dlite=drafter_path) as e:
+        e.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 32})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+from .errors import MissingDependencyError
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_STANDINS = REPO / "cpu_support" / "sglang_cpu"
+
+
+def _require_standins() -> None:
+    if not (CPU_STANDINS / "sitecustomize.py").is_file():
+        raise MissingDependencyError(
+            f"the CPU stand-ins for sglang ({CPU_STANDINS}) are missing: running sglang on a CPU needs "
+            "this project's source checkout installed with `make venv` (pip install -e .). On a GPU "
+            "machine, launch sglang without --cpu."
+        )
+
+
+def cpu_environ() -> dict:
+    """Environment for sglang on this CPU: stand-ins on PYTHONPATH, CPU engine on, quiet logs."""
+    _require_standins()
+    pp = os.environ.get("PYTHONPATH", "")
+    parts = [str(CPU_STANDINS)] + [p for p in pp.split(os.pathsep) if p and p != str(CPU_STANDINS)]
+    return {
+        "PYTHONPATH": os.pathsep.join(parts),
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "SGLANG_DLITE_CACHE": os.environ.get("SGLANG_DLITE_CACHE", str(REPO / "artifacts" / "cache")),
+        "TOKENIZERS_PARALLELISM": "false",
+        # A leaked KV / req slot crashes the scheduler at the next idle check instead of a warning.
+        "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
+    }
+
+
+def activate_cpu_standins() -> None:
+    """Apply cpu_environ() to this process (and its children) and load the stand-ins here too."""
+    os.environ.update(cpu_environ())
+    if str(CPU_STANDINS) not in sys.path:
+        sys.path.insert(0, str(CPU_STANDINS))
+    import dlite_cpu_verify_hook
+
+    dlite_cpu_verify_hook.install_lazy()
+
+
+def engine_kwargs(model_path: str, *, dlite: str | None = None, overlap: bool = False, **extra) -> dict:
+    """``sgl.Engine`` keyword arguments for the CPU stack (fp32, torch_native attention, a small
+    KV pool, an idle scheduler that sleeps); ``dlite`` adds ``--speculative-algorithm DLITE``."""
+    kw = dict(
+        model_path=str(model_path), device="cpu", attention_backend="torch_native",
+        sampling_backend="pytorch", dtype="float32", disable_cuda_graph=True,
+        max_total_tokens=extra.pop("max_total_tokens", 16384), max_running_requests=extra.pop("max_running_requests", 16),
+        mem_fraction_static=0.5, log_level=extra.pop("log_level", "error"), random_seed=0,
+        # An idle scheduler otherwise busy-polls one of the 2 cores the tests and the HF reference need.
+        sleep_on_idle=extra.pop("sleep_on_idle", True),
+        disable_overlap_schedule=not overlap, chunked_prefill_size=extra.pop("chunked_prefill_size", 4096),
+    )
+    if dlite:
+        kw.update(speculative_algorithm="DLITE", speculative_draft_model_path=str(dlite))
+    kw.update(extra)
+    return kw
+
+
+def start_engine(model_path, **kw):
+    """A started ``sglang.Engine`` on the CPU stack (call ``.shutdown()``)."""
+    activate_cpu_standins()
+    try:
+        import sglang as sgl
+    except ImportError as exc:
+        raise MissingDependencyError("sglang is not installed: `make venv` installs the CPU stack "
+                                     "(requirements/sglang-cpu.txt).") from exc
+    return sgl.Engine(**engine_kwargs(model_path, **kw))
+
+
+@contextlib.contextmanager
+def cpu_engine(model_path, **kw):
+    """``with cpu_engine(target, dlite=drafter) as e: ...``: started, then shut down."""
+    e = start_engine(model_path, **kw)
+    try:
+        yield e
+    finally:
+        e.shutdown()
+
+
+SERVER_CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32",
+                   "--disable-cuda-graph", "--sampling-backend", "pytorch"]
