@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ..errors import DLiteInputError
+from ..spec.accept import greedy_accept_length
 from .common import anchor_targets
 from .registry import BASELINE_NAMES, DLITE_ABLATIONS, KV_BASELINES, default_checkpoint, new_model
 
@@ -104,8 +105,7 @@ def loss_fn(name, model, data, batch, weights, head_w, base_vocab=None, autocast
                 loss = weighted_ce(logits, lab, val, weights)
             total = total + loss * len(anchors)
             n += len(anchors)
-            ok = (logits.argmax(-1) == lab) & val
-            taus.append(1.0 + torch.cumprod(ok.float(), 1).sum(1))
+            taus.append(greedy_accept_length(logits.argmax(-1), lab, val))
     finally:
         model.train_vocab = None
     return total / max(n, 1), torch.cat(taus).mean().item()

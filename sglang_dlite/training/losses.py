@@ -52,8 +52,5 @@ def tv_distance(target_probs, student_logits, valid, weights) -> torch.Tensor:
     return _weighted_mean(tv, valid, weights)
 
 
-def greedy_accept_length(draft_tokens, labels, valid) -> torch.Tensor:
-    """Per anchor: committed tokens of a greedy round = 1 + leading draft tokens equal to the
-    target's greedy continuation (labels), stopping at the first invalid label. [B] float."""
-    ok = (draft_tokens == labels) & valid
-    return 1.0 + torch.cumprod(ok.to(torch.float32), dim=1).sum(1)
+# Training evaluation scores a drafter with the speculative core's one definition of acceptance.
+from ..spec.accept import greedy_accept_length  # noqa: E402,F401

@@ -1,0 +1,16 @@
+"""The speculative core: what every engine, trainer and benchmark of this project shares.
+
+One definition each, pure torch (imports no sglang), used by the reference engine
+(``engine.py``), the sglang DLITE worker, training evaluation and the benchmarks:
+
+- ``accept``:   batched greedy acceptance (longest matching prefix + bonus) and chain rejection
+                sampling (standard speculative sampling, deterministic or sampled drafts);
+- ``tau``:      the acceptance length τ = committed tokens per verify round, prefill excluded;
+- ``context``:  the drafter's context window: the last C committed positions' rows + validity;
+- ``sampling``: temperature / top-k / top-p filters that turn logits into the target's law.
+"""
+
+from .accept import chain_rejection_sample, greedy_accept, greedy_accept_length  # noqa: F401
+from .context import last_rows, last_rows_of_segments  # noqa: F401
+from .sampling import filter_top_k_top_p, logits_to_probs  # noqa: F401
+from .tau import mean_tau, tau_of_rounds  # noqa: F401
