@@ -6,6 +6,8 @@
 
 Writes (atomically) a JSON with tau, tau_by_context (by the context length at each round:
 0-1k, 1-2k, 2-4k, 4-8k), per_position_accept (P[draft i accepted], K values), rounds,
+source_share / by_source / source_share_by_context (hybrid and suffix: the share of rounds each
+drafting source made, their tau, predicted vs actual accepted drafts),
 generated_tokens, draft/verify ms per round, spec_tokens_per_s and ar_tokens_per_s (generated
 tokens over prefill + decode time, same turns, target alone for ar), lossless_checked,
 lossless_mismatches, torch_threads, ... and prints a one-line summary.
@@ -30,7 +32,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", default="reference", choices=["reference"],
                    help="reference: the HF speculative engine (sglang_dlite.engine).")
-    p.add_argument("--drafter", default="dlite", help="dlite (shipped default / random) or dlite:PATH.")
+    p.add_argument("--drafter", default="dlite",
+                   help="dlite[:PATH] (shipped default / random), hybrid[:PATH] (DLite + suffix lookup, chosen "
+                        "per round), suffix (the lookup alone), or a baseline name (ngram, eagle3[:PATH], ...).")
     p.add_argument("--target", default="default", help="target checkpoint folder, or 'default' (SmolLM2-135M-Instruct).")
     p.add_argument("--workload", required=True, help=f"one of {', '.join(BUILTIN_WORKLOADS)}, or a .jsonl file.")
     p.add_argument("--max-convs", type=int, default=None, help="first N conversations (default: all).")
@@ -73,7 +77,9 @@ def summary_line(r: dict) -> str:
             f" (skipped {r['skipped_turns']}) rounds={r['rounds']} tau={_fmt(r['tau'], '.3f')} by-ctx[{ctx}]"
             f" spec={_fmt(r['spec_tokens_per_s'], '.1f')} tok/s ar={_fmt(r['ar_tokens_per_s'], '.1f')} tok/s"
             f" speedup={_fmt(r['speedup'])}x draft={_fmt(r['draft_ms_per_round'], '.1f')}ms"
-            f" verify={_fmt(r['verify_ms_per_round'], '.1f')}ms/round lossless: {ll} threads={r['torch_threads']}")
+            f" verify={_fmt(r['verify_ms_per_round'], '.1f')}ms/round lossless: {ll} threads={r['torch_threads']}"
+            + ("" if not r.get("source_share") else " sources[" + " ".join(
+                f"{k}:{v:.0%}" for k, v in sorted(r["source_share"].items())) + "]"))
 
 
 def main(argv=None) -> int:

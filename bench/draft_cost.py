@@ -44,7 +44,8 @@ from sglang_dlite.baselines.registry import engine_adapter, new_model  # noqa: E
 from sglang_dlite.drafters import DraftRequest  # noqa: E402
 
 SMOLLM2 = SimpleNamespace(hidden_size=576, vocab_size=49152, num_hidden_layers=30, model_type="llama")
-COST_DRAFTERS = ("dlite", "eagle3", "dflash", "dspark", "ngram")
+COST_DRAFTERS = ("dlite", "eagle3", "dflash", "dspark", "ngram", "suffix")
+SUFFIX_ALPHABET = 512  # the suffix row's tokens: repeats everywhere (busy index states), see build()
 
 
 def build(name: str, emb: torch.Tensor, dtype):
@@ -52,6 +53,14 @@ def build(name: str, emb: torch.Tensor, dtype):
     if name == "ngram":
         from sglang_dlite.baselines.ngram import NGramDrafter
         return NGramDrafter(block_size=7), "prompt lookup, n = 3..1"
+    if name == "suffix":
+        from sglang_dlite.lookup.drafters import SuffixEngineDrafter
+        d = SuffixEngineDrafter(block_size=7)
+        # Tokens from a 512-token alphabet: every token recurs ~T/512 times, so short matches have
+        # many continuations (a scan over them would grow with T; the index stores the best one).
+        d.cost_alphabet = SUFFIX_ALPHABET
+        return d, (f"suffix lookup (incremental suffix automaton, match <= {d.max_match}), tokens from a "
+                   f"{SUFFIX_ALPHABET}-token alphabet; the first (indexing) round is a warm-up round")
     model = new_model(name, SMOLLM2, seed=0).to(dtype).eval()
     if name == "dlite":
         torch.nn.init.normal_(model.head.out_proj.weight, std=0.02)  # a non-identity head
@@ -75,7 +84,8 @@ class Conversation:
         g = torch.Generator().manual_seed(seed)
         self.d, self.accept = drafter, accept
         self.total = context + rounds * (accept + 1) + 1
-        self.all_tokens = torch.randint(3, SMOLLM2.vocab_size, (self.total,), generator=g).tolist()
+        hi = 3 + getattr(drafter, "cost_alphabet", SMOLLM2.vocab_size - 3)
+        self.all_tokens = torch.randint(3, hi, (self.total,), generator=g).tolist()
         self.tokens = self.all_tokens[:context]
         self.hid = hid[: len(drafter.capture_layer_ids)]
         self.state: dict = {}
@@ -114,7 +124,7 @@ class Conversation:
         L, H = self.hid.shape[0], self.hid.shape[2]
         es = self.hid.element_size()
         name = type(self.d).__name__
-        if name == "NGramDrafter":
+        if name in ("NGramDrafter", "SuffixEngineDrafter"):
             return 0
         if name == "DLiteEngineDrafter":
             return L * self.d.model.config.num_context_positions * H * es

@@ -27,8 +27,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # draft_cost.markdown_table / plot
 BUCKETS = ("0-1k", "1-2k", "2-4k", "4-8k", ">=8k")
-DRAFTER_ORDER = ("dlite", "dlite-teacher", "dlite-window128", "dlite-window512", "dlite-single",
+DRAFTER_ORDER = ("hybrid", "suffix", "dlite", "dlite-teacher", "dlite-window128", "dlite-window512", "dlite-single",
                  "eagle3", "dflash", "dspark", "ngram")
+
+
+# Fixed styles for the drafters the headline compares; the rest get colour x marker x dash
+# combinations (tab10 alone has 10 colours, so 11 series repeated a colour before).
+FIXED_STYLES = {"hybrid": ("black", "o", "-"), "suffix": ("tab:orange", "s", "-"), "dlite": ("tab:blue", "^", "-"),
+                "ngram": ("tab:red", "D", "-")}
+_COLOURS = ("tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan",
+            "gold", "navy", "teal", "maroon", "lime")
+_MARKERS = ("v", "P", "X", "*", "h", "<", ">", "p")
+_DASHES = ("--", "-.", ":")
+_GENERIC = {"model", "stabilize", "distill", "teacher", "final", "checkpoint", "export", ""}
+
+
+def display_name(drafter: str) -> str:
+    """A drafter's label: its name, plus a short tag of its checkpoint folder (never the path)."""
+    base, _, path = drafter.partition(":")
+    if not path:
+        return base
+    parts = [x for x in Path(path).parts if x not in _GENERIC and x not in ("artifacts", "train", "/")]
+    return f"{base} ({parts[-1]})" if parts else base
+
+
+def series_style(label: str, i: int) -> dict:
+    """Distinct colour/marker/dash per series index (fixed ones for the headline drafters)."""
+    if label in FIXED_STYLES:
+        c, m, ls = FIXED_STYLES[label]
+        return {"color": c, "marker": m, "linestyle": ls, "linewidth": 2.2 if label == "hybrid" else 1.5}
+    return {"color": _COLOURS[i % len(_COLOURS)], "marker": _MARKERS[i % len(_MARKERS)],
+            "linestyle": _DASHES[i % len(_DASHES)], "linewidth": 1.2}
 
 
 def fmt(x, spec=".2f", none="-"):
@@ -152,7 +181,9 @@ def tables_acceptance(acc) -> list:
                 tb, rb = r.get("tau_by_context") or {}, r.get("rounds_by_context") or {}
                 lines.append(f"| {d} | {w} | " + " | ".join(
                     f"{tb[b]:.2f} ({rb.get(b, 0)})" if tb.get(b) is not None else "-" for b in buckets) + " |")
-        lines += ["", "</details>", "", f"### Per-position acceptance P[draft i accepted] ({tag})", ""]
+        lines += ["", "</details>", ""]
+        lines += tables_source_share(rs, drafters, workloads, buckets, tag)
+        lines += [f"### Per-position acceptance P[draft i accepted] ({tag})", ""]
         K = max((len(r.get("per_position_accept") or []) for r in rs.values()), default=0)
         lines.append("| drafter | " + " | ".join(f"i={i + 1}" for i in range(K)) + " |")
         lines.append("|---|" + "---|" * K)
@@ -178,6 +209,58 @@ def tables_acceptance(acc) -> list:
                              f"{fmt(r.get('draft_ms_per_round'), '.1f')} | {fmt(r.get('verify_ms_per_round'), '.1f')} | {ll} |")
         lines.append("")
     return lines
+
+
+SOURCES = ("suffix", "mixed", "dlite", "none")
+
+
+def tables_source_share(rs, drafters, workloads, buckets, tag) -> list:
+    """Share of rounds per drafting source (hybrid / suffix runs), per workload and per context
+    bucket (pooled), and the chooser's calibration: predicted vs actual accepted drafts."""
+    have = [d for d in drafters if any(r.get("by_source") for (dd, _), r in rs.items() if dd == d)]
+    if not have:
+        return []
+    lines = [f"### Share of rounds per drafting source ({tag})", "",
+             "suffix = the suffix lookup's chain, mixed = DLite's first drafts continued by the lookup, "
+             "dlite = DLite's chain, none = nothing to draft (a 1-token verify). Cell: share of rounds "
+             "(tau of those rounds).", "",
+             "| drafter | workload | " + " | ".join(SOURCES) + " |", "|---|---|" + "---|" * len(SOURCES)]
+    for d in have:
+        for w in workloads:
+            r = rs.get((d, w))
+            if r is None or not r.get("by_source"):
+                continue
+            bs = r["by_source"]
+            lines.append(f"| {d} | {w} | " + " | ".join(
+                f"{bs[s]['share']:.0%} ({bs[s]['tau']:.2f})" if s in bs else "-" for s in SOURCES) + " |")
+    lines += ["", f"Pooled over workloads, by context bucket (share of rounds: suffix / mixed / dlite):", "",
+              "| drafter | " + " | ".join(buckets) + " |", "|---|" + "---|" * len(buckets)]
+    for d in have:
+        cells = []
+        for b in buckets:
+            cnt = {}
+            for (dd, _), r in rs.items():
+                if dd != d:
+                    continue
+                for s, x in (r.get("by_source") or {}).items():
+                    cnt[s] = cnt.get(s, 0) + (x.get("rounds_by_context") or {}).get(b, 0)
+            tot = sum(cnt.values())
+            cells.append(" / ".join(f"{cnt.get(s, 0) / tot:.0%}" for s in SOURCES[:3]) if tot else "-")
+        lines.append(f"| {d} | " + " | ".join(cells) + " |")
+    lines += ["", "Calibration of the chooser's estimate (mean accepted drafts per round, pooled):", "",
+              "| drafter | source | rounds | predicted | actual |", "|---|---|---|---|---|"]
+    for d in have:
+        for s in SOURCES:
+            n = pred = act = 0
+            for (dd, _), r in rs.items():
+                x = (r.get("by_source") or {}).get(s) if dd == d else None
+                if x:
+                    n += x["rounds"]
+                    pred += x["predicted_accepted"]
+                    act += x["actual_accepted"]
+            if n:
+                lines.append(f"| {d} | {s} | {n} | {pred / n:.2f} | {act / n:.2f} |")
+    return lines + [""]
 
 
 def _load(x):
@@ -283,11 +366,13 @@ def plot_all(acc, dc, plots: Path, e2e=None) -> list:
     if ref:
         drafters = sorted({k[1] for k in ref}, key=drafter_key)
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        for d in drafters:
+        for i, d in enumerate(drafters):
             pooled = pooled_by_context([r for k, r in ref.items() if k[1] == d])
             xs = [b for b in BUCKETS if b in pooled]
             if xs:
-                ax.plot([BUCKETS.index(b) for b in xs], [pooled[b][0] for b in xs], marker="o", label=d)
+                label = display_name(d)
+                ax.plot([BUCKETS.index(b) for b in xs], [pooled[b][0] for b in xs], label=label,
+                        **series_style(label, i))
         used = [i for i, b in enumerate(BUCKETS) if any(b in pooled_by_context([r for k, r in ref.items() if k[1] == d])
                                                         for d in drafters)]
         ax.set_xticks(used)
@@ -304,7 +389,9 @@ def plot_all(acc, dc, plots: Path, e2e=None) -> list:
             for w in workloads:
                 r = next((r for k, r in ref.items() if k[1] == d and k[2] == w), None)
                 ys.append(r.get("speedup") or 0.0 if r else 0.0)
-            ax.bar([j + i * width for j in range(len(workloads))], ys, width, label=d)
+            st = series_style(display_name(d), i)
+            ax.bar([j + i * width for j in range(len(workloads))], ys, width, label=display_name(d),
+                   color=st["color"], hatch=None if display_name(d) in FIXED_STYLES else ("//", "..", "xx")[i % 3])
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))])
         ax.set_xticklabels(workloads, rotation=15, fontsize=8)

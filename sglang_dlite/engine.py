@@ -34,6 +34,8 @@ class RoundRecord:
     context_len: int  # committed tokens before the round
     draft_ms: float
     verify_ms: float
+    source: Optional[str] = None  # hybrid drafting: "suffix" | "mixed" | "dlite" | "none"
+    predicted: Optional[float] = None  # the source's expected accepted drafts (hybrid/suffix)
 
     @property
     def committed(self) -> int:  # tau contribution: accepted + bonus
@@ -273,7 +275,6 @@ class ReferenceEngine:
                 for i, p in enumerate(prompts)]
 
     def _round(self, sess: Session, res: GenerationResult, temperature, top_p, gen, room: int):
-        K = self.drafter.block_size
         ctx_len = len(sess.tokens)
         t0 = time.perf_counter()
         prop = self.drafter.draft(DraftRequest(
@@ -281,6 +282,7 @@ class ReferenceEngine:
             temperature=temperature, top_p=top_p, generator=gen, state=sess.drafter_state,
         ))
         drafts = [int(t) for t in prop.tokens[0].tolist()]
+        K = len(drafts)  # a lookup chain may be shorter than the block (then a shorter verify)
         t1 = time.perf_counter()
         logits = sess.verify([sess.tokens[-1]] + drafts)  # [K+1, V]
         t2 = time.perf_counter()
@@ -297,7 +299,8 @@ class ReferenceEngine:
         new = drafts[:a] + [bonus]
         sess.commit(new, a + 1)
         res.output_ids.extend(new)
-        res.rounds.append(RoundRecord(drafts, a, ctx_len, (t1 - t0) * 1e3, (t2 - t1) * 1e3))
+        res.rounds.append(RoundRecord(drafts, a, ctx_len, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
+                                      getattr(prop, "source", None), getattr(prop, "score", None)))
 
 
 def rejection_sample(p: torch.Tensor, q: Optional[torch.Tensor], drafts: list,

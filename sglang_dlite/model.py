@@ -128,6 +128,11 @@ class LowRankRNNHead(nn.Module):
 class DraftProposal:
     tokens: torch.Tensor  # [B, K] drafted token ids
     probs: Optional[torch.Tensor]  # [B, K, V] the distribution each token was sampled from (None if greedy)
+    # [B, K] the drafter's probability of each greedy draft (softmax max over the drafting
+    # vocabulary), when asked for (``return_confidence``): its own acceptance estimate.
+    confidence: Optional[torch.Tensor] = None
+    source: Optional[str] = None  # which drafting source made the chain (hybrid drafting)
+    score: Optional[float] = None  # the source's expected accepted drafts (hybrid drafting)
 
 
 class DLiteDrafter(TargetBoundMixin, nn.Module):
@@ -328,10 +333,12 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
     def propose(self, context_hidden, context_valid, anchor_ids, *, temperature: float = 0.0,
                 top_p: float = 1.0, generator: Optional[torch.Generator] = None,
                 history: Optional[History] = None, round_offset=None,
-                num_drafts: Optional[int] = None) -> DraftProposal:
+                num_drafts: Optional[int] = None, return_confidence: bool = False) -> DraftProposal:
         """Draft K tokens per request (greedy when temperature == 0), or only the first
         ``num_drafts`` of the chain: the backbone still sees the whole block, but the causal head
-        and the vocabulary projection stop there (the tokens equal the full chain's prefix)."""
+        and the vocabulary projection stop there (the tokens equal the full chain's prefix).
+        ``return_confidence`` (greedy): also the softmax probability of each draft, from the same
+        single vocabulary projection (unfused: the logits are written once, [B, n, N])."""
         K = self.config.block_size
         if num_drafts is not None and not 1 <= num_drafts <= K:
             raise DLiteInputError(f"num_drafts={num_drafts} must be in [1, K={K}].")
@@ -341,6 +348,11 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
             with ops.nvtx_range("dlite.head"):
                 y = self.head(z[:, :n], z[:, 1:n + 1])
             with ops.nvtx_range("dlite.projection"):
+                if temperature <= 0 and return_confidence:
+                    logits = self.draft_logits(y).float()
+                    top, idx = logits.max(-1)
+                    conf = torch.exp(top - torch.logsumexp(logits, -1))
+                    return DraftProposal(self._draft_ids(idx), None, confidence=conf)
                 if temperature <= 0:  # greedy: fused final norm + LM head + argmax
                     idx = ops.lm_head_argmax(y, self.final_norm.weight, self.final_norm.eps,
                                              self._draft_head().to(y.dtype))
@@ -352,19 +364,22 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         # token-feedback ablation: K sequential vocabulary projections
         state = torch.zeros(z.shape[0], self.config.rnn_rank, device=z.device)
         prev = anchor_ids
-        toks, probs_all = [], []
+        toks, probs_all, confs = [], [], []
         for i in range(n):
             emb = F.embedding(prev, self.embed_weight).to(z.dtype)
             state, y = self.head.step(state, z[:, 1 + i], emb)
             logits = self.draft_logits(y).float()
             if temperature <= 0:
-                prev = self._draft_ids(logits.argmax(-1))
+                top, idx = logits.max(-1)
+                confs.append(torch.exp(top - torch.logsumexp(logits, -1)))
+                prev = self._draft_ids(idx)
             else:
                 p = logits_to_probs(logits, temperature, top_p)
                 prev = self._draft_ids(torch.multinomial(p, 1, generator=generator).squeeze(1))
                 probs_all.append(self._full_vocab_probs(p))
             toks.append(prev)
-        return DraftProposal(torch.stack(toks, 1), torch.stack(probs_all, 1) if probs_all else None)
+        return DraftProposal(torch.stack(toks, 1), torch.stack(probs_all, 1) if probs_all else None,
+                             confidence=torch.stack(confs, 1) if confs and return_confidence else None)
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod

@@ -137,6 +137,7 @@ class ReplayStats:
     conversations: int = 0
     skipped_turns: int = 0
     rounds: list = field(default_factory=list)  # (context_len, accepted)
+    sources: list = field(default_factory=list)  # (source, predicted, accepted, drafted) per round
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     spec: _Side = field(default_factory=_Side)
@@ -151,6 +152,8 @@ class ReplayStats:
         self.spec.add(res)
         for r in res.rounds:
             self.rounds.append((int(r.context_len), int(r.accepted)))
+            self.sources.append((getattr(r, "source", None), getattr(r, "predicted", None), int(r.accepted),
+                                 len(r.draft_tokens)))
             self.draft_ms += r.draft_ms
             self.verify_ms += r.verify_ms
 
@@ -171,6 +174,29 @@ class ReplayStats:
             reach = sum(1 for _, a in self.rounds if a >= i - 1)
             cond.append(sum(1 for _, a in self.rounds if a >= i) / reach if reach else None)
         spec_tps, ar_tps = self.spec.tokens_per_s(), self.ar.tokens_per_s()
+        by_src = {}
+        for (src, pred, a, nd), (c, _) in zip(self.sources, self.rounds):
+            if src is None:
+                continue
+            d = by_src.setdefault(src, {"rounds": 0, "committed": 0, "predicted_accepted": 0.0,
+                                        "actual_accepted": 0, "drafted": 0, "rounds_by_context": {}})
+            d["rounds"] += 1
+            d["committed"] += a + 1
+            d["predicted_accepted"] += float(pred or 0.0)
+            d["actual_accepted"] += a
+            d["drafted"] += nd
+            b = bucket_of(c)
+            d["rounds_by_context"][b] = d["rounds_by_context"].get(b, 0) + 1
+        for d in by_src.values():
+            d["share"] = d["rounds"] / n if n else None
+            d["tau"] = d["committed"] / d["rounds"]
+            d["mean_predicted_accepted"] = d["predicted_accepted"] / d["rounds"]
+            d["mean_actual_accepted"] = d["actual_accepted"] / d["rounds"]
+        share_by_ctx = {}
+        for name in rounds_by_ctx:
+            tot = rounds_by_ctx[name]
+            if tot:
+                share_by_ctx[name] = {s: d["rounds_by_context"].get(name, 0) / tot for s, d in by_src.items()}
         return {
             "tau": committed / n if n else None,
             "tau_by_context": by_ctx,
@@ -179,6 +205,10 @@ class ReplayStats:
             "per_position_accept_conditional": cond,
             "block_size": K,
             "rounds": n,
+            "drafted_tokens_per_round": (sum(x[3] for x in self.sources) / n) if n and self.sources else None,
+            "source_share": {s: d["share"] for s, d in by_src.items()},
+            "by_source": by_src,
+            "source_share_by_context": share_by_ctx,
             "conversations": self.conversations,
             "turns": self.spec.turns,
             "skipped_turns": self.skipped_turns,

@@ -1,0 +1,131 @@
+"""Per-request lookup state for a batched serving worker (sglang's DLITE worker uses it; this
+module imports no sglang and only reads ``req.rid`` and the request's token ids).
+
+One ``SuffixIndex`` per live request, keyed by request id, beside the drafter's hidden-state
+context. Invariant (the same as the DLITE worker's): between rounds an index covers exactly the
+tokens in the target's KV (``seq_lens``); the anchor (bonus token) is appended when a round
+begins, the accepted drafts when it commits. The worker updates it from its own forward results,
+so the overlap scheduler's delayed ``req.output_ids`` never matter; filter/merge need nothing
+(the state follows ``batch.reqs``). A decode batch is the whole running batch, so every index
+whose request is not in it (finished, aborted, retracted) is freed at that round; a request
+that comes back (retraction) is re-indexed from its tokens at its next prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional, Sequence
+
+from .chooser import Calibration, choose, default_calibration, lookup_only
+from .suffix import DEFAULT_MAX_MATCH, SuffixIndex
+
+ENV_LOOKUP = "SGLANG_DLITE_LOOKUP"  # "0" / "off" / "false": DLite alone (no lookup)
+ENV_TRACE = "SGLANG_DLITE_LOOKUP_TRACE"  # a JSON-lines file: live indices and sources per round
+
+
+def lookup_enabled(environ=None) -> bool:
+    v = (environ if environ is not None else os.environ).get(ENV_LOOKUP, "1").strip().lower()
+    return v not in ("0", "off", "false", "no", "none")
+
+
+def _req_tokens(req) -> list:
+    get = getattr(req, "get_fill_ids", None)
+    if get is not None:
+        return list(get())
+    return list(getattr(req, "origin_input_ids", ())) + list(getattr(req, "output_ids", ()))
+
+
+class BatchLookup:
+    def __init__(self, num_drafts: int, calibration: Optional[Calibration] = None,
+                 max_match: int = DEFAULT_MAX_MATCH, trace_path: Optional[str] = None):
+        self.K = int(num_drafts)
+        self.cal = calibration or default_calibration()
+        self.max_match = max_match
+        self.states: dict = {}
+        self.trace_path = trace_path
+        self.source_rounds: dict = {}
+        self.source_accepted: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def memory_bytes(self) -> int:
+        return sum(s.memory_bytes() for s in self.states.values())
+
+    def _trace(self, rec: dict) -> None:
+        if self.trace_path:
+            with open(self.trace_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_extend(self, reqs: Sequence) -> None:
+        """After a prefill/extend: index (or extend the index of) each request's tokens in KV."""
+        for req in reqs:
+            toks = _req_tokens(req)
+            idx = self.states.get(req.rid)
+            if idx is None:
+                self.states[req.rid] = SuffixIndex(toks, self.max_match)
+            else:
+                idx.sync(toks)
+        self._trace({"event": "extend", "rids": [r.rid for r in reqs], "live": sorted(self.states)})
+
+    def release(self, rid) -> None:
+        self.states.pop(rid, None)
+
+    def retain(self, rids: Sequence) -> None:
+        keep = set(rids)
+        for rid in [r for r in self.states if r not in keep]:
+            del self.states[rid]
+
+    # ------------------------------------------------------------------ a round
+    def begin_round(self, reqs: Sequence, anchors: Sequence[int], seq_lens: Optional[Sequence[int]] = None):
+        """A decode round starts: free the indices of requests not in it, append the anchors,
+        and run the lookup. Returns (indices, lookups, whether DLite is needed at all)."""
+        self.retain([r.rid for r in reqs])
+        idxs, lookups, need_dlite = [], [], False
+        skip = self.cal.skip_dlite_at
+        for i, req in enumerate(reqs):
+            idx = self.states.get(req.rid)
+            if idx is None:  # never saw its prefill (should not happen): index what it has
+                toks = _req_tokens(req)
+                if seq_lens is not None:
+                    toks = toks[: int(seq_lens[i])]
+                idx = self.states[req.rid] = SuffixIndex(toks, self.max_match)
+            idx.append(int(anchors[i]))
+            lk = lookup_only(idx, self.K, self.cal)
+            if skip is None or lk[2] < skip:
+                need_dlite = True
+            idxs.append(idx)
+            lookups.append(lk)
+        return idxs, lookups, need_dlite
+
+    def choose(self, idxs, lookups, dlite_tokens: Optional[List[list]] = None,
+               dlite_conf: Optional[List[list]] = None):
+        """Per request: K tokens to verify (a shorter chain is padded by repeating its last
+        token; the verify is K wide anyway) and the source that made them."""
+        out, sources = [], []
+        for i, (idx, lk) in enumerate(zip(idxs, lookups)):
+            if dlite_tokens is None:
+                c = choose(idx, self.K, self.cal, lookup=lk)
+            else:
+                c = choose(idx, self.K, self.cal, dlite_tokens[i], dlite_conf[i], lookup=lk)
+            toks = list(c.tokens[: self.K])
+            if len(toks) < self.K:
+                fill = toks[-1] if toks else idx.tokens[-1]
+                toks += [fill] * (self.K - len(toks))
+            out.append(toks)
+            sources.append(c.source)
+        return out, sources
+
+    def commit(self, reqs, idxs, drafts: List[list], accepted: Sequence[int], sources=None) -> None:
+        """After accept: the accepted drafts join the index (the bonus is the next anchor)."""
+        for idx, d, a in zip(idxs, drafts, accepted):
+            idx.extend(d[: int(a)])
+        if sources is not None:
+            for s, a in zip(sources, accepted):
+                self.source_rounds[s] = self.source_rounds.get(s, 0) + 1
+                self.source_accepted[s] = self.source_accepted.get(s, 0) + int(a)
+        if self.trace_path:
+            self._trace({"event": "decode", "rids": [r.rid for r in reqs], "live": sorted(self.states),
+                         "sources": sources, "accepted": [int(a) for a in accepted]})

@@ -1,0 +1,103 @@
+"""The reference engine's lookup drafters: ``suffix`` (the lookup alone) and ``hybrid`` (lookup
+and DLite, chosen per request every round; see ``chooser.py``).
+
+Both draft deterministically (DLite's greedy chain, the lookup's most frequent continuation), so
+sampled requests use the deterministic-draft rejection rule (q one-hot): lossless at any
+temperature. A chain may be shorter than K (the lookup ran out, or the length cut): the engine
+then verifies fewer tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..drafters import DLiteEngineDrafter, DraftRequest
+from ..model import DraftProposal
+from .chooser import Calibration, choose, default_calibration, lookup_only
+from .suffix import DEFAULT_MAX_MATCH, SuffixIndex
+
+
+def session_index(req: DraftRequest, max_match: int = DEFAULT_MAX_MATCH) -> SuffixIndex:
+    """The request's suffix index, brought up to its committed tokens: incremental while the
+    engine appends to the same token list; a new turn's prompt is checked against the indexed
+    tokens once (O(n)) and extends them when it continues them (rebuild otherwise)."""
+    st = req.state
+    idx = st.get("suffix_index")
+    if idx is None:
+        idx = st["suffix_index"] = SuffixIndex(max_match=max_match)
+    toks = req.tokens
+    if st.get("suffix_ref") is toks and len(toks) >= len(idx):
+        idx.extend(toks[len(idx):])
+    else:
+        idx.sync(toks)
+        st["suffix_ref"] = toks
+    return idx
+
+
+def _proposal(tokens, source, score) -> DraftProposal:
+    t = torch.tensor([list(tokens)], dtype=torch.int64).view(1, len(tokens))
+    return DraftProposal(t, None, source=source, score=score)
+
+
+class SuffixEngineDrafter:
+    """The suffix lookup alone (no model, no hidden states: captures one layer, keeps one row,
+    because the engine always captures something)."""
+
+    def __init__(self, block_size: int = 7, max_match: int = DEFAULT_MAX_MATCH,
+                 calibration: Optional[Calibration] = None):
+        self.block_size = block_size
+        self.max_match = max_match
+        self.cal = calibration or default_calibration()
+        self.capture_layer_ids = [0]
+        self.hidden_rows_needed = 1
+
+    def memory_bytes(self, state: dict) -> int:
+        idx = state.get("suffix_index")
+        return 0 if idx is None else idx.memory_bytes()
+
+    def draft(self, req: DraftRequest) -> DraftProposal:
+        idx = session_index(req, self.max_match)
+        d, ps, score = lookup_only(idx, self.block_size, self.cal)
+        return _proposal(d.tokens, "suffix" if d.tokens else "none", score)
+
+
+class HybridEngineDrafter:
+    """DLite + the suffix lookup, the better (or their combination) per round."""
+
+    def __init__(self, dlite: DLiteEngineDrafter, max_match: int = DEFAULT_MAX_MATCH,
+                 calibration: Optional[Calibration] = None, min_reach: float = 0.0,
+                 round_log: Optional[list] = None):
+        self.dlite = dlite
+        self.block_size = dlite.block_size
+        self.capture_layer_ids = dlite.capture_layer_ids
+        self.hidden_rows_needed = dlite.hidden_rows_needed
+        self.max_match = max_match
+        self.cal = calibration or default_calibration()
+        self.min_reach = min_reach
+        self.round_log = round_log  # calibration runs: every round's candidates
+
+    def memory_bytes(self, state: dict) -> int:
+        idx = state.get("suffix_index")
+        return 0 if idx is None else idx.memory_bytes()
+
+    def draft(self, req: DraftRequest) -> DraftProposal:
+        K = self.block_size
+        idx = session_index(req, self.max_match)
+        lk = lookup_only(idx, K, self.cal)
+        skip = self.cal.skip_dlite_at
+        log = None if self.round_log is None else {"ctx_len": len(req.tokens)}
+        if skip is not None and lk[2] >= skip and log is None:
+            c = choose(idx, K, self.cal, lookup=lk, min_reach=self.min_reach)
+        else:
+            ctx, valid, history, offset = self.dlite.context_inputs(req)
+            anchor = torch.tensor([req.tokens[-1]], device=req.hidden.device)
+            prop = self.dlite.model.propose(ctx, valid, anchor, history=history, round_offset=offset,
+                                            return_confidence=True)
+            c = choose(idx, K, self.cal, prop.tokens[0].tolist(), prop.confidence[0].tolist(),
+                       lookup=lk, min_reach=self.min_reach, log=log)
+        if log is not None:
+            log.update(source=c.source, tokens=c.tokens, score=c.score, split=c.split)
+            self.round_log.append(log)
+        return _proposal(c.tokens, c.source, c.score)
