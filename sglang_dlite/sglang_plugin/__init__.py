@@ -88,4 +88,10 @@ def register() -> None:
         )
     except Exception as exc:  # pragma: no cover - only matters on CUDA
         logger.warning("DLITE: could not hook the CUDA-graph verify spec info (%s); verify runs eagerly.", exc)
+    try:  # request guards + client-readable errors (issue 18): launcher / tokenizer process only
+        from .guards import register_hooks
+
+        register_hooks()
+    except Exception as exc:  # pragma: no cover - sglang moved the tokenizer manager / http server
+        logger.warning("DLITE: could not install the request guards (%s).", exc)
     _registered = True

@@ -34,6 +34,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from ..errors import DLiteConfigError
 from ..model import DLiteDrafter
+from . import metrics as dlite_metrics
 from .info import DLiteDraftInput, DLiteVerifyInput
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,8 @@ class DLiteWorker(BaseSpecWorker):
         self._graphs: Optional[_DrafterCudaGraphs] = None
         self._rng = torch.Generator(device=self.device)
         self._rng.manual_seed(int(getattr(server_args, "random_seed", 0) or 0))
+        self._metrics = dlite_metrics.worker_timer(server_args, self.device, self.C,  # None unless --enable-metrics
+                                                   getattr(self.model_runner, "tp_rank", 0))
         logger.info(
             "DLITE drafter %s: K=%d (verifying %d per round), C=%d, target layers %s, dtype %s", path, self.K_model, self.K, self.C,
             cfg.target_layer_ids, dtype,
@@ -300,8 +303,11 @@ class DLiteWorker(BaseSpecWorker):
         state = draft_input.hidden_states
         anchors = draft_input.bonus_tokens.to(torch.int64)
 
+        rt = self._metrics.start() if self._metrics is not None else None  # --enable-metrics only
         # 1) draft
         drafts = self._draft(state, anchors).to(torch.int64)  # [B, K] (the first K = W-1 of the chain)
+        if rt is not None:
+            rt.mark()
         block = torch.cat([anchors[:, None], drafts], dim=1)  # [B, W]
 
         # 2) verify
@@ -331,6 +337,8 @@ class DLiteWorker(BaseSpecWorker):
             batch=None, forward_batch=fb, is_verify=True,
         )
         logits_output = target_out.logits_output
+        if rt is not None:
+            rt.mark()
         logits = logits_output.next_token_logits.view(bs, W, -1)
 
         # 3) accept
@@ -362,6 +370,8 @@ class DLiteWorker(BaseSpecWorker):
         next_draft_input = DLiteDraftInput(
             bonus_tokens=bonus, hidden_states=new_state, new_seq_lens=new_seq_lens,
         )
+        if rt is not None:
+            rt.finish(bs, state[..., -1])
         batch.forward_mode = ForwardMode.DECODE
         return GenerationBatchResult(
             logits_output=logits_output,

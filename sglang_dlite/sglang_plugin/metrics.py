@@ -1,0 +1,165 @@
+"""DLITE's own Prometheus metrics, served by sglang's ``/metrics`` next to its spec counters
+(``--enable-metrics``). Everything here is a no-op unless the server runs with
+``--enable-metrics``; then recording costs a few microseconds per decode round and, on CUDA,
+adds no device synchronisation (timings come from CUDA events read back once they completed).
+
+Metrics (prometheus names; sglang's multiprocess collector serves them from the scheduler):
+- ``sglang:dlite_draft_ms``        histogram: drafter time per decode round (ms)
+- ``sglang:dlite_verify_ms``       histogram: target verify forward per decode round (ms)
+- ``sglang:dlite_context_rows``    histogram: valid context rows (0..C) per request at draft time
+- ``sglang:dlite_rounds_total``    counter: decode rounds (batch steps) drafted
+- ``sglang:dlite_source_rounds_total{source}``  counter: request-rounds drafted by each source
+
+API for drafting code (e.g. a hybrid suffix-lookup / DLite drafter), safe to call always::
+
+    from sglang_dlite.sglang_plugin import metrics
+    metrics.record_source("suffix", n)     # n requests of this round were drafted by "suffix"
+
+Request-rounds of a round that no ``record_source`` call claimed are counted as ``"dlite"`` when
+the worker finishes the round, so the per-source share is
+``rate(sglang:dlite_source_rounds_total[5m]) / ignoring(source) group_left sum(rate(...))``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+MS_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 50, 75, 100, 150, 250, 500, 1000, 2500)
+DEFAULT_SOURCE = "dlite"
+
+_M: Optional[dict] = None  # the prometheus objects, once enabled
+_claimed: dict = {}  # source -> request-rounds claimed in the current round
+
+
+def enabled() -> bool:
+    return _M is not None
+
+
+def enable(num_context_positions: int = 8) -> bool:
+    """Create the metrics in this process (idempotent). False when prometheus_client is missing."""
+    global _M
+    if _M is not None:
+        return True
+    try:
+        from prometheus_client import Counter, Histogram
+    except ImportError:
+        logger.warning("DLITE metrics: prometheus_client is not installed; DLITE's counters are off.")
+        return False
+    C = max(1, int(num_context_positions))
+    _M = dict(
+        draft_ms=Histogram("sglang:dlite_draft_ms", "DLITE drafter time per decode round (ms).", buckets=MS_BUCKETS),
+        verify_ms=Histogram("sglang:dlite_verify_ms", "DLITE target verify forward per decode round (ms).",
+                            buckets=MS_BUCKETS),
+        context_rows=Histogram("sglang:dlite_context_rows",
+                               "Valid target context rows per request at draft time (0..C).",
+                               buckets=tuple(float(i) for i in range(C + 1))),
+        rounds=Counter("sglang:dlite_rounds", "DLITE decode rounds (batch steps) drafted."),
+        source=Counter("sglang:dlite_source_rounds", "Request-rounds drafted, by drafting source.", ["source"]),
+    )
+    return True
+
+
+def record_source(name: str, n: int = 1) -> None:
+    """Count ``n`` request-rounds of the current round as drafted by ``name`` (no-op when off)."""
+    if _M is None or n <= 0:
+        return
+    _claimed[name] = _claimed.get(name, 0) + int(n)
+
+
+def record_round(draft_ms: float, verify_ms: float, batch_size: int, context_rows=None) -> None:
+    """Record one finished decode round (no-op when off). ``context_rows``: per-request counts."""
+    if _M is None:
+        return
+    _M["draft_ms"].observe(draft_ms)
+    _M["verify_ms"].observe(verify_ms)
+    _M["rounds"].inc()
+    if context_rows is not None:
+        h = _M["context_rows"]
+        for r in context_rows:
+            h.observe(r)
+    claimed = 0
+    for name, n in _claimed.items():
+        _M["source"].labels(source=name).inc(n)
+        claimed += n
+    _claimed.clear()
+    if batch_size > claimed:
+        _M["source"].labels(source=DEFAULT_SOURCE).inc(batch_size - claimed)
+
+
+class RoundTimer:
+    """Marks one decode round: ``start()`` before drafting, ``mark()`` after the draft and after
+    the verify forward, ``finish(bs, valid)`` at the end. On CUDA the marks are CUDA events; a
+    round is recorded once its events completed (checked without blocking at later rounds)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch = torch
+        self.cuda = str(device).startswith("cuda") and torch.cuda.is_available()
+        self.marks: list = []
+        self.pending: deque = deque()
+
+    def _now(self):
+        if self.cuda:
+            e = self.torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def start(self) -> "RoundTimer":
+        self.marks = [self._now()]
+        return self
+
+    def mark(self) -> None:
+        self.marks.append(self._now())
+
+    def finish(self, batch_size: int, context_valid=None) -> None:
+        """``context_valid``: [B, C] validity of the drafter's context rows (tensor) or None."""
+        rows = None
+        if context_valid is not None:
+            rows = (context_valid > 0.5).sum(dim=-1) if context_valid.dtype != self.torch.bool else context_valid.sum(-1)
+        if len(self.marks) < 3:
+            return
+        if not self.cuda:
+            t0, t1, t2 = self.marks[:3]
+            record_round((t1 - t0) * 1e3, (t2 - t1) * 1e3, batch_size, None if rows is None else rows.tolist())
+            return
+        if rows is not None:
+            rows = rows.to("cpu", non_blocking=True)
+        end = self._now()
+        self.pending.append((self.marks[:3], end, batch_size, rows))
+        self.poll()
+
+    def poll(self) -> None:
+        """Record the CUDA rounds whose events have completed (never waits)."""
+        while self.pending and self.pending[0][1].query():
+            (e0, e1, e2), _, bs, rows = self.pending.popleft()
+            record_round(e0.elapsed_time(e1), e1.elapsed_time(e2), bs, None if rows is None else rows.tolist())
+        while len(self.pending) > 64:  # never grow without bound
+            self.pending.popleft()
+
+
+def metrics_requested(server_args) -> bool:
+    """Whether the server runs with --enable-metrics (sglang 0.5.23 keeps it in the runtime
+    context's observability group; older layouts on server_args)."""
+    try:
+        from sglang.srt.runtime_context import get_observability
+
+        return bool(get_observability().enable_metrics)
+    except Exception:
+        return bool(getattr(server_args, "enable_metrics", False))
+
+
+def worker_timer(server_args, device, num_context_positions: int, tp_rank: int = 0) -> Optional[RoundTimer]:
+    """The DLITE worker's round timer, or None when metrics are off (then the worker does nothing).
+    Only TP rank 0 records (every rank runs the same rounds)."""
+    if tp_rank != 0 or not metrics_requested(server_args):
+        return None
+    if not enable(num_context_positions):
+        return None
+    return RoundTimer(device)
