@@ -16,8 +16,12 @@ Prompt sources (``--prompts name[:count] ...``, in order):
   split disjoint from the agent-stdlib evaluation (``stdlib_train_files``), 1-2 user turns.
 * ``jsonl:PATH`` a JSONL file of ``{"messages": [...]}`` records (roles user/assistant/system).
 
-Engine: HF ``generate`` with left padding, batched over the conversations of a shard (the
-sglang engine is not used on CPU). Output is resumable: finished shards are skipped.
+Engines (``--engine``): ``fast`` (default, greedy): ``fast_regen.FastRegenerator``, a pure-torch
+decode loop with a static KV cache and continuous batching across shards (finished conversations'
+slots are refilled at once, later turns prefill only their new tokens), features captured while
+generating; ``hf``: HF ``generate`` with left padding, batched over the conversations of a shard
+(needed for sampling). ``bench/gen_throughput.py`` compares them. Output is resumable: finished
+shards are skipped.
 """
 
 from __future__ import annotations
@@ -401,6 +405,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated target layers whose outputs to cache as training features "
                         "(default: DLiteConfig's proportional choice, 10,12 for 30 layers)")
     p.add_argument("--no-features", action="store_true", help="do not capture target features while generating")
+    p.add_argument("--engine", choices=("fast", "hf"), default="fast",
+                   help="fast: batched static-KV-cache decode loop with continuous batching (greedy only); "
+                        "hf: transformers.generate per shard (bench/gen_throughput.py compares them)")
+    p.add_argument("--batch-size", type=int, default=32, help="fast engine: conversations decoded at once (KV-cache slots)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="fast engine compute dtype (bfloat16 is not the float32 target's greedy text: it implies --relabel)")
+    p.add_argument("--relabel", action="store_true",
+                   help="one float32 target pass over each finished shard: cut every sequence at its first generated "
+                        "token that is not the float32 target's greedy choice; the features come from that pass")
 
 
 def _locked_update(out, fn):
@@ -468,7 +481,9 @@ def recipe_of(args, target_path) -> dict:
         "decoding": {"temperature": args.temperature, "top_p": args.top_p, "greedy": args.temperature <= 0},
         "max_new_tokens_per_turn": args.max_new_tokens, "max_len": args.max_len,
         "max_turns": args.max_turns, "max_user_tokens": args.max_user_tokens,
-        "shard_size": args.shard_size, "engine": "transformers.generate (batched, left padding, fp32)",
+        "shard_size": args.shard_size,
+        "engine": ("transformers.generate (batched, left padding, fp32)" if getattr(args, "engine", "hf") == "hf"
+                   else f"fast_regen (static KV cache, continuous batching, {getattr(args, 'dtype', 'float32')})"),
         "stdlib_split": "sha256('dlite-train-stdlib:'+relpath) % 2 == 0, minus every module the agent-stdlib eval conversations read",
         "sharegpt_split": "load_sharegpt('train') (heldout excluded by hashed base id)",
         "bfcl_categories": list(BFCL_CATEGORIES),
@@ -527,6 +542,11 @@ def run(args) -> int:
         layers = ([int(x) for x in args.capture_layers.split(",")] if args.capture_layers
                   else default_layer_ids(model.config.num_hidden_layers))
         _locked_update(args.out, lambda m: (m["recipe"].__setitem__("feature_layers", layers), m)[1])
+    engine = getattr(args, "engine", "hf")
+    if engine == "fast":
+        if args.temperature > 0:
+            raise DLiteInputError("--engine fast decodes greedily; use --engine hf for --temperature > 0.")
+        return _run_fast(args, model, tok, todo, layers, wi, wn)
     gen = Regenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens, args.temperature,
                       args.top_p, capture_layers=layers)
     t0 = time.time()
@@ -563,4 +583,95 @@ def run(args) -> int:
                "tokens_per_s": round(gen.new_tokens / max(el, 1e-9), 1), "threads": args.threads}
     _locked_update(args.out, lambda m: (m.setdefault("runs", []).append(run_rec), m)[1])
     print(f"gen-data: {len(todo)} shards, {gen.new_tokens} generated tokens in {el:.0f}s ({gen.new_tokens / el:.1f} tok/s)")
+    return 0
+
+
+def _save_generated(args, model, fname, src, seqs, masks, feats, layers, extra=None) -> dict:
+    """Write one finished shard (features first, then the ids: a shard on disk has its features)."""
+    import numpy as np
+
+    if layers:
+        from .features import save_features
+
+        off = np.cumsum([0] + [len(x) for x in seqs])
+        H = model.config.hidden_size
+        # A conversation whose first prompt is already too long generated nothing and has no
+        # features (no anchor reads them): zero rows.
+        arrays = [np.asarray(f) if f is not None else np.zeros((0, len(layers) + 1, H), np.float16) for f in feats]
+        save_features(os.path.join(args.out, fname), arrays, off, layers, H)
+    info = save_shard(os.path.join(args.out, fname), seqs, masks)
+    info["source"] = src
+    info.update(extra or {})
+    _append_shard(args.out, info)
+    return info
+
+
+def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
+    """gen-data with ``fast_regen``: conversations of consecutive shards stream through one
+    continuously batched decoder; a shard is written as soon as its last conversation finishes.
+    Shards are claimed when their first conversation enters the queue (so ``--budget-min`` stops
+    claiming new ones and lets the claimed ones finish)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from .fast_regen import FastRegenerator, relabel
+
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    do_relabel = args.relabel or dtype != torch.float32
+    gen = FastRegenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens,
+                          capture_layers=None if do_relabel else layers, batch_size=args.batch_size, dtype=dtype)
+    t0 = time.time()
+    budget_s = None if getattr(args, "budget_min", None) is None else args.budget_min * 60
+    pending = {}
+    stats = {"shards": 0, "cut": 0, "dropped": 0}
+    bar = tqdm(total=len(todo), desc="gen-data[fast]", unit="shard")
+
+    def items():
+        for fname, src, convs in todo:
+            if budget_s is not None and time.time() - t0 > budget_s:
+                print(f"gen-data[{wi}/{wn}]: --budget-min {args.budget_min} reached; finishing the claimed shards "
+                      f"(rerun to continue)", flush=True)
+                return
+            if not _claim(args.out, fname):
+                bar.update(1)
+                continue
+            pending[fname] = {"src": src, "n": len(convs), "res": {}}
+            for i, c in enumerate(convs):
+                yield (fname, i), c
+
+    for (fname, i), seq, mask, feats, margin in gen.stream(items()):
+        p = pending[fname]
+        p["res"][i] = (seq, mask, feats, margin)
+        if len(p["res"]) < p["n"]:
+            continue
+        del pending[fname]
+        res = [p["res"][k] for k in range(p["n"])]
+        seqs, masks = [r[0] for r in res], [r[1] for r in res]
+        fts = [r[2] for r in res]
+        extra = {"engine": "fast-" + args.dtype, "min_logit_margin": round(min(r[3] for r in res), 6)}
+        if do_relabel:
+            seqs, masks, fts, cut, dropped = relabel(model, seqs, masks, layers)
+            extra.update(relabeled=True, sequences_cut=cut, generated_tokens_dropped=dropped)
+            stats["cut"] += cut
+            stats["dropped"] += dropped
+        if fts is not None:
+            fts = [None if f is None else f.numpy() for f in fts]
+        info = _save_generated(args, model, fname, p["src"], seqs, masks, fts if layers else None, layers, extra)
+        stats["shards"] += 1
+        bar.update(1)
+        el = time.time() - t0
+        bar.set_postfix_str(f"{gen.new_tokens / el:.1f} new tok/s, {gen.new_tokens} new tokens")
+        print(f"gen-data[{wi}/{wn}]: {fname}: {info['num_seqs']} seqs, {info['num_tokens']} tokens "
+              f"({info['num_loss_tokens']} generated); total {gen.new_tokens} new tokens, {gen.new_tokens / el:.1f} tok/s",
+              flush=True)
+    bar.close()
+    el = time.time() - t0
+    run_rec = {"worker": f"{wi}/{wn}", "engine": "fast-" + args.dtype, "new_shards": stats["shards"],
+               "new_tokens": gen.new_tokens, "wall_s": round(el, 1), "tokens_per_s": round(gen.new_tokens / max(el, 1e-9), 1),
+               "threads": args.threads, "batch_size": args.batch_size}
+    if do_relabel:
+        run_rec.update(sequences_cut=stats["cut"], generated_tokens_dropped=stats["dropped"])
+    _locked_update(args.out, lambda m: (m.setdefault("runs", []).append(run_rec), m)[1])
+    print(f"gen-data: {stats['shards']} shards, {gen.new_tokens} generated tokens in {el:.0f}s "
+          f"({gen.new_tokens / max(el, 1e-9):.1f} tok/s)")
     return 0

@@ -1,0 +1,142 @@
+"""Regeneration throughput: target-generated tokens/s of ``gen-data``'s engines, side by side.
+
+    nice .venv/bin/python bench/gen_throughput.py                       # hf vs fast fp32 vs fast bf16
+    nice .venv/bin/python bench/gen_throughput.py --engines hf fast-fp32 --prompts sharegpt:4 stdlib:4
+
+Every engine regenerates the same fixed conversations (``--prompts``, the gen-data prompt sources
+with ``--seed``; greedy, features of ``--capture-layers`` captured as gen-data does) on
+``--threads`` torch threads (default 1, pinned and reported). Reported per engine: generated
+tokens, wall and CPU seconds, tokens/s on both clocks (CPU time is the fair one on a shared
+machine) and the speed-up over the first engine; and exactness against the float32 target: one
+teacher-forced float32 HF forward over every finished sequence gives the target's greedy choice at
+every position, and we count the generated tokens that are not it, the sequences with at least one
+(``cut`` by ``fast_regen.relabel``) and the generated tokens the cut rule would drop; the
+captured features are compared with that forward's hidden states. JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ENGINES = ("hf", "fast-fp32", "fast-bf16")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="default")
+    ap.add_argument("--prompts", nargs="+", default=["sharegpt:6", "bfcl:4", "stdlib:6"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-turns", type=int, default=2)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--capture-layers", default="2,15,27")
+    ap.add_argument("--batch-size", type=int, default=32, help="fast engine slots (hf: one batch per turn, as gen-data)")
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="artifacts/results/gen_throughput.json")
+    args = ap.parse_args(argv)
+
+    from tqdm.auto import tqdm
+
+    from sglang_dlite.target import load_target
+    from sglang_dlite.training.fast_regen import (FastRegenerator, count_disagreements, first_disagreement,
+                                                  reference_greedy)
+    from sglang_dlite.training.gen_data import Regenerator, load_prompts
+
+    torch.set_num_threads(args.threads)
+    layers = [int(x) for x in args.capture_layers.split(",")] if args.capture_layers else None
+    model, tok = load_target(args.target)
+    convs, sources = [], {}
+    for spec in args.prompts:
+        name, cs = load_prompts(spec, args.seed, args.max_turns)
+        convs += cs
+        sources[name] = len(cs)
+    print(f"gen_throughput: {len(convs)} conversations {sources}, max_new_tokens {args.max_new_tokens}, "
+          f"max_turns {args.max_turns}, torch threads {torch.get_num_threads()}")
+    results = {}
+    for name in tqdm(args.engines, desc="engines", unit="engine"):
+        if name == "hf":
+            gen = Regenerator(model, tok, args.max_new_tokens, args.max_len, capture_layers=layers)
+        else:
+            dt = torch.float32 if name == "fast-fp32" else torch.bfloat16
+            gen = FastRegenerator(model, tok, args.max_new_tokens, args.max_len, capture_layers=layers,
+                                  batch_size=args.batch_size, dtype=dt)
+        w0, c0 = time.time(), time.process_time()
+        seqs, masks, feats = gen.run(convs)
+        wall, cpu = time.time() - w0, time.process_time() - c0
+        if name == "hf":
+            gen.close()
+        n_gen = int(sum(sum(m) for m in masks))
+        results[name] = {"seqs": seqs, "masks": masks, "feats": feats, "wall_s": wall, "cpu_s": cpu, "generated_tokens": n_gen}
+        print(f"  {name}: {n_gen} generated tokens, {wall:.1f} s wall ({n_gen / wall:.1f} tok/s), "
+              f"{cpu:.1f} s CPU ({n_gen / cpu:.1f} tok/CPU-s)", flush=True)
+        del gen
+
+    # exactness: the float32 target's teacher-forced greedy choice at every position
+    rows = []
+    base = args.engines[0]
+    for name in tqdm(args.engines, desc="fp32 reference", unit="engine"):
+        r = results[name]
+        preds, rfeats = reference_greedy(model, r["seqs"], layers)
+        dis = [count_disagreements(s, m, p) for s, m, p in zip(r["seqs"], r["masks"], preds)]
+        dropped = 0
+        for s, m, p in zip(r["seqs"], r["masks"], preds):
+            j = first_disagreement(s, m, p)
+            if j is not None:
+                dropped += int(sum(m[j:])) - 1
+        fdiff, frel = 0.0, 0.0
+        if layers:
+            for f, g in zip(r["feats"], rfeats):
+                if f is None or len(f) == 0:
+                    continue
+                f = torch.as_tensor(f).float()
+                g = g[: len(f)].float()
+                d = (f - g).abs()
+                fdiff = max(fdiff, float(d.max()))
+                frel = max(frel, float((d / g.abs().clamp(min=1.0)).max()))
+        same_as_base = sum(int(a == b) for a, b in zip(r["seqs"], results[base]["seqs"]))
+        row = {
+            "engine": name, "generated_tokens": r["generated_tokens"], "wall_s": round(r["wall_s"], 2),
+            "cpu_s": round(r["cpu_s"], 2), "tok_per_s": round(r["generated_tokens"] / r["wall_s"], 2),
+            "tok_per_cpu_s": round(r["generated_tokens"] / r["cpu_s"], 2),
+            "tokens_not_fp32_greedy": int(sum(dis)), "sequences_cut": int(sum(d > 0 for d in dis)),
+            "tokens_dropped_by_cut": int(dropped), "sequences_identical_to_" + base: same_as_base,
+            "feature_max_abs_diff": round(fdiff, 4), "feature_max_rel_diff": round(frel, 5),
+        }
+        rows.append(row)
+    b = rows[0]
+    for row in rows:
+        row["speedup_wall"] = round(row["tok_per_s"] / b["tok_per_s"], 2)
+        row["speedup_cpu"] = round(row["tok_per_cpu_s"] / b["tok_per_cpu_s"], 2)
+    out = {
+        "config": {k: v for k, v in vars(args).items()}, "sources": sources, "conversations": len(convs),
+        "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg(), "rows": rows,
+        "exactness_reference": "teacher-forced float32 HF forward over each finished sequence (argmax at every position)",
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    hdr = f"{'engine':<10} {'gen tok':>8} {'wall s':>8} {'tok/s':>7} {'CPU s':>8} {'tok/CPU-s':>9} {'x wall':>7} {'x CPU':>6} {'not-greedy':>10} {'cut seqs':>8} {'dropped':>7} {'same as ' + base:>14} {'feat rel':>8}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['engine']:<10} {r['generated_tokens']:>8} {r['wall_s']:>8.1f} {r['tok_per_s']:>7.1f} {r['cpu_s']:>8.1f} "
+              f"{r['tok_per_cpu_s']:>9.1f} {r['speedup_wall']:>7.2f} {r['speedup_cpu']:>6.2f} {r['tokens_not_fp32_greedy']:>10} "
+              f"{r['sequences_cut']:>8} {r['tokens_dropped_by_cut']:>7} {r['sequences_identical_to_' + base]:>9}/{len(convs):<4} "
+              f"{r['feature_max_rel_diff']:>8.4f}")
+    print(f"-> {args.out} (torch threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,263 @@
+"""gen-data's fast engine (training/fast_regen.py) on tiny random-weight Llamas: its text is the
+float32 target's greedy text (HF, batch 1, turn by turn), its captured features are HF's hidden
+states, the relabel/cut rule cuts at the first non-greedy token, and the gen-data CLI with
+``--engine fast`` writes loadable, resumable shards."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+
+from sglang_dlite.training.fast_regen import (FastLlama, FastRegenerator, count_disagreements, first_disagreement,
+                                              reference_greedy, relabel)
+
+LAYERS = [1, 2]  # (not the last layer: HF reports the final-norm output as hidden_states[-1])
+
+
+class FakeHelper:
+    """Token-level stand-in for the chat template: a conversation's users are id lists; the
+    first prompt is users[0], a later turn appends [SEP] + users[t]."""
+
+    SEP = 5
+
+    def __init__(self, eos):
+        self.eos = eos
+
+    def start(self, conv):
+        return list(conv["users"][0])
+
+    def turn_suffix(self, user):
+        return [self.SEP] + list(user)
+
+
+def hf_greedy_conv(model, conv, eos, max_new, max_len):
+    """The reference: HF's float32 forward, batch 1, no cache, argmax token by token, with the
+    same turn rules as the regenerators."""
+    seq = list(conv["users"][0])
+    mask = [0] * len(seq)
+    if not len(seq) + 16 < max_len:
+        return seq, mask
+    for t in range(len(conv["users"])):
+        if t > 0:
+            suf = [FakeHelper.SEP] + list(conv["users"][t])
+            if len(seq) + len(suf) + 16 >= max_len:
+                break
+            seq += suf
+            mask += [0] * len(suf)
+        room = min(max_new, max_len - len(seq))
+        for _ in range(room):
+            with torch.no_grad():
+                nxt = int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
+            seq.append(nxt)
+            mask.append(1)
+            if nxt == eos:
+                break
+        if seq[-1] != eos:
+            break
+    return seq, mask
+
+
+def _fast(model, eos, batch_size, max_new=24, max_len=256, dtype=torch.float32, layers=LAYERS):
+    fr = FastRegenerator.__new__(FastRegenerator)  # the tokenizer helper replaced by FakeHelper
+    fr.helper = FakeHelper(eos)
+    fr.eos, fr.max_new, fr.max_len = eos, max_new, max_len
+    fr.capture = list(layers)
+    fr.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=fr.capture)
+    fr.batch_size, fr.sort_window, fr.new_tokens, fr.L1 = batch_size, 64, 0, len(layers) + 1
+    return fr
+
+
+def _convs(model, n, seed=0):
+    """Conversations of 1-3 turns and varied prompt lengths; the EOS is a token the target's
+    greedy text of the first prompt reaches after a few steps, so some turns end by EOS."""
+    g = torch.Generator().manual_seed(seed)
+    V = model.config.vocab_size
+    convs = []
+    for i in range(n):
+        turns = 1 + i % 3
+        users = [torch.randint(6, V, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(turns)]
+        convs.append({"id": str(i), "users": users})
+    seen = {}
+    for c in convs:
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([c["users"][0]]), max_new_tokens=12, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        for t in set(out[0, len(c["users"][0]) + 1:].tolist()):
+            seen[t] = seen.get(t, 0) + 1
+    eos = max(sorted(seen), key=lambda t: seen[t])  # reached by the most conversations
+    return convs, eos
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny Llama with an untied LM head (the tied conftest model repeats its first token
+    forever; this one produces varied, cycling text, so turns end by EOS at different steps)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(7)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 1.0)
+        model.lm_head.weight.normal_(0, 0.3)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+def test_fast_text_equals_hf_fp32_greedy(tiny, batch_size):
+    """Same sequences and masks as HF batch-1 float32 greedy decoding, whatever the number of
+    slots (1: one at a time; 3 < 9 conversations: slots refilled and compacted mid-run)."""
+    convs, eos = _convs(tiny, 9)
+    fr = _fast(tiny, eos, batch_size)
+    seqs, masks, feats = fr.run(convs)
+    n_eos_turns = 0
+    for c, s, m in zip(convs, seqs, masks):
+        rs, rm = hf_greedy_conv(tiny, c, eos, fr.max_new, fr.max_len)
+        assert s == rs, f"conversation {c['id']} differs from HF greedy"
+        assert m == rm
+        n_eos_turns += sum(1 for j in range(1, len(s)) if s[j] == eos and m[j] == 1)
+    assert n_eos_turns >= 2, "the test should exercise turns that end by EOS"
+    assert any(len(c["users"]) > 1 and s.count(FakeHelper.SEP) >= 1 for c, s in zip(convs, seqs)), "no multi-turn case"
+    assert fr.new_tokens == sum(sum(m) for m in masks)
+
+
+def test_fast_features_equal_hf_hidden_states(tiny):
+    convs, eos = _convs(tiny, 5, seed=1)
+    fr = _fast(tiny, eos, 2)
+    seqs, masks, feats = fr.run(convs)
+    for s, f in zip(seqs, feats):
+        assert f.shape == (len(s) - 1, len(LAYERS) + 1, tiny.config.hidden_size) and f.dtype == torch.float16
+        with torch.no_grad():
+            hs = tiny(input_ids=torch.tensor([s]), output_hidden_states=True).hidden_states
+        ref = torch.stack([hs[l + 1][0] for l in LAYERS] + [hs[-1][0]], 1)[: len(s) - 1]
+        torch.testing.assert_close(f.float(), ref.to(torch.float16).float(), atol=2e-3, rtol=2e-3)
+
+
+def test_reference_greedy_and_relabel_cut_at_first_disagreement(tiny):
+    convs, eos = _convs(tiny, 4, seed=2)
+    fr = _fast(tiny, eos, 4)
+    seqs, masks, _ = fr.run(convs)
+    preds, feats = reference_greedy(tiny, seqs, LAYERS)
+    assert all(count_disagreements(s, m, p) == 0 for s, m, p in zip(seqs, masks, preds))
+    # corrupt one generated token of sequence 0 (and one of sequence 1 later on)
+    bad = [list(s) for s in seqs]
+    gen0 = [j for j, x in enumerate(masks[0]) if x][3]
+    bad[0][gen0] = (bad[0][gen0] + 1) % tiny.config.vocab_size
+    gen1 = [j for j, x in enumerate(masks[1]) if x][-2]
+    bad[1][gen1] = (bad[1][gen1] + 7) % tiny.config.vocab_size
+    bpreds, _ = reference_greedy(tiny, bad)
+    assert first_disagreement(bad[0], masks[0], bpreds[0]) == gen0
+    assert first_disagreement(bad[1], masks[1], bpreds[1]) == gen1
+    out_s, out_m, out_f, cut, dropped = relabel(tiny, bad, masks, LAYERS)
+    assert cut == 2
+    # cut: everything before the bad token, then the target's own choice there
+    assert out_s[0] == seqs[0][:gen0 + 1] and out_m[0] == masks[0][:gen0 + 1]
+    assert out_s[1] == seqs[1][:gen1 + 1] and out_m[1] == masks[1][:gen1 + 1]
+    assert dropped == sum(masks[0][gen0:]) - 1 + sum(masks[1][gen1:]) - 1
+    assert out_s[2:] == seqs[2:] and out_m[2:] == masks[2:]
+    for s, f in zip(out_s, out_f):
+        assert len(f) == len(s) - 1
+    torch.testing.assert_close(out_f[2].float(), feats[2][: len(out_s[2]) - 1].float())
+
+
+def test_bf16_engine_runs_and_relabel_makes_it_greedy(tiny):
+    """bf16 text may leave the fp32 greedy choice; after relabel it never does."""
+    convs, eos = _convs(tiny, 4, seed=3)
+    fr = _fast(tiny, eos, 4, dtype=torch.bfloat16)
+    seqs, masks, _ = fr.run(convs)
+    out_s, out_m, _, cut, dropped = relabel(tiny, seqs, masks)
+    preds, _ = reference_greedy(tiny, out_s)
+    assert all(count_disagreements(s, m, p) == 0 for s, m, p in zip(out_s, out_m, preds))
+
+
+def test_max_len_and_long_prompt_rules(tiny):
+    """A first prompt too long for max_len generates nothing; a turn stops at max_len."""
+    convs, eos = _convs(tiny, 3, seed=4)
+    convs.append({"id": "long", "users": [list(range(6, 6 + 60))]})
+    fr = _fast(tiny, eos, 2, max_new=40, max_len=70)
+    seqs, masks, feats = fr.run(convs)
+    for c, s, m in zip(convs, seqs, masks):
+        rs, rm = hf_greedy_conv(tiny, c, eos, 40, 70)
+        assert (s, m) == (rs, rm)
+        assert len(s) <= 70
+    assert sum(masks[-1]) == 0 and feats[-1] is None
+
+
+# ---------------------------------------------------------------------------- gen-data CLI
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """A random-weight Llama with SmolLM2's vocabulary and chat template, saved as a HF folder."""
+    from transformers import AutoTokenizer
+
+    from sglang_dlite.target import resolve_target
+
+    tok = AutoTokenizer.from_pretrained(resolve_target("default"))
+    model = make_tiny_llama(seed=3, vocab=len(tok), hidden=64, layers=6)
+    model.config.eos_token_id = tok.eos_token_id
+    d = tmp_path_factory.mktemp("tiny_target")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+def _args(tiny_ckpt, prompts, out, **kw):
+    a = SimpleNamespace(target=tiny_ckpt, prompts=[f"jsonl:{prompts}"], out=str(out), shard_size=3, max_new_tokens=12,
+                        max_len=256, max_turns=2, max_user_tokens=64, temperature=0.0, top_p=1.0, seed=0, threads=1,
+                        max_shards=None, budget_min=None, worker="0/1", reverse=False, capture_layers="1,4",
+                        no_features=False, engine="fast", batch_size=4, dtype="float32", relabel=False)
+    a.__dict__.update(kw)
+    return a
+
+
+def test_gen_data_fast_engine_matches_hf_engine_and_resumes(tiny_ckpt, tmp_path):
+    from sglang_dlite.training import gen_data
+    from sglang_dlite.training.data import load_shard, read_manifest
+    from sglang_dlite.training.features import load_features
+
+    prompts = tmp_path / "p.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(7):
+            msgs = [{"role": "user", "content": f"Question {i}: " + "word " * (3 + 5 * i)},
+                    {"role": "assistant", "content": "x"}, {"role": "user", "content": f"And then {i}?"}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    fast, hf = tmp_path / "fast", tmp_path / "hf"
+    assert gen_data.run(_args(tiny_ckpt, prompts, fast, max_shards=2)) == 0
+    man = read_manifest(str(fast))
+    assert len(man["shards"]) == 2
+    first = {s["file"]: os.path.getmtime(fast / s["file"]) for s in man["shards"]}
+    # resume: the finished shards are skipped, the last one is generated
+    assert gen_data.run(_args(tiny_ckpt, prompts, fast)) == 0
+    man = read_manifest(str(fast))
+    assert len(man["shards"]) == 3 and all(os.path.getmtime(fast / f) == t for f, t in first.items())
+    assert gen_data.run(_args(tiny_ckpt, prompts, hf, engine="hf")) == 0
+    for sh in read_manifest(str(hf))["shards"]:
+        a_ids, a_mask, a_off = load_shard(str(fast / sh["file"]))
+        b_ids, b_mask, b_off = load_shard(str(hf / sh["file"]))
+        np.testing.assert_array_equal(a_ids, b_ids)
+        np.testing.assert_array_equal(a_mask, b_mask)
+        fa = load_features(str(fast / sh["file"]), [1, 4], len(a_ids))
+        fb = load_features(str(hf / sh["file"]), [1, 4], len(b_ids))
+        np.testing.assert_allclose(np.asarray(fa, np.float32), np.asarray(fb, np.float32), atol=2e-3, rtol=2e-3)
+    assert any(r.get("engine") == "fast-float32" for r in read_manifest(str(fast))["runs"])
+
+
+def test_gen_data_fast_engine_refuses_sampling(tiny_ckpt, tmp_path):
+    from sglang_dlite.errors import DLiteInputError
+    from sglang_dlite.training import gen_data
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(DLiteInputError, match="greedily"):
+        gen_data.run(_args(tiny_ckpt, prompts, tmp_path / "o", temperature=0.7))

@@ -1,0 +1,426 @@
+"""Fast greedy regeneration for ``gen-data --engine fast``: a pure-torch batched decode loop over a
+HF Llama target with a preallocated static KV cache and continuous batching.
+
+* **Static KV cache** ``[layers, slots, kv_heads, max_len, head_dim]``, allocated once; a slot's
+  cache is written in place (no per-step concatenation as in HF's dynamic cache).
+* **Continuous batching**: every active conversation occupies one slot; a decode step runs all
+  slots at their own positions (one GEMM per weight for the whole batch); a finished turn of a
+  multi-turn conversation appends the next user turn to the *same* slot (only the new tokens are
+  prefilled: earlier turns are never recomputed), a finished conversation's slot is refilled from
+  the queue at once. Prompts are length-sorted within a window so that slots decode similar
+  context lengths (the attention of a step runs to the longest active context).
+* **Features captured while generating** (outputs of the capture layers and of the final norm,
+  fp16, the same layout as ``features.save_features``): no second target pass.
+* fp32 (default) or bf16 weights/activations (RMSNorm and softmax in fp32, as HF does).
+
+Exactness: the output is the target's greedy decoding, computed with other GEMM shapes than
+HF's batch-1 forward, so a near-tie can round the other way. ``relabel`` runs one float32 HF
+forward over finished sequences, counts the generated tokens that are not the float32 target's
+greedy choice, and cuts a sequence at its first such token (the target's own choice becomes the
+last token; later turns, which were conditioned on the other choice, are dropped); its features
+replace the captured ones. ``bench/gen_throughput.py`` measures both.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import DLiteInputError
+
+
+class FastLlama:
+    """Weights of a HF ``LlamaForCausalLM`` rearranged for batched decoding (fused QKV, fused
+    gate/up), plus the static KV cache. Computes what HF's Llama computes, in ``dtype``."""
+
+    def __init__(self, hf_model, slots: int, max_len: int, dtype=torch.float32, capture_layers=None):
+        cfg = hf_model.config
+        if getattr(cfg, "model_type", "llama") not in ("llama",):
+            raise DLiteInputError(f"--engine fast supports Llama targets only (this one is {cfg.model_type!r}); use --engine hf.")
+        if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+            raise DLiteInputError("--engine fast does not support attention/MLP biases; use --engine hf.")
+        inner = hf_model.model
+        self.dtype = dtype
+        self.H = cfg.hidden_size
+        self.nh = cfg.num_attention_heads
+        self.kvh = cfg.num_key_value_heads
+        self.hd = getattr(cfg, "head_dim", None) or self.H // self.nh
+        self.g = self.nh // self.kvh
+        self.nl = cfg.num_hidden_layers
+        self.eps = float(cfg.rms_norm_eps)
+        self.scale = self.hd ** -0.5
+        rot = inner.rotary_emb
+        self.inv_freq = rot.inv_freq.detach().float().clone()
+        self.att_scaling = float(getattr(rot, "attention_scaling", 1.0))
+        self.capture = list(capture_layers) if capture_layers else []
+        bad = [i for i in self.capture if not 0 <= i < self.nl]
+        if bad:
+            raise DLiteInputError(f"capture layers {bad} do not exist in a target with {self.nl} layers.")
+        self._cap_index = {l: k for k, l in enumerate(self.capture)}
+        d = dtype
+        self.layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(dict(
+                ln1=layer.input_layernorm.weight.detach().to(d), ln2=layer.post_attention_layernorm.weight.detach().to(d),
+                wqkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).detach().to(d).contiguous(),
+                wo=a.o_proj.weight.detach().to(d).contiguous(),
+                wgu=torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).detach().to(d).contiguous(),
+                wd=m.down_proj.weight.detach().to(d).contiguous(),
+            ))
+        self.norm_w = inner.norm.weight.detach().to(d)
+        self.embed = inner.embed_tokens.weight.detach().to(d)
+        self.head = hf_model.get_output_embeddings().weight.detach().to(d).contiguous()
+        self.I = self.layers[0]["wgu"].shape[0] // 2
+        self.slots, self.max_len = slots, max_len
+        self.k = torch.zeros(self.nl, slots, self.kvh, max_len, self.hd, dtype=d)
+        self.v = torch.zeros_like(self.k)
+
+    # ------------------------------------------------------------------ pieces
+    def _rms(self, x, w):
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * x.to(dt)
+
+    def _rope(self, pos):
+        freqs = pos[:, None].float() * self.inv_freq[None]
+        emb = torch.cat((freqs, freqs), -1)
+        return (emb.cos() * self.att_scaling).to(self.dtype), (emb.sin() * self.att_scaling).to(self.dtype)
+
+    @staticmethod
+    def _rot(x, cos, sin):
+        h = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
+
+    def _mlp(self, x, p):
+        gu = x @ p["wgu"].T
+        gate, up = gu[..., : self.I], gu[..., self.I:]
+        return (torch.nn.functional.silu(gate) * up) @ p["wd"].T
+
+    def logits(self, normed):
+        return normed @ self.head.T
+
+    # ------------------------------------------------------------------ forward passes
+    @torch.no_grad()
+    def extend(self, slot: int, ids, start: int, want_features: bool):
+        """Prefill ``ids`` into ``slot`` at positions start..start+T-1 (the cache must hold
+        0..start-1). Returns (final-norm output of the last position [H], features [T, L+1, H] fp16
+        or None)."""
+        T = len(ids)
+        if start + T > self.max_len:
+            raise DLiteInputError(f"sequence of {start + T} tokens exceeds the fast engine's max_len {self.max_len}.")
+        x = self.embed[torch.as_tensor(ids, dtype=torch.long)]  # [T, H]
+        pos = torch.arange(start, start + T)
+        cos, sin = self._rope(pos)
+        cos, sin = cos[:, None], sin[:, None]  # [T, 1, hd]
+        S = start + T
+        causal = torch.arange(S)[None, :] <= pos[:, None]  # [T, S]
+        caps = [None] * (len(self.capture) + 1)
+        for li, p in enumerate(self.layers):
+            h = self._rms(x, p["ln1"])
+            qkv = h @ p["wqkv"].T
+            q = qkv[:, : self.nh * self.hd].view(T, self.nh, self.hd)
+            k = qkv[:, self.nh * self.hd:(self.nh + self.kvh) * self.hd].view(T, self.kvh, self.hd)
+            v = qkv[:, (self.nh + self.kvh) * self.hd:].view(T, self.kvh, self.hd)
+            q, k = self._rot(q, cos, sin), self._rot(k, cos, sin)
+            self.k[li, slot, :, start:S] = k.transpose(0, 1)
+            self.v[li, slot, :, start:S] = v.transpose(0, 1)
+            K = self.k[li, slot, :, :S][None]  # [1, kvh, S, hd]
+            V = self.v[li, slot, :, :S][None]
+            qh = q.transpose(0, 1)[None]  # [1, nh, T, hd]
+            if start == 0:
+                o = F.scaled_dot_product_attention(qh, K, V, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(qh, K, V, attn_mask=causal, scale=self.scale, enable_gqa=True)
+            o = o[0].transpose(0, 1).reshape(T, self.nh * self.hd)
+            x = x + o @ p["wo"].T
+            x = x + self._mlp(self._rms(x, p["ln2"]), p)
+            if want_features and li in self._cap_index:
+                caps[self._cap_index[li]] = x
+        normed = self._rms(x, self.norm_w)
+        feats = None
+        if want_features:
+            caps[-1] = normed
+            feats = torch.stack(caps, 1).to(torch.float16)
+        return normed[-1], feats
+
+    @torch.no_grad()
+    def decode(self, ids, pos, want_features: bool):
+        """One token for each of the slots 0..B-1: ``ids`` [B] at positions ``pos`` [B] (slot b's
+        cache holds 0..pos[b]-1). Returns (final-norm outputs [B, H], features [B, L+1, H] fp16)."""
+        B = len(ids)
+        x = self.embed[ids]  # [B, H]
+        cos, sin = self._rope(pos)
+        cos, sin = cos[:, None], sin[:, None]
+        S = int(pos.max()) + 1
+        valid = (torch.arange(S)[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        rows = torch.arange(B)
+        caps = [None] * (len(self.capture) + 1)
+        for li, p in enumerate(self.layers):
+            h = self._rms(x, p["ln1"])
+            qkv = h @ p["wqkv"].T
+            q = qkv[:, : self.nh * self.hd].view(B, self.nh, self.hd)
+            k = qkv[:, self.nh * self.hd:(self.nh + self.kvh) * self.hd].view(B, self.kvh, self.hd)
+            v = qkv[:, (self.nh + self.kvh) * self.hd:].view(B, self.kvh, self.hd)
+            q, k = self._rot(q, cos, sin), self._rot(k, cos, sin)
+            self.k[li, rows, :, pos] = k
+            self.v[li, rows, :, pos] = v
+            K = self.k[li, :B, :, :S]  # [B, kvh, S, hd] (a view: active rows are slots 0..B-1)
+            V = self.v[li, :B, :, :S]
+            o = F.scaled_dot_product_attention(q[:, :, None], K, V, attn_mask=valid, scale=self.scale, enable_gqa=True)
+            o = o.reshape(B, self.nh * self.hd)
+            x = x + o @ p["wo"].T
+            x = x + self._mlp(self._rms(x, p["ln2"]), p)
+            if want_features and li in self._cap_index:
+                caps[self._cap_index[li]] = x
+        normed = self._rms(x, self.norm_w)
+        feats = None
+        if want_features:
+            caps[-1] = normed
+            feats = torch.stack(caps, 1).to(torch.float16)
+        return normed, feats
+
+    def move_slot(self, src: int, dst: int, length: int):
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+
+class _Row:
+    __slots__ = ("key", "conv", "seq", "mask", "feats", "turn", "room", "gen", "margin")
+
+    def __init__(self, key, conv, seq):
+        self.key, self.conv, self.seq = key, conv, seq
+        self.mask = [0] * len(seq)
+        self.feats = []
+        self.turn = 0
+        self.room = 0
+        self.gen = 0
+        self.margin = math.inf
+
+
+class FastRegenerator:
+    """Greedy turn-by-turn regeneration of conversations (the same sequences ``Regenerator``
+    builds: the chat template's user turns + the target's own ids), batched continuously.
+
+    ``tokenizer_helper``: a ``gen_data.Regenerator`` (its prompt/turn rendering is reused)."""
+
+    def __init__(self, model, tok, max_new_tokens=256, max_len=2048, max_user_tokens=1024, capture_layers=None,
+                 batch_size=32, dtype=torch.float32, sort_window=64):
+        from .gen_data import Regenerator
+
+        self.helper = Regenerator(model, tok, max_new_tokens, max_len, max_user_tokens, capture_layers=None)
+        self.eos, self.max_new, self.max_len = self.helper.eos, max_new_tokens, max_len
+        self.capture = list(capture_layers) if capture_layers else []
+        self.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=self.capture)
+        self.batch_size, self.sort_window = batch_size, sort_window
+        self.new_tokens = 0
+        self.L1 = len(self.capture) + 1
+
+    # ------------------------------------------------------------------ rows
+    def _argmax(self, normed):
+        lg = self.engine.logits(normed).float()
+        top = torch.topk(lg, 2, dim=-1)
+        return top.indices[..., 0], top.values[..., 0] - top.values[..., 1]
+
+    def _begin_turn(self, row: _Row) -> bool:
+        """Set the room of the current turn; False if the conversation cannot continue."""
+        row.room = min(self.max_new, self.max_len - len(row.seq))
+        row.gen = 0
+        return row.room > 0
+
+    def _push(self, row: _Row, tok: int, margin: float):
+        row.seq.append(tok)
+        row.mask.append(1)
+        row.gen += 1
+        row.margin = min(row.margin, margin)
+        self.new_tokens += 1
+
+    def _turn_over(self, row: _Row) -> bool:
+        return row.seq[-1] == self.eos or row.gen >= row.room
+
+    def _next_turn(self, row: _Row, slot: int) -> bool:
+        """After a finished turn: append the next user turn to the slot (prefill only the new ids).
+        Returns False if the conversation is over."""
+        if row.seq[-1] != self.eos:
+            return False  # truncated turn: the conversation ends here
+        row.turn += 1
+        if row.turn >= len(row.conv["users"]):
+            return False
+        suf = self.helper.turn_suffix(row.conv["users"][row.turn])
+        if len(row.seq) + len(suf) + 16 >= self.max_len:
+            return False
+        start = len(row.seq) - 1  # the turn's last token (EOS) has not been fed yet
+        row.seq += suf
+        row.mask += [0] * len(suf)
+        if not self._begin_turn(row):
+            return False
+        normed, f = self.engine.extend(slot, row.seq[start:], start, bool(self.capture))
+        if f is not None:
+            row.feats.append(f)
+        tok, m = self._argmax(normed[None])
+        self._push(row, int(tok[0]), float(m[0]))
+        return True
+
+    def _admit(self, key, conv, slot: int, seq):
+        """Start a conversation (first prompt ``seq``) in ``slot``: (row, active?)."""
+        row = _Row(key, conv, list(seq))
+        if not (len(seq) + 16 < self.max_len) or not self._begin_turn(row):
+            return row, False
+        normed, f = self.engine.extend(slot, row.seq, 0, bool(self.capture))
+        if f is not None:
+            row.feats.append(f)
+        tok, m = self._argmax(normed[None])
+        self._push(row, int(tok[0]), float(m[0]))
+        if self._turn_over(row) and not self._next_turn(row, slot):
+            return row, False
+        return row, True
+
+    def _finish(self, row: _Row):
+        feats = None
+        if self.capture:
+            n = len(row.seq) - 1  # every position but the last was fed through the target
+            if row.feats:
+                feats = torch.cat(row.feats, 0)[:n]
+        return row.key, row.seq, row.mask, feats, row.margin
+
+    # ------------------------------------------------------------------ driver
+    def stream(self, items: Iterable) -> Iterator[tuple]:
+        """items: (key, conv) pairs. Yields (key, seq, mask, feats [len-1, L+1, H] fp16 or None,
+        min top-1/top-2 logit margin of its generated tokens) as conversations finish."""
+        it = iter(items)
+        window: list = []
+
+        def pull():
+            if not window:
+                for key, conv in it:
+                    seq = self.helper.start(conv)
+                    window.append((len(seq), (key, conv, seq)))
+                    if len(window) >= self.sort_window:
+                        break
+                window.sort(key=lambda t: -t[0])  # pop() takes the shortest first
+            return window.pop()[1] if window else None
+
+        rows: list = []  # rows[b] decodes in cache slot b
+        while True:
+            while len(rows) < self.batch_size:
+                nxt = pull()
+                if nxt is None:
+                    break
+                row, active = self._admit(nxt[0], nxt[1], len(rows), nxt[2])
+                if active:
+                    rows.append(row)
+                else:
+                    yield self._finish(row)
+            if not rows:
+                return
+            ids = torch.tensor([r.seq[-1] for r in rows], dtype=torch.long)
+            pos = torch.tensor([len(r.seq) - 1 for r in rows], dtype=torch.long)
+            normed, f = self.engine.decode(ids, pos, bool(self.capture))
+            toks, margins = self._argmax(normed)
+            toks, margins = toks.tolist(), margins.tolist()
+            done = []
+            for b, r in enumerate(rows):
+                if f is not None:
+                    r.feats.append(f[b:b + 1])
+                self._push(r, toks[b], margins[b])
+                if self._turn_over(r) and not self._next_turn(r, b):
+                    done.append(b)
+            for b in reversed(done):  # compact: the last row moves into the freed slot
+                yield self._finish(rows[b])
+                last = len(rows) - 1
+                if b != last:
+                    self.engine.move_slot(last, b, len(rows[last].seq) - 1)
+                    rows[b] = rows[last]
+                rows.pop()
+
+    def run(self, convs):
+        """(sequences, masks, features) in the order of ``convs`` (``Regenerator.run``'s API)."""
+        out = {}
+        self.margins = {}
+        for key, seq, mask, feats, margin in self.stream(enumerate(convs)):
+            out[key] = (seq, mask, feats)
+            self.margins[key] = margin
+        seqs = [out[i][0] for i in range(len(convs))]
+        masks = [out[i][1] for i in range(len(convs))]
+        feats = [out[i][2] for i in range(len(convs))] if self.capture else [None] * len(convs)
+        return seqs, masks, feats
+
+
+# ---------------------------------------------------------------------------- exactness check
+@torch.no_grad()
+def reference_greedy(model, seqs, layer_ids=None, batch_tokens: int = 4096):
+    """One float32 HF forward per group of sequences (teacher-forced): per sequence, the target's
+    greedy next token at every position ([len] int64; entry j = argmax after seq[:j+1]) and, with
+    ``layer_ids``, its features [len, L+1, H] fp16."""
+    from .features import feature_modules
+
+    mods = feature_modules(model, layer_ids) if layer_ids else []
+    buf = {}
+    hooks = [m.register_forward_hook(lambda mod, a, o, k=k: buf.__setitem__(k, (o[0] if isinstance(o, tuple) else o)))
+             for k, m in enumerate(mods)]
+    preds, feats = [None] * len(seqs), [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    try:
+        i = 0
+        while i < len(order):
+            group = [order[i]]
+            while i + len(group) < len(order) and len(seqs[order[i + len(group)]]) * (len(group) + 1) <= batch_tokens:
+                group.append(order[i + len(group)])
+            i += len(group)
+            Lmax = max(len(seqs[g]) for g in group)
+            ids = torch.zeros(len(group), Lmax, dtype=torch.long)
+            att = torch.zeros(len(group), Lmax, dtype=torch.long)
+            for r, g in enumerate(group):
+                ids[r, :len(seqs[g])] = torch.as_tensor(seqs[g], dtype=torch.long)
+                att[r, :len(seqs[g])] = 1
+            out = model(input_ids=ids, attention_mask=att, use_cache=False)
+            am = out.logits.argmax(-1)
+            st = torch.stack([buf[k] for k in range(len(mods))], 2).to(torch.float16) if mods else None
+            for r, g in enumerate(group):
+                preds[g] = am[r, :len(seqs[g])]
+                if st is not None:
+                    feats[g] = st[r, :len(seqs[g])]
+    finally:
+        for h in hooks:
+            h.remove()
+    return preds, feats
+
+
+def first_disagreement(seq, mask, pred) -> Optional[int]:
+    """Index j of the first generated token (mask[j] == 1) that is not the target's greedy choice
+    after seq[:j] (pred[j - 1]); None if every generated token is."""
+    s = torch.as_tensor(seq[1:], dtype=torch.long)
+    m = torch.as_tensor(mask[1:], dtype=torch.bool)
+    bad = (s != pred[:-1].to(torch.long)) & m
+    nz = torch.nonzero(bad)
+    return int(nz[0, 0]) + 1 if len(nz) else None
+
+
+def count_disagreements(seq, mask, pred) -> int:
+    s = torch.as_tensor(seq[1:], dtype=torch.long)
+    m = torch.as_tensor(mask[1:], dtype=torch.bool)
+    return int(((s != pred[:-1].to(torch.long)) & m).sum())
+
+
+def relabel(model, seqs, masks, layer_ids=None):
+    """The cut rule: one float32 target pass over each finished sequence; a sequence whose
+    generated text leaves the target's greedy choice at position j is cut there: seq[:j] + [the
+    target's choice] (later text, conditioned on the other token, is dropped). Returns (seqs,
+    masks, feats or None, number of sequences cut, generated tokens dropped)."""
+    preds, feats = reference_greedy(model, seqs, layer_ids)
+    out_s, out_m, out_f, cut, dropped = [], [], [], 0, 0
+    for s, m, p, f in zip(seqs, masks, preds, feats):
+        j = first_disagreement(s, m, p)
+        if j is not None:
+            cut += 1
+            dropped += int(sum(m[j:])) - 1
+            s = list(s[:j]) + [int(p[j - 1])]
+            m = list(m[:j]) + [1]
+        out_s.append(list(s))
+        out_m.append(list(m))
+        out_f.append(None if f is None else f[: len(s) - 1])
+    return out_s, out_m, (out_f if layer_ids else None), cut, dropped
