@@ -216,7 +216,7 @@ def _args(tiny_ckpt, prompts, out, **kw):
     a = SimpleNamespace(target=tiny_ckpt, prompts=[f"jsonl:{prompts}"], out=str(out), shard_size=3, max_new_tokens=12,
                         max_len=256, max_turns=2, max_user_tokens=64, temperature=0.0, top_p=1.0, seed=0, threads=1,
                         max_shards=None, budget_min=None, worker="0/1", reverse=False, capture_layers="1,4",
-                        no_features=False, engine="fast", batch_size=4, dtype="float32", relabel=False)
+                        no_features=False, engine="fast", min_free_gb=0.0, batch_size=4, dtype="float32", relabel=False)
     a.__dict__.update(kw)
     return a
 
@@ -261,3 +261,19 @@ def test_gen_data_fast_engine_refuses_sampling(tiny_ckpt, tmp_path):
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(DLiteInputError, match="greedily"):
         gen_data.run(_args(tiny_ckpt, prompts, tmp_path / "o", temperature=0.7))
+
+
+def test_agent_prompt_source_avoids_eval_sources():
+    """agent traces: several turns each, never over an evaluation package or agent-stdlib module."""
+    from sglang_dlite.training.gen_data import EVAL_PACKAGES, _eval_stdlib_files, load_prompts
+
+    name, convs = load_prompts("agent:12", 0, 3)
+    assert name == "agent" and len(convs) == 12
+    excl = _eval_stdlib_files()
+    for c in convs:
+        assert 4 <= len(c["users"]) <= 6 and c["system"]
+        rel = c["id"].split(":")[1]
+        mod = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        assert mod not in excl and rel.split("/")[0] not in EVAL_PACKAGES
+        assert "Tool result (read_file" in "\n".join(c["users"])
+    assert load_prompts("agent:12", 0, 3)[1] == convs  # deterministic: resumable plans

