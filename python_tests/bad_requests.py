@@ -24,6 +24,8 @@ BAD_REQUESTS = [
     # --- token ids the embedding cannot look up ---
     ("generate-negative-token-id", "/generate", {"input_ids": [1, -5, 3], "sampling_params": {"max_new_tokens": 4}}, 400, "input_ids"),
     ("generate-token-id-past-vocab", "/generate", {"input_ids": [1, 10_000_000], "sampling_params": {"max_new_tokens": 4}}, 400, "input_ids"),
+    ("generate-stream-token-id-past-vocab", "/generate", {"input_ids": [1, 10_000_000], "stream": True, "sampling_params": {"max_new_tokens": 4}}, 400, "input_ids"),
+    ("completions-token-id-past-vocab", "/v1/completions", {"model": "default", "prompt": [1, 10_000_000], "max_tokens": 4}, 400, "prompt"),
     # --- negative counts ---
     ("generate-negative-top-logprobs", "/generate", {"text": "Hi", "return_logprob": True, "top_logprobs_num": -3, "sampling_params": {"max_new_tokens": 4}}, 400, "top_logprobs_num"),
     ("generate-negative-logprob-start", "/generate", {"text": "Hi", "return_logprob": True, "logprob_start_len": -7, "sampling_params": {"max_new_tokens": 4}}, 400, "logprob_start_len"),

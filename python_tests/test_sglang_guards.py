@@ -38,7 +38,8 @@ def test_http_check_refuses_or_defers(name, path, body, status, word):
     judge (vocabulary size, regex compilation, context length), which must pass through."""
     G = _guards()
     gen, sp = G._known_fields()
-    server_only = {"generate-token-id-past-vocab", "generate-bad-regex", "generate-over-long-prompt"}
+    server_only = {"generate-token-id-past-vocab", "generate-stream-token-id-past-vocab", "completions-token-id-past-vocab",
+                   "generate-bad-regex", "generate-over-long-prompt"}
     try:
         G.check_request(path, G.parse_body(body) if isinstance(body, bytes) else body,
                         known_generate_fields=gen, known_sampling_params=sp)
@@ -63,6 +64,16 @@ def test_http_check_lets_valid_requests_through(path, body):
     G = _guards()
     gen, sp = G._known_fields()
     G.check_request(path, body, known_generate_fields=gen, known_sampling_params=sp)
+
+
+def test_token_range_needs_the_vocabulary():
+    G = _guards()
+    G.check_token_range("/generate", {"input_ids": [1, 99]}, 100)
+    G.check_token_range("/generate", {"input_ids": [1, 100]}, None)  # before the server knows its vocabulary
+    with pytest.raises(G.RequestRefused, match="outside the vocabulary"):
+        G.check_token_range("/generate", {"input_ids": [[1], [5, 100]]}, 100)
+    with pytest.raises(G.RequestRefused, match="prompt"):
+        G.check_token_range("/v1/completions", {"prompt": [7, 1000]}, 100)
 
 
 def test_messages_are_scrubbed():

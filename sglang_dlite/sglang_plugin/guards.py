@@ -288,6 +288,22 @@ def check_request(path: str, body: Any, *, known_generate_fields=None, known_sam
         _check_completions(body)
 
 
+def _max_token_id(ids):
+    if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+        return max((_max_token_id(r) for r in ids), default=None)
+    return max(ids) if isinstance(ids, list) and ids and all(_is_int(x) for x in ids) else None
+
+
+def check_token_range(path: str, body: Any, vocab_size: Optional[int]) -> None:
+    """Token ids the target's embedding has no row for (known once the server runs)."""
+    if not vocab_size or not isinstance(body, dict):
+        return
+    field = {"/generate": "input_ids", "/v1/completions": "prompt"}.get(path)
+    hi = _max_token_id(body.get(field)) if field else None
+    if hi is not None and hi >= vocab_size:
+        raise RequestRefused(f"`{field}` holds token id {hi}, outside the vocabulary [0, {vocab_size}).", field)
+
+
 def parse_body(raw: bytes) -> Any:
     try:
         return json.loads(raw)
@@ -356,8 +372,9 @@ class RequestGuardMiddleware:
     """Pure ASGI: checks the guarded routes' JSON bodies before FastAPI sees them, and scrubs the
     messages of every 4xx JSON body / SSE error event they answer with."""
 
-    def __init__(self, app, known_generate_fields=None, known_sampling_params=None):
+    def __init__(self, app, known_generate_fields=None, known_sampling_params=None, vocab_size=None):
         self.app = app
+        self.vocab_size = vocab_size  # callable -> the target's vocabulary size, or None
         self.known_generate_fields = known_generate_fields
         self.known_sampling_params = known_sampling_params
 
@@ -381,6 +398,7 @@ class RequestGuardMiddleware:
                 stream = isinstance(body, dict) and body.get("stream") is True
                 check_request(scope["path"], body, known_generate_fields=self.known_generate_fields,
                               known_sampling_params=self.known_sampling_params)
+                check_token_range(scope["path"], body, self.vocab_size() if self.vocab_size else None)
             except RequestRefused as exc:
                 return await self._refuse(send, sanitize_message(exc), exc.param, stream)
 
@@ -521,7 +539,13 @@ def install_http_guards(*args, **kwargs):
     if getattr(app.state, "dlite_guards", False):
         return None
     gen, sp = _known_fields()
-    app.add_middleware(RequestGuardMiddleware, known_generate_fields=gen, known_sampling_params=sp)
+
+    def vocab_size():
+        tm = getattr(getattr(http_server, "_global_state", None), "tokenizer_manager", None)
+        return getattr(getattr(tm, "model_config", None), "vocab_size", None)
+
+    app.add_middleware(RequestGuardMiddleware, known_generate_fields=gen, known_sampling_params=sp,
+                       vocab_size=vocab_size)
     original = app.exception_handlers.get(RequestValidationError)
 
     async def clean_validation_error(request, exc):
@@ -529,6 +553,8 @@ def install_http_guards(*args, **kwargs):
         if original is not None and (path.startswith("/v1/messages") or path.endswith("/v1/systemone")):
             return await original(request, exc)  # sglang's own Anthropic / System One shapes
         message, field = validation_errors_message(exc.errors())
+        if "json" not in request.headers.get("content-type", "").lower():
+            message = message.rstrip(".") + " (send the body as JSON with Content-Type: application/json)."
         return ORJSONResponse(status_code=400, content=error_body(message, field))
 
     app.add_exception_handler(RequestValidationError, clean_validation_error)
