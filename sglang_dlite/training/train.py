@@ -97,12 +97,15 @@ class FeatureData:
     """All sequences of a gen-data folder with their memory-mapped target features."""
 
     def __init__(self, data_dir: str, layer_ids, heldout_mod: int = 16, model_loader=None, progress=True,
-                 anchor_tokens: str = "generated"):
+                 anchor_tokens: str = "generated", shard_files=None):
         if anchor_tokens not in ANCHOR_TOKENS:
             raise DLiteInputError(f"anchor_tokens must be one of {', '.join(ANCHOR_TOKENS)}, not {anchor_tokens!r}.")
         self.anchor_tokens = anchor_tokens
         man = read_manifest(data_dir)
         shards = man.get("shards", [])
+        if shard_files is not None:  # a subset (the streaming trainer's held-out view)
+            keep = set(shard_files)
+            shards = [sh for sh in shards if sh["file"] in keep]
         if not shards:
             raise DataError(f"{data_dir!r} lists no finished shards; run `sglang-dlite gen-data` first.")
         if model_loader is not None:
@@ -164,43 +167,49 @@ class FeatureData:
         valid on generated tokens only, or on every token with ``all_tokens``."""
         k, start, length, _, _ = self.seqs[seq_i]
         ids, mask, feats = self.shards[k]
-        n = np.asarray(anchors, dtype=np.int64)
-        B = len(n)
-        L, H = self.L, self.hidden
-        cpos = n[:, None] - C + np.arange(C)[None]  # [B, C]
-        cvalid = cpos >= 0
-        ctx = np.asarray(feats[start + np.clip(cpos, 0, None).reshape(-1), :L], dtype=np.float32).reshape(B, C, L, H)
-        ctx[~cvalid] = 0
-        lpos = n[:, None] + 1 + np.arange(K)[None]  # [B, K]
-        inside = lpos < length
-        lp = np.clip(lpos, 0, length - 1)
-        labels = ids[start + lp].astype(np.int64)
-        lvalid = inside if all_tokens else inside & (mask[start + lp] == 1)
-        out = {
-            "context_hidden": torch.from_numpy(ctx).permute(0, 2, 1, 3).contiguous(),
-            "context_valid": torch.from_numpy(cvalid),
-            "anchor_ids": torch.from_numpy(ids[start + n].astype(np.int64)),
-            "labels": torch.from_numpy(labels),
-            "valid": torch.from_numpy(lvalid),
-            "round_offset": torch.from_numpy(n - C),
-        }
-        if want_target:
-            tpos = np.clip(n[:, None] + np.arange(K)[None], 0, length - 2)
-            out["target_hidden"] = torch.from_numpy(
-                np.asarray(feats[start + tpos.reshape(-1), L], dtype=np.float32).reshape(B, K, H))
-        if history != 0:
-            T = max(int(n.max()) - C, 0)
-            if T > 0:
-                hid = np.asarray(feats[start:start + T, :L], dtype=np.float32)  # [T, L, H]
-                hpos = np.arange(T)
-                hv = hpos[None, :] < (n[:, None] - C)
-                if history is not None:
-                    hv &= hpos[None, :] >= (n[:, None] - C - history)
-                out["history"] = History(
-                    hidden=torch.from_numpy(hid).permute(1, 0, 2)[None].contiguous(),
-                    positions=torch.from_numpy(hpos)[None], valid=torch.from_numpy(hv),
-                )
-        return out
+        return build_group(ids, mask, feats, start, length, anchors, self.L, self.hidden, C, K, history, want_target,
+                           all_tokens)
+
+
+def build_group(ids, mask, feats, start: int, length: int, anchors, L: int, H: int, C: int, K: int,
+                history: Optional[int], want_target: bool, all_tokens: bool = False) -> dict:
+    """``FeatureData.group`` on raw shard arrays (also used by the streaming loader, stream.py)."""
+    n = np.asarray(anchors, dtype=np.int64)
+    B = len(n)
+    cpos = n[:, None] - C + np.arange(C)[None]  # [B, C]
+    cvalid = cpos >= 0
+    ctx = np.asarray(feats[start + np.clip(cpos, 0, None).reshape(-1), :L], dtype=np.float32).reshape(B, C, L, H)
+    ctx[~cvalid] = 0
+    lpos = n[:, None] + 1 + np.arange(K)[None]  # [B, K]
+    inside = lpos < length
+    lp = np.clip(lpos, 0, length - 1)
+    labels = ids[start + lp].astype(np.int64)
+    lvalid = inside if all_tokens else inside & (mask[start + lp] == 1)
+    out = {
+        "context_hidden": torch.from_numpy(ctx).permute(0, 2, 1, 3).contiguous(),
+        "context_valid": torch.from_numpy(cvalid),
+        "anchor_ids": torch.from_numpy(ids[start + n].astype(np.int64)),
+        "labels": torch.from_numpy(labels),
+        "valid": torch.from_numpy(lvalid),
+        "round_offset": torch.from_numpy(n - C),
+    }
+    if want_target:
+        tpos = np.clip(n[:, None] + np.arange(K)[None], 0, length - 2)
+        out["target_hidden"] = torch.from_numpy(
+            np.asarray(feats[start + tpos.reshape(-1), L], dtype=np.float32).reshape(B, K, H))
+    if history != 0:
+        T = max(int(n.max()) - C, 0)
+        if T > 0:
+            hid = np.asarray(feats[start:start + T, :L], dtype=np.float32)  # [T, L, H]
+            hpos = np.arange(T)
+            hv = hpos[None, :] < (n[:, None] - C)
+            if history is not None:
+                hv &= hpos[None, :] >= (n[:, None] - C - history)
+            out["history"] = History(
+                hidden=torch.from_numpy(hid).permute(1, 0, 2)[None].contiguous(),
+                positions=torch.from_numpy(hpos)[None], valid=torch.from_numpy(hv),
+            )
+    return out
 
 
 def _hist_mode(cfg: DLiteConfig):
@@ -350,6 +359,15 @@ class TrainOptions:
     engine_eval: Optional[callable] = None  # fn(model, stage, step) -> dict of extra metrics
     engine_eval_stages: tuple = STAGES  # stages whose end runs engine_eval
     time_budget_s: Optional[dict] = None  # per stage wall budget: stop early (cosine compressed)
+    stream_window: int = 0  # >0: stream the training batches from W shards at a time (stream.py)
+    eval_shards: int = 32  # streaming: shards (evenly spaced) whose held-out sequences are evaluated
+    stop_after_s: Optional[float] = None  # pause this process (checkpoint, no re-planning) after this wall time
+    stop_after_steps: Optional[int] = None  # pause after this many steps of this process (tests)
+    started_at: Optional[float] = None  # when this process started training (for stop_after_s)
+
+
+class Paused(Exception):
+    """A stage stopped by --stop-after-min: its checkpoint is saved; rerun with --resume."""
 
 
 def _log(out_dir, rec):
@@ -446,6 +464,9 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
     step = 0
     rank = _DIST["rank"]
     rng = np.random.default_rng([opts.seed, STAGES.index(spec.name), rank])
+    stream = getattr(data, "stream", None)
+    if stream is not None:
+        stream.start([opts.seed, STAGES.index(spec.name)])
     ckpt = os.path.join(sdir, "ckpt.pt")
     total = spec.steps
     wall_used = 0.0
@@ -462,6 +483,10 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
         else:
             rng = np.random.default_rng([opts.seed, STAGES.index(spec.name), rank, step])
         torch.set_rng_state(st["torch_rng"])
+        if stream is not None:
+            if "stream" not in st:
+                raise DataError(f"checkpoint {ckpt!r} was not written by a streaming run; resume without --stream-window.")
+            stream.load_state_dict(st["stream"])
         print(f"train[{spec.name}]: resumed at step {step}/{total}")
     use_bf16 = opts.bf16
 
@@ -470,8 +495,9 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
 
     def save(final=False):
         tmp = ckpt + ".tmp"
+        extra = {"stream": stream.state_dict()} if stream is not None else {}
         torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step, "total": total,
-                    "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "wall": wall_used}, tmp)
+                    "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "wall": wall_used, **extra}, tmp)
         os.replace(tmp, ckpt)
 
     egroups = eval_groups(data, opts.eval_anchors, seed=opts.seed + 99)
@@ -482,19 +508,28 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
         teacher.eval()
     bar = tqdm(total=total, initial=step, desc=f"train[{spec.name}]", disable=not opts.progress or not is_main(), unit="step")
     t_last, n_anchor, loss_acc, n_acc = time.time(), 0, 0.0, 0
+    t_proc, steps_here = opts.started_at or time.time(), 0
     while step < total:
         t0 = time.time()
         warmup = max(1, int(opts.warmup_frac * total))  # of the schedule as (re-)planned for the budget
         lr = lr_at(step, total, spec.lr, warmup)
         for g in optim.param_groups:
             g["lr"] = lr
-        groups = sample_batch(data, rng, opts.batch_size, opts.seqs_per_batch)
         want_t = "tv" in spec.loss
         all_tok = data.anchor_tokens == "all"
-        bs = [data.group(si, a, C, K, hist, want_t, all_tok) for si, a in groups]
+        if stream is not None:
+            refs = stream.next_batch(opts.seqs_per_batch)
+            groups = [(r, r[3]) for r in refs]
+            bs = [stream.group(r, C, K, hist, want_t, all_tok) for r in refs]
+        else:
+            groups = sample_batch(data, rng, opts.batch_size, opts.seqs_per_batch)
+            bs = [data.group(si, a, C, K, hist, want_t, all_tok) for si, a in groups]
         tbs = None
         if teacher is not None:
-            tbs = [data.group(si, a, C, K, _hist_mode(teacher.config), False, all_tok) for si, a in groups]
+            if stream is not None:
+                tbs = [stream.group(r, C, K, _hist_mode(teacher.config), False, all_tok) for r in refs]
+            else:
+                tbs = [data.group(si, a, C, K, _hist_mode(teacher.config), False, all_tok) for si, a in groups]
         if hist == 0:
             bs = [concat_groups(bs)]
         n_total = sum(int(b["valid"].sum()) for b in bs)
@@ -545,7 +580,8 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
         if (step % 10 == 0 or step == total) and is_main():
             _log(out_dir, {"stage": spec.name, "step": step, "loss": loss_acc / n_acc, "lr": lr,
                            "grad_norm": float(gn), "anchors_per_s": round(n_anchor / max(el, 1e-9), 1),
-                           "wall_s": round(wall_used, 1)})
+                           "wall_s": round(wall_used, 1),
+                           **({"epochs": round(stream.epochs_done, 4)} if stream is not None else {})})
             loss_acc, n_acc, n_anchor, t_last = 0.0, 0, 0, time.time()
         if budget is not None and step % 5 == 0 and step < total:
             # wall-time cap: re-plan the number of steps from the measured step time, so the
@@ -564,6 +600,13 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
             plot_curves(out_dir)
         if (step % opts.save_every == 0 or step >= total) and is_main():
             save()
+        steps_here += 1
+        if step < total and ((opts.stop_after_steps is not None and steps_here >= opts.stop_after_steps)
+                             or (opts.stop_after_s is not None and time.time() - t_proc > opts.stop_after_s)):
+            save()
+            bar.close()
+            print(f"train[{spec.name}]: paused at step {step}/{total} (checkpoint saved); rerun with --resume to continue")
+            raise Paused(spec.name)
     bar.close()
     if is_main():
         model.save_pretrained(os.path.join(sdir, "model"))
@@ -579,14 +622,18 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
     """Run the stages; returns {stage: model folder}. ``target``: a HF causal LM (frozen)."""
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(opts.seed)
+    opts.started_at = opts.started_at or time.time()
     tc = target.config
     student_cfg = make_config(tc, opts.student_history, opts.config_overrides)
     layer_ids = student_cfg.target_layer_ids
-    if is_main():
+    stream_info = None
+    if opts.stream_window:
+        data, stream_info = _streaming_data(target, data_dir, layer_ids, opts)
+    elif is_main():
         data = FeatureData(data_dir, layer_ids, model_loader=lambda: target, progress=opts.progress,
                            anchor_tokens=opts.anchor_tokens)
     _barrier()
-    if not is_main():
+    if not is_main() and not opts.stream_window:
         data = FeatureData(data_dir, layer_ids, anchor_tokens=opts.anchor_tokens)
     embed_w = target.get_input_embeddings().weight.detach()
     head_w = target.get_output_embeddings().weight.detach()
@@ -599,14 +646,14 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
     info = {"data": data_dir, "train_sequences": len(data.train_idx), "eval_sequences": len(data.eval_idx),
             "train_anchors": data.num_train_anchors, "options": {k: v for k, v in opts.__dict__.items() if k != "engine_eval"}}
     info["processes"] = _DIST["world"]
+    if stream_info is not None:  # FeatureData is only the held-out view here
+        info.update(stream_info, train_sequences=stream_info["streaming"]["sequences"], train_anchors=None)
     if is_main():
         with open(os.path.join(out_dir, "train_info.json"), "w") as f:
             json.dump(info, f, indent=1, default=str)
     print(f"train: {len(data.train_idx)} train / {len(data.eval_idx)} held-out sequences, "
           f"{data.num_train_anchors} training anchors")
     done = {}
-    teacher = None
-    student = None
 
     def finished(name):
         return os.path.isfile(os.path.join(out_dir, name, "DONE.json"))
@@ -614,6 +661,41 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
     def load_done(name):
         return bind(DLiteDrafter.from_pretrained(os.path.join(out_dir, name, "model")), embed_w, head_w).train()
 
+    try:
+        _run_stages(stages, opts, target, tc, student_cfg, data, out_dir, embed_w, head_w, finished, load_done, done)
+    except Paused as p:
+        done["paused"] = str(p)
+    plot_curves(out_dir)
+    return done
+
+
+def _streaming_data(target, data_dir: str, layer_ids, opts):
+    """(held-out FeatureData over ``opts.eval_shards`` evenly spaced shards, with ``.stream`` the
+    training ShardStream over every finished shard; info for train_info.json)."""
+    from .features import ensure_features
+    from .stream import ShardStream
+
+    if _DIST["world"] > 1:
+        raise DLiteConfigError("--stream-window runs in one process (no --ddp).")
+    shards = read_manifest(data_dir).get("shards", [])
+    if not shards:
+        raise DataError(f"{data_dir!r} lists no finished shards; run `sglang-dlite gen-data` first.")
+    ensure_features(data_dir, shards, lambda: target, layer_ids, progress=opts.progress)
+    files = sorted(sh["file"] for sh in shards)
+    step = max(1, len(files) // max(1, opts.eval_shards))
+    data = FeatureData(data_dir, layer_ids, anchor_tokens=opts.anchor_tokens, shard_files=files[::step][:opts.eval_shards])
+    data.stream = ShardStream(data_dir, layer_ids, files, window=opts.stream_window,
+                              per=max(1, opts.batch_size // opts.seqs_per_batch), anchor_tokens=opts.anchor_tokens)
+    gen = sum(sh["num_loss_tokens"] for sh in shards)
+    info = {"streaming": {"window": opts.stream_window, "shards": len(files), "eval_shards": len(files[::step][:opts.eval_shards]),
+                          "sequences": sum(sh["num_seqs"] for sh in shards), "tokens": sum(sh["num_tokens"] for sh in shards),
+                          "generated_tokens": gen}}
+    return data, info
+
+
+def _run_stages(stages, opts, target, tc, student_cfg, data, out_dir, embed_w, head_w, finished, load_done, done):
+    teacher = None
+    student = None
     if "teacher" in stages or "distill" in stages:
         if finished("teacher"):
             teacher = load_done("teacher")
@@ -648,8 +730,6 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
             student = run_stage(StageSpec("stabilize", opts.steps["stabilize"], lr, "ce+tv", opts.student_history),
                                 student, data, out_dir, opts, embed_w, head_w)
         done["stabilize"] = os.path.join(out_dir, "stabilize", "model")
-    plot_curves(out_dir)
-    return done
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -695,6 +775,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "With --single-stage, one value is the stabilize stage's budget and three values give it "
                         "their sum (the two-stage recipe's total, for equal-compute ablations)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--stream-window", type=int, default=0,
+                   help="stream training batches from W shards at a time (seeded shard order per epoch, every anchor "
+                        "once per epoch; the position is saved in the checkpoint, so --resume continues the same data "
+                        "order); 0 = sample from the whole set (small data)")
+    p.add_argument("--eval-shards", type=int, default=32,
+                   help="with --stream-window: evaluate on the held-out sequences of this many evenly spaced shards")
+    p.add_argument("--stop-after-min", type=float, default=None,
+                   help="pause this process after M minutes (checkpoint saved, schedule unchanged); rerun the same "
+                        "command with --resume to continue (a run spanning several working periods)")
     p.add_argument("--init-from-target-layers", default=None,
                    help="comma-separated target layer ids copied into the fresh drafter's backbone layers "
                         "(e.g. 13,14: the layers right after the captured layer 12); default: random init")
@@ -734,7 +823,8 @@ def options_from_args(args) -> TrainOptions:
         init_layers=[int(x) for x in args.init_from_target_layers.split(",")] if getattr(args, "init_from_target_layers", None) else None,
         student_history=args.history, vocab_subset=args.vocab_subset,
         anchor_tokens=getattr(args, "anchor_tokens", "generated"), resume=args.resume, progress=not args.no_progress, config_overrides=ov,
-        time_budget_s=budget,
+        time_budget_s=budget, stream_window=getattr(args, "stream_window", 0), eval_shards=getattr(args, "eval_shards", 32),
+        stop_after_s=None if getattr(args, "stop_after_min", None) is None else args.stop_after_min * 60,
     )
 
 

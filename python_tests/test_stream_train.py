@@ -1,0 +1,168 @@
+"""Streaming training (training/stream.py, ``train --stream-window``): a window of shards at a
+time, every training anchor once per epoch, and a resumed run continues the same schedule and the
+same data order without reopening the shards it had finished."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_tiny_llama, tiny_dlite_config
+
+from sglang_dlite.training.data import save_shard, write_manifest
+from sglang_dlite.training.features import compute_features, save_features
+from sglang_dlite.training.stream import ShardStream, is_heldout
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory, target):
+    """8 shards of 2 greedy-generated sequences each, with features."""
+    torch.manual_seed(5)
+    d = tmp_path_factory.mktemp("stream_data")
+    layers = tiny_dlite_config(target).target_layer_ids
+    infos = []
+    for k in range(8):
+        seqs, masks = [], []
+        for _ in range(2):
+            prompt = torch.randint(3, target.config.vocab_size, (1, 6))
+            with torch.no_grad():
+                out = target.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30,
+                                      min_new_tokens=30, do_sample=False, pad_token_id=0)
+            seqs.append(out[0].tolist())
+            masks.append([0] * 6 + [1] * 30)
+        f = str(d / f"tiny_{k:05d}.npz")
+        infos.append(save_shard(f, seqs, masks))
+        off = np.cumsum([0] + [len(s) for s in seqs])
+        save_features(f, compute_features(target, seqs, layers), off, layers, target.config.hidden_size)
+    write_manifest(str(d), {"recipe": {"target": "tiny"}, "shards": infos})
+    return str(d), layers, [i["file"] for i in infos]
+
+
+def _key(ref):
+    sh, start, length, anchors = ref
+    return (sh.file, int(start), tuple(int(a) for a in anchors))
+
+
+def test_stream_epoch_covers_every_anchor_once_within_window(shard_dir):
+    d, layers, files = shard_dir
+    st = ShardStream(d, layers, files, window=2, per=8)
+    st.start([0, 2])
+    seen = []
+    while st.epoch == 0:
+        refs = st.next_batch(2)
+        seen += [(_key(r), st.epoch) for r in refs]
+        assert len(st.open) <= 2
+    assert st.max_open <= 2
+    # the shards each loaded once in epoch 0, then epoch 1 began
+    assert sorted(f for e, f in st.opened_log if e == 0) == sorted(files)
+    # every (non-held-out) generated anchor exactly once in epoch 0
+    from sglang_dlite.training.data import load_shard
+
+    want = set()
+    for f in files:
+        ids, mask, off = load_shard(os.path.join(d, f))
+        for s in range(len(off) - 1):
+            if is_heldout(f"{f}:{s}", 16):
+                continue
+            a, b = int(off[s]), int(off[s + 1])
+            want |= {(f, a, int(n)) for n in range(1, b - a - 1) if mask[a + n + 1] == 1}
+    drawn = {}
+    for (f, start, a), e in seen[:-2]:  # the last batch may straddle into epoch 1
+        for x in a:
+            drawn[(f, start, x)] = drawn.get((f, start, x), 0) + 1
+    assert set(drawn) <= want and max(drawn.values()) == 1
+    assert len(want - set(drawn)) <= 2 * 8  # at most the straddling batch's chunks
+
+
+def test_stream_resume_continues_same_batches_without_reopening(shard_dir):
+    d, layers, files = shard_dir
+    a = ShardStream(d, layers, files, window=2, per=8)
+    a.start([0, 2])
+    full = [[_key(r) for r in a.next_batch(2)] for _ in range(30)]
+    b = ShardStream(d, layers, files, window=2, per=8)
+    b.start([0, 2])
+    first = [[_key(r) for r in b.next_batch(2)] for _ in range(12)]
+    state = json.loads(json.dumps(b.state_dict()))  # what the checkpoint stores
+    finished = [f for e, f in b.opened_log if f not in {x[0] for x in state["open"]}]
+    assert finished, "the test needs shards finished before the pause"
+    c = ShardStream(d, layers, files + ["not_yet_in_the_stream.npz"], window=2, per=8)  # the manifest grew
+    c.load_state_dict(state)
+    rest = [[_key(r) for r in c.next_batch(2)] for _ in range(18)]
+    assert first + rest == full
+    reopened = [f for e, f in c.opened_log if e == 0 and f in finished]
+    assert not reopened, f"resume re-read consumed shards {reopened}"
+    assert c.files == files
+
+
+def test_stream_state_must_match_options(shard_dir):
+    from sglang_dlite.training.data import DataError
+
+    d, layers, files = shard_dir
+    b = ShardStream(d, layers, files, window=2, per=8)
+    b.start([0, 2])
+    b.next_batch(2)
+    c = ShardStream(d, layers, files, window=2, per=4)
+    with pytest.raises(DataError, match="per"):
+        c.load_state_dict(b.state_dict())
+
+
+def _opts(**kw):
+    from sglang_dlite.training.train import TrainOptions
+
+    c = tiny_dlite_config(make_tiny_llama())
+    ov = dict(num_context_positions=c.num_context_positions, block_size=c.block_size, num_layers=2, num_heads=4,
+              num_kv_heads=2, head_dim=16, intermediate_size=96, rnn_rank=8)
+    base = dict(stages=["stabilize"], steps={"teacher": 0, "distill": 0, "stabilize": 16}, lr=3e-3, batch_size=32,
+                seqs_per_batch=2, eval_every=1000, eval_anchors=32, save_every=4, progress=False, config_overrides=ov,
+                stream_window=2, eval_shards=4)
+    base.update(kw)
+    return TrainOptions(**base)
+
+
+def test_train_resume_mid_run_equals_uninterrupted_run(shard_dir, target, tmp_path, monkeypatch):
+    """A run paused after 6 steps and resumed ends with the same weights as one uninterrupted run
+    (fails if resume restarted from step 0, changed the schedule, or drew other data), and the
+    resumed process does not reopen the shards finished before the pause."""
+    from sglang_dlite.model import DLiteDrafter
+    from sglang_dlite.training import stream as stream_mod
+    from sglang_dlite.training.train import train_pipeline
+
+    d, layers, files = shard_dir
+    full = train_pipeline(target, d, str(tmp_path / "a"), _opts())
+    assert "paused" not in full
+    r1 = train_pipeline(target, d, str(tmp_path / "b"), _opts(stop_after_steps=6))
+    assert r1.get("paused") == "stabilize" and "stabilize" not in r1
+    ck = torch.load(tmp_path / "b" / "stabilize" / "ckpt.pt", weights_only=False)
+    assert ck["step"] == 6
+    st = ck["stream"]
+    order = np.random.default_rng(st["seed"] + [0, 7]).permutation(len(files))
+    consumed = [files[i] for i in order[: st["next"]] if files[i] not in {x[0] for x in st["open"]}]
+    assert consumed, "the test needs shards finished before the pause"
+    loaded = []
+    orig = stream_mod.ShardStream._load
+
+    def spy(self, fname):
+        loaded.append((self.epoch, fname))
+        return orig(self, fname)
+
+    monkeypatch.setattr(stream_mod.ShardStream, "_load", spy)
+    r2 = train_pipeline(target, d, str(tmp_path / "b"), _opts(resume=True))
+    assert "stabilize" in r2 and "paused" not in r2
+    assert not [f for e, f in loaded if e == 0 and f in consumed], "resume re-read consumed shards"
+    done = json.load(open(tmp_path / "b" / "stabilize" / "DONE.json"))
+    assert done["steps"] == 16
+    ma = DLiteDrafter.from_pretrained(full["stabilize"]).state_dict()
+    mb = DLiteDrafter.from_pretrained(r2["stabilize"]).state_dict()
+    for k in ma:
+        torch.testing.assert_close(ma[k], mb[k], atol=1e-6, rtol=1e-5, msg=f"{k} differs after resume")
+    info = json.load(open(tmp_path / "b" / "train_info.json"))
+    assert info["streaming"]["window"] == 2 and info["streaming"]["shards"] == 8
