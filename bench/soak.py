@@ -3,7 +3,7 @@
 mixed traffic plus a chaos client, bounded in time and in requests, stopping by itself.
 
     nice python bench/soak.py --minutes 4 --tag short          # a few minutes
-    nice python bench/soak.py --minutes 16 --tag long          # the >= 15 minute run
+    nice python bench/soak.py --minutes 16 --cycles 4 --idle 30 --tag long   # the >= 15 minute run
 
 Traffic: ``--clients`` (default 16) concurrent clients, each looping over a seeded mix of greedy,
 sampled, penalty, json_schema, stop-string, logprob, streaming (native and OpenAI chat) requests,
@@ -11,7 +11,9 @@ explicit aborts (``/abort_request``), client disconnects mid-stream, over-long p
 parameters; plus one chaos client that sends every input of ``python_tests/bad_requests.py`` in a
 loop. Every ``--sample-every`` seconds (default 10) it samples the resident memory (RSS) of the
 scheduler, tokenizer/HTTP and detokenizer processes and the KV pool's used tokens
-(``/v1/loads``). After the load it idles ``--idle`` seconds and reads the KV used tokens again.
+(``/v1/loads``). The load runs in ``--cycles`` cycles; after each it idles ``--idle`` seconds and
+reads the KV tokens in use (must be 0) and the scheduler RSS (a leak keeps growing from one idle
+point to the next; an allocator high-water mark does not).
 
 Output: a table (requests, errors by kind, p50/p99 latency, tokens/s per request kind), the RSS
 slope (MB/min, least squares over the load phase and over its second half: a leak is a slope that
@@ -348,6 +350,42 @@ def chaos(args, base, stats, stop, counter):
         time.sleep(args.chaos_pause)
 
 
+def dlite_metrics(base: str) -> dict:
+    """DLITE's counters from /metrics: mean draft / verify ms per round, rounds, rows, sources, refusals."""
+    import re
+
+    try:
+        text = requests.get(base + "/metrics", timeout=30).text
+    except requests.RequestException:
+        return {}
+
+    def total(name, label=None):
+        vals = [(m.group(1) or "", float(m.group(2))) for m in
+                re.finditer(r"^" + re.escape(name) + r"(\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)]
+        if label is None:
+            return sum(v for _, v in vals)
+        out = defaultdict(float)
+        for labels, v in vals:
+            m = re.search(label + r'="([^"]*)"', labels)
+            out[m.group(1) if m else ""] += v
+        return dict(out)
+
+    out = {}
+    n = total("sglang:dlite_draft_ms_count")
+    if n:
+        out["rounds"] = int(total("sglang:dlite_rounds_total"))
+        out["draft_ms_mean"] = total("sglang:dlite_draft_ms_sum") / n
+        out["verify_ms_mean"] = total("sglang:dlite_verify_ms_sum") / max(1.0, total("sglang:dlite_verify_ms_count"))
+        rows_n = total("sglang:dlite_context_rows_count")
+        out["context_rows_mean"] = total("sglang:dlite_context_rows_sum") / rows_n if rows_n else None
+        out["source_request_rounds"] = total("sglang:dlite_source_rounds_total", "source")
+    out["refused_by_field"] = total("sglang:dlite_refused_requests_total", "field")
+    acc = re.search(r"^sglang:spec_accept_length(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)
+    if acc:
+        out["spec_accept_length"] = float(acc.group(1))
+    return out
+
+
 # ----------------------------------------------------------------------------- analysis
 def slope_mb_per_min(points):
     """Least-squares slope of [(t_s, mb)] in MB/min (None with < 3 points)."""
@@ -397,7 +435,7 @@ def print_table(rows, wall):
           f"{tot['tokens'] / wall if wall else 0:6.2f}")
 
 
-def plot(samples, load_end, path, title):
+def plot(samples, load_ends, path, title):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -418,7 +456,8 @@ def plot(samples, load_end, path, title):
     a2.set_xlabel("minutes since load start")
     a2.grid(alpha=0.3)
     for a in (a1, a2):
-        a.axvline(load_end / 60, color="gray", ls="--", lw=1)
+        for t_end in load_ends:
+            a.axvline(t_end / 60, color="gray", ls="--", lw=1)
     a1.set_title(title)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -434,7 +473,10 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--sample-every", type=float, default=10.0)
-    p.add_argument("--idle", type=float, default=20.0, help="idle seconds after the load before the KV leak check")
+    p.add_argument("--idle", type=float, default=20.0, help="idle seconds after each load cycle before the KV leak check")
+    p.add_argument("--cycles", type=int, default=1,
+                   help="split the load into this many cycles with an idle period after each: RSS sampled after "
+                        "each idle period separates a leak (keeps growing) from an allocator high-water mark (flat)")
     p.add_argument("--chaos-pause", type=float, default=0.2)
     p.add_argument("--threads", type=int, default=1, help="torch/OMP threads of the server")
     p.add_argument("--nice", type=int, default=10)
@@ -465,7 +507,7 @@ def main(argv=None) -> int:
         procs = srv.processes()
         print("processes:", {k: v.pid for k, v in procs.items()}, flush=True)
 
-        stats, stop = Stats(), threading.Event()
+        stats = Stats()
         counter = {"n": 0, "lock": threading.Lock()}
         samples = []
         t_start = time.time()
@@ -484,36 +526,49 @@ def main(argv=None) -> int:
             return s
 
         sample("pre")
-        threads = [threading.Thread(target=client, args=(i, args, srv.base, stats, stop, counter), daemon=True)
-                   for i in range(args.clients)]
-        threads.append(threading.Thread(target=chaos, args=(args, srv.base, stats, stop, counter), daemon=True))
-        for th in threads:
-            th.start()
-        deadline = t_start + 60 * args.minutes
         bar = tqdm(total=int(60 * args.minutes), unit="s", desc="soak", mininterval=5)
-        died = False
-        while time.time() < deadline and any(th.is_alive() for th in threads[:-1]):
-            time.sleep(min(args.sample_every, max(0.1, deadline - time.time())))
-            s = sample("load")
-            bar.update(min(int(s["t"]) - bar.n, bar.total - bar.n))
-            bar.set_postfix(req=s["requests"], sched_mb=f"{s.get('scheduler_mb') or 0:.0f}", kv=s["kv_used_tokens"])
-            if srv.proc.poll() is not None:
+        died, wall, load_ends, idle_points, kv_checks = False, 0.0, [], [], []
+        per_cycle = 60 * args.minutes / args.cycles
+        for cycle in range(args.cycles):
+            stop = threading.Event()
+            threads = [threading.Thread(target=client, args=(i + 100 * cycle, args, srv.base, stats, stop, counter),
+                                        daemon=True) for i in range(args.clients)]
+            threads.append(threading.Thread(target=chaos, args=(args, srv.base, stats, stop, counter), daemon=True))
+            t_load = time.time()
+            for th in threads:
+                th.start()
+            deadline = t_load + per_cycle
+            while time.time() < deadline and any(th.is_alive() for th in threads[:-1]):
+                time.sleep(min(args.sample_every, max(0.1, deadline - time.time())))
+                s = sample("load")
+                bar.update(max(0, min(int(wall + time.time() - t_load) - bar.n, bar.total - bar.n)))
+                bar.set_postfix(cycle=cycle + 1, req=s["requests"], sched_mb=f"{s.get('scheduler_mb') or 0:.0f}",
+                                kv=s["kv_used_tokens"])
+                if srv.proc.poll() is not None:
+                    died = True
+                    break
+            stop.set()
+            for th in threads:
+                th.join(660)
+            wall += time.time() - t_load
+            load_ends.append(time.time() - t_start)
+            if died or not srv.alive():
                 died = True
                 break
+            # idle, keep sampling, then the leak check of this cycle
+            t_idle = time.time()
+            while time.time() - t_idle < args.idle:
+                time.sleep(min(args.sample_every, args.idle))
+                last_idle = sample("idle")
+            idle_points.append((last_idle["t"], last_idle.get("scheduler_mb")))
+            kv_checks.append(kv_used_tokens(srv.base))
+            if counter["n"] >= args.max_requests:
+                break
         bar.close()
-        stop.set()
-        for th in threads:
-            th.join(660)
-        load_end = time.time() - t_start
-        wall = load_end
-        alive_after_load = not died and srv.alive()
-        # idle, keep sampling, then the leak check
-        t_idle = time.time()
-        while alive_after_load and time.time() - t_idle < args.idle:
-            time.sleep(min(args.sample_every, args.idle))
-            sample("idle")
-        kv_after_idle = kv_used_tokens(srv.base) if alive_after_load else None
-        alive_end = alive_after_load and srv.alive()
+        load_end = load_ends[-1] if load_ends else 0.0
+        kv_after_idle = kv_checks[-1] if kv_checks else None
+        alive_end = not died and srv.alive()
+        dlite = dlite_metrics(srv.base) if alive_end else {}
 
         rows = table(stats, wall)
         print_table(rows, wall)
@@ -522,27 +577,38 @@ def main(argv=None) -> int:
         pre = next((s.get("scheduler_mb") for s in samples if s["phase"] == "pre"), None)
         last = samples[-1].get("scheduler_mb") if samples else None
         slope_all, slope_half = slope_mb_per_min(load_pts), slope_mb_per_min(half)
-        print(f"\nscheduler RSS: pre-load {pre or 0:.0f} MB, end {last or 0:.0f} MB; slope {slope_all if slope_all is not None else float('nan'):+.2f} "
-              f"MB/min over the load, {slope_half if slope_half is not None else float('nan'):+.2f} MB/min over its second half")
-        print(f"KV tokens in use after {args.idle:.0f} s idle: {kv_after_idle}")
+        idle_pts = [pt for pt in idle_points if pt[1]]
+        slope_idle = slope_mb_per_min(idle_pts)
+
+        def f(x):
+            return f"{x:+.2f}" if x is not None else "n/a"
+
+        print(f"\nscheduler RSS: pre-load {pre or 0:.0f} MB, end {last or 0:.0f} MB; slope {f(slope_all)} MB/min over the "
+              f"load, {f(slope_half)} MB/min over its second half; after each idle period: "
+              f"{[round(m) for _, m in idle_pts]} MB (slope {f(slope_idle)} MB/min)")
+        print(f"KV tokens in use after each {args.idle:.0f} s idle period: {kv_checks}")
+        if dlite:
+            print("DLITE /metrics: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                                 for k, v in dlite.items()))
         if not alive_end:
             failures.append("the server died:\n" + srv.tail(2000))
         if stats.failures:
             failures.append(f"{len(stats.failures)} failed requests, first: {stats.failures[:5]}")
-        if kv_after_idle is None and alive_end:
+        if any(k is None for k in kv_checks) and alive_end:
             failures.append("could not read the KV used tokens after idle")
-        elif kv_after_idle:
-            failures.append(f"KV leak: {kv_after_idle} tokens still in use after {args.idle:.0f} s idle")
+        elif any(kv_checks):
+            failures.append(f"KV leak: tokens still in use after {args.idle:.0f} s idle: {kv_checks}")
         result = dict(
             config=dict(vars(args), torch_threads=args.threads, host=platform.node(), python=platform.python_version(),
                         server_cmd=srv.cmd),
-            wall_s=wall, requests=len(stats.records), table=rows, samples=samples,
-            scheduler_rss=dict(pre_mb=pre, end_mb=last, slope_mb_per_min=slope_all, slope_second_half_mb_per_min=slope_half),
-            kv_used_after_idle=kv_after_idle, server_alive=alive_end, failures=[str(f)[:2000] for f in failures],
-            failed_requests=stats.failures[:50], passed=not failures,
+            wall_s=wall, requests=len(stats.records), table=rows, samples=samples, load_ends_s=load_ends,
+            scheduler_rss=dict(pre_mb=pre, end_mb=last, slope_mb_per_min=slope_all, slope_second_half_mb_per_min=slope_half,
+                               after_idle_mb=[m for _, m in idle_pts], slope_after_idle_mb_per_min=slope_idle),
+            kv_used_after_idle=kv_checks, dlite_metrics=dlite, server_alive=alive_end,
+            failures=[str(x)[:2000] for x in failures], failed_requests=stats.failures[:50], passed=not failures,
         )
-        plot(samples, load_end, png, f"soak {args.tag}: {len(stats.records)} requests, {args.clients} clients + chaos, "
-                                      f"{args.minutes:g} min (dashed: load end)")
+        plot(samples, load_ends, png, f"soak {args.tag}: {len(stats.records)} requests, {args.clients} clients + chaos, "
+                                      f"{args.minutes:g} min in {args.cycles} load cycle(s) (dashed: load ends)")
     finally:
         srv.stop()
     out.write_text(json.dumps(result, indent=1, default=str))

@@ -256,6 +256,7 @@ def test_server_still_answers_after_bad_inputs(server):
 
 def test_metrics_serve_dlite_and_spec_counters(server):
     base, proc, log, _ = server
+    assert requests.post(base + "/generate", json={"text": " "}, timeout=60).status_code == 400
     r = requests.post(base + "/generate", timeout=300, json={
         "text": ["Count to ten:", "List three fruits:"], "sampling_params": {"temperature": 0, "max_new_tokens": 24}})
     assert r.status_code == 200, r.text
@@ -279,4 +280,6 @@ def test_metrics_serve_dlite_and_spec_counters(server):
     sources = dict(re.findall(r'^sglang:dlite_source_rounds_total\{[^}]*source="([^"]+)"[^}]*\} ([0-9.e+]+)$', text, re.M))
     assert sources and sum(float(v) for v in sources.values()) >= rounds
     assert value("sglang:spec_verify_calls_total") >= 1  # sglang's own spec counter is there too
+    assert re.search(r'^sglang:dlite_refused_requests_total\{[^}]*endpoint="/generate"[^}]*field="text"[^}]*\} [1-9]',
+                     text, re.M), "the guards' refusal counter"
     _alive(base, proc, log)

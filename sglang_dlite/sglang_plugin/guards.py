@@ -367,6 +367,23 @@ def error_body(message: str, param: Optional[str] = None) -> dict:
     return {"object": "error", "message": message, "type": "BadRequestError", "param": param, "code": 400}
 
 
+_OPENAI_FIELDS = {"messages", "prompt", "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs",
+                  "temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p",
+                  "stop", "stream", "response_format", "model"}
+
+
+def metric_field(param, known_generate_fields=None, known_sampling_params=None) -> str:
+    """A bounded label for the refused field (a client's unknown field names never become labels)."""
+    if not param:
+        return "body"
+    parts = re.sub(r"\[\d+\]", "", str(param)).split(".")
+    if parts[0] == "sampling_params" and len(parts) > 1:
+        known = set(known_sampling_params or ()) | set(_NUM_PARAMS + _INT_PARAMS + _STR_PARAMS) | {"stop", "stop_token_ids"}
+        return f"sampling_params.{parts[1]}" if parts[1] in known else "sampling_params.unknown"
+    known = set(known_generate_fields or ()) | _OPENAI_FIELDS
+    return parts[0] if parts[0] in known else "unknown_field"
+
+
 # ----------------------------------------------------------------------------- ASGI middleware
 class RequestGuardMiddleware:
     """Pure ASGI: checks the guarded routes' JSON bodies before FastAPI sees them, and scrubs the
@@ -400,6 +417,13 @@ class RequestGuardMiddleware:
                               known_sampling_params=self.known_sampling_params)
                 check_token_range(scope["path"], body, self.vocab_size() if self.vocab_size else None)
             except RequestRefused as exc:
+                try:
+                    from .metrics import record_refusal
+
+                    record_refusal(scope["path"], metric_field(exc.param, self.known_generate_fields,
+                                                              self.known_sampling_params))
+                except Exception:  # pragma: no cover - metrics must never break a refusal
+                    pass
                 return await self._refuse(send, sanitize_message(exc), exc.param, stream)
 
         delivered = False

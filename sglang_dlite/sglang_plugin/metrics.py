@@ -9,6 +9,8 @@ Metrics (prometheus names; sglang's multiprocess collector serves them from the 
 - ``sglang:dlite_context_rows``    histogram: valid context rows (0..C) per request at draft time
 - ``sglang:dlite_rounds_total``    counter: decode rounds (batch steps) drafted
 - ``sglang:dlite_source_rounds_total{source}``  counter: request-rounds drafted by each source
+- ``sglang:dlite_refused_requests_total{endpoint,field}``  counter (HTTP process): requests the
+  request guards (``guards.py``) refused with a 400 before they reached sglang
 
 API for drafting code (e.g. a hybrid suffix-lookup / DLite drafter), safe to call always::
 
@@ -62,6 +64,29 @@ def enable(num_context_positions: int = 8) -> bool:
         source=Counter("sglang:dlite_source_rounds", "Request-rounds drafted, by drafting source.", ["source"]),
     )
     return True
+
+
+_refusals = None  # the HTTP process's refusal counter: None = not created yet, False = metrics off
+
+
+def record_refusal(endpoint: str, field) -> None:
+    """Count one request refused by the request guards (HTTP process; no-op without metrics).
+    ``field`` must come from a bounded set (guards.metric_field), never raw client input."""
+    global _refusals
+    if _refusals is False:
+        return
+    if _refusals is None:
+        try:
+            from prometheus_client import Counter
+
+            if not metrics_requested(None):
+                raise ImportError
+        except ImportError:
+            _refusals = False
+            return
+        _refusals = Counter("sglang:dlite_refused_requests", "Requests refused by DLITE's request guards (HTTP 400).",
+                            ["endpoint", "field"])
+    _refusals.labels(endpoint=endpoint, field=field or "body").inc()
 
 
 def record_source(name: str, n: int = 1) -> None:
