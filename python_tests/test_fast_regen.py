@@ -37,7 +37,7 @@ class FakeHelper:
         return [self.SEP] + list(user)
 
 
-def hf_greedy_conv(model, conv, eos, max_new, max_len):
+def hf_greedy_conv(model, conv, eos, max_new, max_len, continue_truncated=False):
     """The reference: HF's float32 forward, batch 1, no cache, argmax token by token, with the
     same turn rules as the regenerators."""
     seq = list(conv["users"][0])
@@ -47,6 +47,8 @@ def hf_greedy_conv(model, conv, eos, max_new, max_len):
     for t in range(len(conv["users"])):
         if t > 0:
             suf = [FakeHelper.SEP] + list(conv["users"][t])
+            if seq[-1] != eos:  # continue_truncated: close the cut turn (not a label)
+                suf = [eos] + suf
             if len(seq) + len(suf) + 16 >= max_len:
                 break
             seq += suf
@@ -59,18 +61,19 @@ def hf_greedy_conv(model, conv, eos, max_new, max_len):
             mask.append(1)
             if nxt == eos:
                 break
-        if seq[-1] != eos:
+        if seq[-1] != eos and not continue_truncated:
             break
     return seq, mask
 
 
-def _fast(model, eos, batch_size, max_new=24, max_len=256, dtype=torch.float32, layers=LAYERS):
+def _fast(model, eos, batch_size, max_new=24, max_len=256, dtype=torch.float32, layers=LAYERS, continue_truncated=False):
     fr = FastRegenerator.__new__(FastRegenerator)  # the tokenizer helper replaced by FakeHelper
     fr.helper = FakeHelper(eos)
     fr.eos, fr.max_new, fr.max_len = eos, max_new, max_len
     fr.capture = list(layers)
     fr.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=fr.capture)
     fr.batch_size, fr.sort_window, fr.new_tokens, fr.L1 = batch_size, 64, 0, len(layers) + 1
+    fr.continue_truncated = continue_truncated
     return fr
 
 
@@ -131,6 +134,21 @@ def test_fast_text_equals_hf_fp32_greedy(tiny, batch_size):
     assert n_eos_turns >= 2, "the test should exercise turns that end by EOS"
     assert any(len(c["users"]) > 1 and s.count(FakeHelper.SEP) >= 1 for c, s in zip(convs, seqs)), "no multi-turn case"
     assert fr.new_tokens == sum(sum(m) for m in masks)
+
+
+def test_continue_truncated_turns(tiny):
+    """With continue_truncated a turn cut by max_new_tokens is closed by a non-label EOS and the
+    conversation goes on (HF reference with the same rule)."""
+    convs, eos = _convs(tiny, 6, seed=5)
+    fr = _fast(tiny, eos, 3, max_new=6, continue_truncated=True)
+    seqs, masks, feats = fr.run(convs)
+    closed = 0
+    for c, s, m, f in zip(convs, seqs, masks, feats):
+        assert (s, m) == hf_greedy_conv(tiny, c, eos, 6, fr.max_len, continue_truncated=True)
+        assert s.count(FakeHelper.SEP) == len(c["users"]) - 1  # every turn was reached
+        closed += sum(1 for j in range(len(s)) if s[j] == eos and m[j] == 0)
+        assert len(f) == len(s) - 1
+    assert closed >= 1
 
 
 def test_fast_features_equal_hf_hidden_states(tiny):

@@ -209,7 +209,7 @@ class FastRegenerator:
     ``tokenizer_helper``: a ``gen_data.Regenerator`` (its prompt/turn rendering is reused)."""
 
     def __init__(self, model, tok, max_new_tokens=256, max_len=2048, max_user_tokens=1024, capture_layers=None,
-                 batch_size=32, dtype=torch.float32, sort_window=64):
+                 batch_size=32, dtype=torch.float32, sort_window=64, continue_truncated=False):
         from .gen_data import Regenerator
 
         self.helper = Regenerator(model, tok, max_new_tokens, max_len, max_user_tokens, capture_layers=None)
@@ -217,6 +217,10 @@ class FastRegenerator:
         self.capture = list(capture_layers) if capture_layers else []
         self.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=self.capture)
         self.batch_size, self.sort_window = batch_size, sort_window
+        # A turn cut by max_new_tokens ends the conversation (Regenerator's rule), or, with
+        # continue_truncated, is closed with an end-of-turn token that is not a training label
+        # (mask 0) and the conversation goes on (long multi-turn contexts from a rambling target).
+        self.continue_truncated = continue_truncated
         self.new_tokens = 0
         self.L1 = len(self.capture) + 1
 
@@ -245,12 +249,15 @@ class FastRegenerator:
     def _next_turn(self, row: _Row, slot: int) -> bool:
         """After a finished turn: append the next user turn to the slot (prefill only the new ids).
         Returns False if the conversation is over."""
-        if row.seq[-1] != self.eos:
+        closed = row.seq[-1] == self.eos
+        if not closed and not getattr(self, "continue_truncated", False):
             return False  # truncated turn: the conversation ends here
         row.turn += 1
         if row.turn >= len(row.conv["users"]):
             return False
         suf = self.helper.turn_suffix(row.conv["users"][row.turn])
+        if not closed:
+            suf = [self.eos] + list(suf)  # close the cut turn (mask 0: not generated)
         if len(row.seq) + len(suf) + 16 >= self.max_len:
             return False
         start = len(row.seq) - 1  # the turn's last token (EOS) has not been fed yet

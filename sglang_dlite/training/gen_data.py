@@ -543,6 +543,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated target layers whose outputs to cache as training features "
                         "(default: DLiteConfig's proportional choice, 10,12 for 30 layers)")
     p.add_argument("--no-features", action="store_true", help="do not capture target features while generating")
+    p.add_argument("--continue-truncated-turns", action="store_true",
+                   help="fast engine: a turn cut by --max-new-tokens is closed with <|im_end|> (not a training label) "
+                        "and the conversation continues (default: it ends there); gives agent traces their long contexts")
     p.add_argument("--min-free-gb", type=float, default=10.0,
                    help="fast engine: claim no new shard while the output disk has less free space (GB); rerun later")
     p.add_argument("--engine", choices=("fast", "hf"), default="fast",
@@ -621,7 +624,7 @@ def recipe_of(args, target_path) -> dict:
         "decoding": {"temperature": args.temperature, "top_p": args.top_p, "greedy": args.temperature <= 0},
         "max_new_tokens_per_turn": args.max_new_tokens, "max_len": args.max_len,
         "max_turns": args.max_turns, "max_user_tokens": args.max_user_tokens,
-        "shard_size": args.shard_size,
+        "shard_size": args.shard_size, "continue_truncated_turns": getattr(args, "continue_truncated_turns", False),
         "engine": ("transformers.generate (batched, left padding, fp32)" if getattr(args, "engine", "hf") == "hf"
                    else f"fast_regen (static KV cache, continuous batching, {getattr(args, 'dtype', 'float32')})"),
         "stdlib_split": "sha256('dlite-train-stdlib:'+relpath) % 2 == 0, minus every module the agent-stdlib eval conversations read",
@@ -759,7 +762,8 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     do_relabel = args.relabel or dtype != torch.float32
     gen = FastRegenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens,
-                          capture_layers=None if do_relabel else layers, batch_size=args.batch_size, dtype=dtype)
+                          capture_layers=None if do_relabel else layers, batch_size=args.batch_size, dtype=dtype,
+                          continue_truncated=getattr(args, "continue_truncated_turns", False))
     t0 = time.time()
     budget_s = None if getattr(args, "budget_min", None) is None else args.budget_min * 60
     pending = {}
