@@ -166,3 +166,32 @@ def test_train_resume_mid_run_equals_uninterrupted_run(shard_dir, target, tmp_pa
         torch.testing.assert_close(ma[k], mb[k], atol=1e-6, rtol=1e-5, msg=f"{k} differs after resume")
     info = json.load(open(tmp_path / "b" / "train_info.json"))
     assert info["streaming"]["window"] == 2 and info["streaming"]["shards"] == 8
+
+
+def test_training_json_written_and_read_back_by_the_card(shard_dir, target, tmp_path):
+    """training.json lands beside the model's config.json (data + run + held-out tau with CI),
+    the export copies it, and the model card renders it."""
+    from sglang_dlite.training import model_card
+    from sglang_dlite.training.recipe import export, summarize
+    from sglang_dlite.training.train import train_pipeline
+
+    d, layers, files = shard_dir
+    out = tmp_path / "run"
+    done = train_pipeline(target, d, str(out), _opts(steps={"teacher": 0, "distill": 0, "stabilize": 6}))
+    mdir = done["stabilize"]
+    assert os.path.isfile(os.path.join(mdir, "config.json"))
+    t = model_card.read_training_json(mdir)
+    assert t["data"]["sequences"] == 16 and t["data"]["generated_tokens"] == 16 * 30
+    assert t["run"]["steps"] == 6 and t["run"]["final_stage"] == "stabilize" and t["run"]["wall_s"] > 0
+    h = t["run"]["heldout_tau"]
+    assert h["ci95"][0] <= h["mean"] <= h["ci95"][1] and h["anchors"] > 0
+    assert t["run"]["epochs"] is not None and t["run"]["options"]["stream_window"] == 2
+    s = summarize(str(out), d)
+    dest = tmp_path / "export"
+    export(mdir, str(dest), model_card.render_card(s))
+    assert model_card.read_training_json(str(dest)) == t
+    # re-rendering the card from the export reads training.json back
+    model_card.main(["--run", str(out), "--data", d, "--dest", str(dest)])
+    card = open(dest / "README.md").read()
+    assert "## Training record (`training.json`)" in card
+    assert "16 sequences" in card and f"{h['mean']:.3f}" in card and "95 % CI" in card

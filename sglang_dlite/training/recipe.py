@@ -114,6 +114,7 @@ def summarize_run(out_dir: str) -> dict:
         tr = [r for r in recs if r.get("stage") == st and "loss" in r]
         if ev:
             s["final_eval"][st] = {k: ev[-1][k] for k in ("tau_proxy", "acc_per_pos", "eval_anchors")}
+            s["final_eval"][st].update({k: ev[-1][k] for k in ("tau_ci95", "epochs") if k in ev[-1]})
             s["final_eval"][st].update({k: v for k, v in ev[-1].items() if k.startswith("engine_")})
         if tr:
             s["final_eval"].setdefault(st, {})["final_loss"] = round(tr[-1]["loss"], 4)
@@ -159,6 +160,8 @@ def export(model_dir: str, dest: str, card: str, data_dir: Optional[str] = None,
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     m.save_pretrained(tmp, dtype=torch.bfloat16)
+    if os.path.isfile(os.path.join(model_dir, "training.json")):  # the run's data/steps/tau record (train.py)
+        shutil.copy(os.path.join(model_dir, "training.json"), os.path.join(tmp, "training.json"))
     with open(os.path.join(tmp, "README.md"), "w") as f:
         f.write(card)
     if os.path.exists(dest):
@@ -182,6 +185,9 @@ def run(args) -> int:
     final = os.path.join(out, "stabilize", "model")
     summary = summarize(out, args.data)
     summary["wall_s"] = {"gen_data_this_run": round(t1 - t0, 1), "train_this_run": round(t2 - t1, 1)}
+    from .model_card import read_training_json
+
+    summary["training"] = read_training_json(final)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
     dest = args.export or os.path.join(out, "dlite-smollm2-135m")

@@ -101,6 +101,7 @@ class FeatureData:
         if anchor_tokens not in ANCHOR_TOKENS:
             raise DLiteInputError(f"anchor_tokens must be one of {', '.join(ANCHOR_TOKENS)}, not {anchor_tokens!r}.")
         self.anchor_tokens = anchor_tokens
+        self.data_dir = data_dir
         man = read_manifest(data_dir)
         shards = man.get("shards", [])
         if shard_files is not None:  # a subset (the streaming trainer's held-out view)
@@ -310,7 +311,10 @@ def evaluate(model: DLiteDrafter, data: FeatureData, groups, autocast) -> dict:
     model.eval()
     tau, acc = greedy_scores(model, data, groups, autocast)
     model.train()
-    return {"tau_proxy": float(tau.mean()), "acc_per_pos": [round(x, 4) for x in acc], "eval_anchors": int(len(tau))}
+    half = 1.96 * float(tau.std()) / math.sqrt(len(tau)) if len(tau) > 1 else 0.0
+    m = float(tau.mean())
+    return {"tau_proxy": m, "tau_ci95": [round(m - half, 4), round(m + half, 4)], "acc_per_pos": [round(x, 4) for x in acc],
+            "eval_anchors": int(len(tau))}
 
 
 def lr_at(step: int, total: int, base: float, warmup: int, min_ratio: float = 0.1) -> float:
@@ -592,7 +596,8 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
             bar.total = total
         if (step % opts.eval_every == 0 or step >= total) and is_main():
             ev = evaluate(model, data, egroups, autocast)
-            rec = {"stage": spec.name, "step": step, **ev}
+            rec = {"stage": spec.name, "step": step, **ev,
+                   **({"epochs": round(stream.epochs_done, 4)} if stream is not None else {})}
             if opts.engine_eval is not None and step >= total and spec.name in opts.engine_eval_stages:
                 rec.update(opts.engine_eval(model, spec.name, step) or {})
             _log(out_dir, rec)
@@ -613,6 +618,11 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
         with open(os.path.join(sdir, "DONE.json"), "w") as f:
             json.dump({"steps": step, "wall_s": round(wall_used, 1), "loss": spec.loss, "lr": spec.lr,
                        "history": cfg.history, "processes": _DIST["world"]}, f)
+        if getattr(data, "data_dir", None):  # training.json beside the model's config.json
+            from .model_card import training_record, write_training_json
+            from .recipe import summarize
+
+            write_training_json(os.path.join(sdir, "model"), training_record(summarize(out_dir, data.data_dir), spec.name))
         plot_curves(out_dir)
     _barrier()
     return model
