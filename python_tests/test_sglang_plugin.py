@@ -229,54 +229,8 @@ def test_serve_wrapper_explains_disabled_plugin(tiny, monkeypatch):
         serve.build_command(args)
 
 
-# ------------------------------------------------------------------ accept rules of the worker
-def _accept(drafts, logits, sampling_info, seed=0):
-    import torch
-
-    from sglang_dlite.sglang_plugin.worker import DLiteWorker
-
-    dummy = types.SimpleNamespace(_rng=torch.Generator().manual_seed(seed))
-    return DLiteWorker._accept(dummy, drafts, logits, sampling_info)
-
-
-def test_greedy_accept_is_longest_matching_prefix():
-    import torch
-
-    V, K = 11, 4
-    target = torch.tensor([[3, 4, 5, 6, 7], [3, 9, 5, 6, 7], [1, 1, 1, 1, 2]])
-    logits = torch.nn.functional.one_hot(target, V).float() * 5
-    drafts = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 6], [0, 1, 1, 1]])
-    a, bonus = _accept(drafts, logits, None)
-    assert a.tolist() == [4, 1, 0] and bonus.tolist() == [7, 9, 1]
-
-
-def test_rejection_sampling_preserves_target_distribution():
-    """Emitted token after one round == a sample of the target's (temperature, top-p, top-k)
-    distribution, whatever the (deterministic) draft; greedy rows (top_k=1) stay argmax."""
-    import torch
-
-    torch.manual_seed(0)
-    V, K, N = 6, 3, 40000
-    row = torch.randn(K + 1, V) * 1.5
-    logits = row[None].expand(N, -1, -1).clone()
-    drafts = torch.tensor([[2, 0, 5]]).expand(N, -1).clone()
-    info = types.SimpleNamespace(
-        is_all_greedy=False, temperatures=torch.full((N, 1), 0.7), top_ps=torch.full((N,), 0.9),
-        top_ks=torch.full((N,), 5, dtype=torch.int64))
-    a, bonus = _accept(drafts, logits, info)
-    first = torch.where(a > 0, drafts[:, 0], bonus)  # the first emitted token
-    from sglang_dlite.sglang_plugin.worker import _top_k_top_p
-
-    p = _top_k_top_p(torch.softmax(row[None, :1] / 0.7, -1), torch.tensor([5]), torch.tensor([0.9]))[0, 0]
-    emp = torch.bincount(first, minlength=V).float() / N
-    assert torch.allclose(emp, p, atol=0.012), (emp, p)
-    # greedy requests inside a sampled batch: top_k = 1 -> plain argmax acceptance
-    info.top_ks = torch.ones(N, dtype=torch.int64)
-    info.temperatures = torch.ones(N, 1)
-    a2, b2 = _accept(drafts[:8], logits[:8], types.SimpleNamespace(
-        is_all_greedy=False, temperatures=torch.ones(8, 1), top_ps=torch.ones(8), top_ks=torch.ones(8, dtype=torch.int64)))
-    ga, gb = _accept(drafts[:8], logits[:8], None)
-    assert a2.tolist() == ga.tolist() and b2.tolist() == gb.tolist()
+# The worker's accept rules (greedy prefix, sampled law with penalties) are tested in
+# test_verify_logits.py.
 
 
 def test_plugin_never_loads_the_cpu_standins():

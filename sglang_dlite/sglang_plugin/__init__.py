@@ -9,7 +9,9 @@ sglang_dlite.sglang_plugin:register``. sglang calls ``register()`` in the launch
    parses every draft-model path with ``AutoConfig``;
 3. registers ``DLITE`` with ``SpeculativeAlgorithm.register`` (overlap scheduling supported);
 4. hooks the target's CUDA-graph runner so TARGET_VERIFY graphs are captured with hidden-state
-   capture for DLITE (``get_spec_info``); without it verify would run eagerly on CUDA.
+   capture for DLITE (``get_spec_info``); without it verify would run eagerly on CUDA;
+5. hooks the scheduler's per-request validation so requests DLITE cannot serve
+   (``return_hidden_states``) get a 400 with a message instead of a wrong answer.
 
 No sglang source is edited. The CPU-only test stand-ins (``cpu_support/sglang_cpu``) are never
 loaded from here.
@@ -50,6 +52,19 @@ def _get_spec_info_hook(original, runner, *args, **kwargs):
     return original(runner, *args, **kwargs)
 
 
+def _validate_request_hook(original, scheduler, req, *args, **kwargs):
+    """AROUND hook on Scheduler.validate_dllm_request (the scheduler's per-request check whose
+    message aborts the request with 400): DLITE refuses what it cannot serve
+    (``verify_logits.request_error``)."""
+    msg = original(scheduler, req, *args, **kwargs)
+    algo = getattr(scheduler, "spec_algorithm", None)
+    if msg is None and getattr(algo, "name", None) == ALGORITHM_NAME:
+        from .verify_logits import request_error
+
+        msg = request_error(req)
+    return msg
+
+
 def register() -> None:
     """sglang plugin entry point (idempotent)."""
     global _registered
@@ -88,6 +103,16 @@ def register() -> None:
         )
     except Exception as exc:  # pragma: no cover - only matters on CUDA
         logger.warning("DLITE: could not hook the CUDA-graph verify spec info (%s); verify runs eagerly.", exc)
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(
+            "sglang.srt.managers.scheduler.Scheduler.validate_dllm_request",
+            _validate_request_hook,
+            HookType.AROUND,
+        )
+    except Exception as exc:  # pragma: no cover - sglang moved the per-request check
+        logger.warning("DLITE: could not hook the scheduler's request validation (%s).", exc)
     try:  # request guards + client-readable errors (issue 18): launcher / tokenizer process only
         from .guards import register_hooks
 

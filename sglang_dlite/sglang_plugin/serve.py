@@ -58,15 +58,67 @@ def build_command(args) -> tuple[list, dict]:
             )
         check_plugin_enabled()
         cmd += ["--speculative-algorithm", "DLITE", "--speculative-draft-model-path", draft]
+    extra = list(args.sglang_args or [])
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
     if args.cpu:
         from ..cpu_launch import SERVER_CPU_ARGS, cpu_environ
 
         env.update(cpu_environ())
-        cmd += SERVER_CPU_ARGS
-    extra = list(args.sglang_args or [])
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
+        defaults, note = cpu_serving_defaults(target, extra)
+        if note:
+            print(note, file=sys.stderr, flush=True)
+        cmd += defaults + SERVER_CPU_ARGS
     return cmd + extra, env
+
+
+KV_RAM_FRACTION = 0.10  # of the machine's RAM, for the float32 KV pool of `serve --cpu`
+
+
+def _machine_ram_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 16 << 30
+
+
+def kv_bytes_per_token(model_path: str, dtype_bytes: int = 4) -> int:
+    """K and V of every layer for one token (float32 on the CPU stack)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    text = getattr(cfg, "get_text_config", lambda: cfg)()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+
+
+def cpu_serving_defaults(target: str, extra: list, ram_bytes: "int | None" = None) -> tuple[list, str]:
+    """CPU defaults a new user should not have to know: a KV pool sized to this machine (sglang's
+    own CPU default takes most of free RAM: 346 k tokens / 15 GB for the bundled target on a 24 GB
+    machine) and an idle scheduler that sleeps instead of polling a core. Anything the user
+    passes after ``--`` wins. Returns (arguments, note to print)."""
+    out, notes = [], []
+    if "--max-total-tokens" not in extra and not any(a.startswith("--max-total-tokens=") for a in extra):
+        ram = ram_bytes or _machine_ram_bytes()
+        try:
+            per_token = kv_bytes_per_token(target)
+        except Exception:  # no readable config: a small, safe pool
+            per_token = None
+        if per_token:
+            tokens = int(KV_RAM_FRACTION * ram // per_token) // 1024 * 1024
+            tokens = max(4096, min(tokens, 262144))
+            size = f"{tokens * per_token / 2**30:.1f} GiB float32, {per_token // 1024} KiB/token"
+        else:
+            tokens, size = 32768, "size unknown"
+        out += ["--max-total-tokens", str(tokens)]
+        notes.append(f"KV pool: {tokens} tokens ({size}; {KV_RAM_FRACTION:.0%} of this machine's "
+                     f"{ram / 2**30:.0f} GiB RAM). Change it with: sglang-dlite serve --cpu -- --max-total-tokens N")
+    if "--sleep-on-idle" not in extra:
+        out.append("--sleep-on-idle")
+        notes.append("the idle scheduler sleeps (--sleep-on-idle) instead of polling a core")
+    return out, ("sglang-dlite serve --cpu: " + "; ".join(notes)) if notes else ""
 
 
 def run(args) -> int:

@@ -50,7 +50,9 @@ class DLiteSpecAlgo(CustomSpecAlgo):
         return False
 
     def supports_grammar_overlap(self) -> bool:
-        return False
+        # The worker builds the grammar masks inside verify after calling the scheduler's grammar
+        # barrier (verify_logits.grammar_mask), as DFlash does: grammar requests keep overlap.
+        return True
 
     def handle_server_args(self, server_args) -> None:
         """num_draft_tokens W = K + 1 (anchor + all K drafts, from the checkpoint) unless the user
@@ -136,5 +138,84 @@ def validate_server_args(server_args) -> None:
     if model_path and os.path.isdir(model_path):
         hidden, vocab, layers, mtype = _target_dims(model_path)
         config.check_target(hidden_size=hidden, vocab_size=vocab, num_layers=layers)
+        check_capture_layers(config.target_layer_ids, layers)
+        check_attention_only_target(model_path)
     if getattr(server_args, "tp_size", 1) not in (None, 1):
         raise DLiteConfigError("DLITE supports --tp-size 1 only in this release.")
+    check_deployment(server_args)
+
+
+def check_capture_layers(layer_ids, num_layers: int) -> None:
+    """sglang captures the *output* of a decoder layer for the drafter, and never the last one
+    (its output is the final hidden state, which the capture hooks do not see)."""
+    from ..errors import DLiteConfigError
+
+    bad = [i for i in layer_ids if not 0 <= int(i) <= num_layers - 2]
+    if bad:
+        raise DLiteConfigError(
+            f"this DLite drafter reads target layers {list(layer_ids)}, but sglang can capture only "
+            f"layers 0..{num_layers - 2} of this {num_layers}-layer target (layer ids {bad} are out of "
+            "range; the last layer's output is never captured). Use a drafter trained with "
+            f"--target-layers inside 0..{num_layers - 2} (the default recipe's are)."
+        )
+
+
+# Targets whose decoder keeps a recurrent (Mamba / linear-attention) state besides the KV cache:
+# DLITE's chain verify advances that state over rejected drafts and never rolls it back.
+_HYBRID_MODEL_TYPES = {
+    "mamba", "mamba2", "jamba", "zamba", "zamba2", "falcon_h1", "nemotron_h", "granitemoehybrid",
+    "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "minimax", "minimax_m1", "kimi_linear",
+    "bamba", "plamo2", "hunyuan_v1_dense_hybrid", "olmo3_2_hybrid", "recurrent_gemma",
+}
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "global", "local", "chunked_attention"}
+
+
+def hybrid_reason(text_config) -> "str | None":
+    """Why this (HF text) config is a hybrid recurrent/attention target, or None."""
+    mtype = str(getattr(text_config, "model_type", "") or "").lower()
+    if mtype in _HYBRID_MODEL_TYPES or "mamba" in mtype:
+        return f"model_type {mtype!r}"
+    types = getattr(text_config, "layer_types", None) or getattr(text_config, "layers_block_type", None)
+    if isinstance(types, (list, tuple)):
+        other = sorted({str(t) for t in types} - _ATTENTION_LAYER_TYPES)
+        if other:
+            return f"layer types {other}"
+    return None
+
+
+def check_attention_only_target(model_path: str) -> None:
+    from transformers import AutoConfig
+
+    from ..errors import DLiteConfigError
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    text = getattr(cfg, "get_text_config", lambda: cfg)()
+    reason = hybrid_reason(text)
+    if reason is not None:
+        raise DLiteConfigError(
+            f"DLITE does not support targets with Mamba / linear-attention state ({model_path!r}: {reason}): "
+            "its chain verify would leave that state advanced over rejected drafts. Serve this model "
+            "without --speculative-algorithm, or with --speculative-algorithm EAGLE / DFLASH / NGRAM, "
+            "which commit the recurrent state after verify."
+        )
+
+
+def check_deployment(server_args) -> None:
+    """Deployment modes the DLITE worker does not implement: refused at launch."""
+    from ..errors import DLiteConfigError
+
+    pp = getattr(server_args, "pp_size", 1)
+    if pp not in (None, 1):
+        raise DLiteConfigError(
+            f"DLITE does not support pipeline parallelism (--pp-size {pp}): its worker runs the whole "
+            "target in one stage. Use --pp-size 1 (scale out with more replicas, --dp-size), or serve "
+            "without --speculative-algorithm DLITE."
+        )
+    mode = getattr(server_args, "disaggregation_mode", "null")
+    if mode not in (None, "null"):
+        raise DLiteConfigError(
+            f"DLITE does not support prefill/decode disaggregation (--disaggregation-mode {mode}): "
+            "the DLITE drafter state (context hidden states) is not transferred from the prefill "
+            "server. Serve without --disaggregation-mode (one server does both), or use "
+            "--speculative-algorithm EAGLE / EAGLE3 for disaggregated serving."
+        )

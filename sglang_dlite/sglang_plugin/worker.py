@@ -13,8 +13,10 @@ Round (decode batch):
   2. verify : one TARGET_VERIFY forward over [anchor, d_1..d_K] (W = K + 1 tokens per request),
               written to the W KV slots the scheduler reserved (``eagle_prepare_for_decode``),
               capturing the drafter's target layers (FULL capture).
-  3. accept : greedy longest prefix, or rejection sampling (temperature / top-p / top-k) against
-              the deterministic draft; the bonus token comes from the target.
+  3. accept : every sglang logits adjustment on all W rows (penalties with the drafts counted,
+              grammar mask, logit_bias, custom processors: ``verify_logits.py``), then the longest
+              prefix of drafts equal to the target's per-row choice (argmax, or sglang's sampler:
+              top-k/top-p/min-p, per-request seeds); the bonus token comes from the target.
   4. carry  : new context = last C rows of [old context, verify rows 0..a] (anchor + accepted).
 Rejected slots need no cleanup: the next round overwrites them (chain, no KV moves).
 """
@@ -35,6 +37,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from ..errors import DLiteConfigError
 from ..model import DLiteDrafter
 from . import metrics as dlite_metrics
+from . import verify_logits
 from .info import DLiteDraftInput, DLiteVerifyInput
 
 logger = logging.getLogger(__name__)
@@ -50,6 +53,32 @@ def _target_parts(model):
     if lm_head is None or not hasattr(lm_head, "weight"):
         raise DLiteConfigError(f"DLITE: {type(model).__name__} exposes no lm_head.weight.")
     return embed.weight, lm_head.weight
+
+
+def _check_target_supported(model_runner, cfg, server_args) -> None:
+    """Launch-time refusals the launcher's validate_server_args may not see (Engine args built
+    in-process, a model config only sglang resolves): capture layers, recurrent-state targets,
+    pipeline parallel / PD disaggregation."""
+    from .spec import check_capture_layers, check_deployment, hybrid_reason
+
+    hf = model_runner.model_config.hf_text_config
+    check_capture_layers(cfg.target_layer_ids, hf.num_hidden_layers)
+    check_deployment(server_args)
+    reason = hybrid_reason(hf)
+    if reason is None:
+        try:
+            from sglang.srt.configs.hybrid_arch import mambaish_config
+
+            if mambaish_config(model_runner.model_config) is not None:
+                reason = "sglang runs it with a Mamba / linear-attention state pool"
+        except ImportError:  # pragma: no cover - moved in another sglang release
+            pass
+    if reason is not None:
+        raise DLiteConfigError(
+            f"DLITE does not support targets with Mamba / linear-attention state ({reason}): its chain "
+            "verify would leave that state advanced over rejected drafts. Serve this model without "
+            "--speculative-algorithm, or with EAGLE / DFLASH / NGRAM, which commit the state after verify."
+        )
 
 
 class _DrafterCudaGraphs:
@@ -119,6 +148,7 @@ class DLiteWorker(BaseSpecWorker):
         cfg = drafter.config
         cfg.check_target(hidden_size=hf.hidden_size, vocab_size=hf.vocab_size,
                          num_layers=hf.num_hidden_layers)
+        _check_target_supported(self.model_runner, cfg, server_args)
         if cfg.history_window != 0:
             raise DLiteConfigError(
                 f"DLITE serves history-free drafters only; {path!r} has history={cfg.history!r} "
@@ -151,8 +181,6 @@ class DLiteWorker(BaseSpecWorker):
         # Must run before the target's CUDA graphs are captured (init_cuda_graphs comes later).
         model.set_dflash_layers_to_capture(list(cfg.target_layer_ids))
         self._graphs: Optional[_DrafterCudaGraphs] = None
-        self._rng = torch.Generator(device=self.device)
-        self._rng.manual_seed(int(getattr(server_args, "random_seed", 0) or 0))
         self._metrics = dlite_metrics.worker_timer(server_args, self.device, self.C,  # None unless --enable-metrics
                                                    getattr(self.model_runner, "tp_rank", 0))
         logger.info(
@@ -218,45 +246,22 @@ class DLiteWorker(BaseSpecWorker):
                 return out.clone()
         return self.drafter.propose(ctx.contiguous(), valid, anchors, num_drafts=self.K).tokens
 
-    def _accept(self, drafts: torch.Tensor, logits: torch.Tensor, sampling_info):
-        """drafts [B, K], logits [B, W, V] -> (accepted count a [B], bonus [B])."""
-        bs, K = drafts.shape
-        greedy = sampling_info is None or getattr(sampling_info, "is_all_greedy", True)
-        if greedy:
-            pred = logits.argmax(-1)  # [B, W]
-            match = (drafts == pred[:, :K]).to(torch.int64)
-            a = torch.cumprod(match, dim=1).sum(1)
-            bonus = pred.gather(1, a[:, None]).squeeze(1)
-            return a, bonus
-        # Rejection sampling against a deterministic draft (q = one-hot): accept d_j with
-        # probability p_j(d_j); on the first rejection sample from p_j with d_j removed; if all
-        # K are accepted, the bonus is sampled from p_K. Exactly the target's distribution.
-        # Greedy requests in a mixed batch have top_k = 1, so p is one-hot and this is argmax.
-        temps = sampling_info.temperatures.view(bs, 1, 1).float()
-        probs = torch.softmax(logits.float() / temps, dim=-1)
-        probs = _top_k_top_p(probs, sampling_info.top_ks.view(bs), sampling_info.top_ps.view(bs))
-        p_draft = probs[:, :K].gather(2, drafts[..., None]).squeeze(2)  # [B, K]
-        u = torch.rand((bs, K), generator=self._rng, device=logits.device)
-        acc = (u < p_draft).to(torch.int64)
-        a = torch.cumprod(acc, dim=1).sum(1)
-        rows = probs[torch.arange(bs, device=logits.device), a]  # [B, V]
-        rejected = a < K
-        if bool(rejected.any()):
-            d = drafts.gather(1, torch.clamp(a, max=K - 1)[:, None]).squeeze(1)
-            resid = rows.clone()
-            resid[torch.arange(bs, device=logits.device), d] = 0.0
-            total = resid.sum(-1, keepdim=True)
-            resid = torch.where(total > 0, resid / total.clamp_min(1e-30), rows)
-            rows = torch.where(rejected[:, None], resid, rows)
-        bonus = torch.multinomial(rows, 1, generator=self._rng).squeeze(1)
-        return a, bonus
+    def _accept(self, drafts: torch.Tensor, logits: torch.Tensor, batch, prefix_lens):
+        """drafts [B, K], processed logits [B, W, V] -> (accepted count a [B], bonus [B]):
+        argmax, or sglang's own sampler per row (verify_logits.accept)."""
+        info = batch.sampling_info
+        sample_rows = None
+        if not verify_logits.is_all_greedy(info):
+            sample_rows = verify_logits.sglang_row_sampler(self.model_runner.sampler, info, self.W, prefix_lens,
+                                                           inplace=not batch.return_logprob)
+        return verify_logits.accept(drafts, logits, sample_rows)
 
     # ------------------------------------------------------------------ the forward
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None,
                                  pp_proxy_tensors=None) -> GenerationBatchResult:
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             return self._forward_extend(batch, on_publish, pp_proxy_tensors)
-        return self._forward_decode(batch, on_publish)
+        return self._forward_decode(batch, on_publish, grammar_barrier)
 
     @torch.no_grad()
     def _forward_extend(self, batch, on_publish, pp_proxy_tensors):
@@ -274,6 +279,9 @@ class DLiteWorker(BaseSpecWorker):
         if hidden is None:
             raise RuntimeError("DLITE: the target returned no captured hidden states in prefill.")
         state = self._prefill_state(hidden, batch.extend_lens)
+        seq_lens_host = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
+        verify_logits.on_extend(batch.reqs, out.next_token_ids, seq_lens_host.tolist(),
+                                int(batch.sampling_info.vocab_size))
         out.logits_output.hidden_states = None  # keep them off the CPU copy
         out.next_draft_input = DLiteDraftInput(
             bonus_tokens=out.next_token_ids.to(torch.int64), hidden_states=state,
@@ -282,9 +290,13 @@ class DLiteWorker(BaseSpecWorker):
         return out
 
     @torch.no_grad()
-    def _forward_decode(self, batch, on_publish):
+    def _forward_decode(self, batch, on_publish, grammar_barrier=None):
         draft_input = batch.spec_info
-        if batch.forward_mode.is_idle() or draft_input is None or len(batch.reqs) == 0:
+        if draft_input is None and not batch.forward_mode.is_idle() and len(batch.reqs) > 0:
+            raise RuntimeError(
+                f"DLITE: a decode batch of {len(batch.reqs)} requests carries no DLITE draft state "
+                "(batch.spec_info is None): it was not prefilled through the DLITE worker.")
+        if batch.forward_mode.is_idle() or len(batch.reqs) == 0:
             empty = self._idle_input()
             if on_publish is not None:
                 on_publish(empty.new_seq_lens)
@@ -309,6 +321,7 @@ class DLiteWorker(BaseSpecWorker):
         if rt is not None:
             rt.mark()
         block = torch.cat([anchors[:, None], drafts], dim=1)  # [B, W]
+        grammar_tree = verify_logits.grammar_tree(batch, block)  # host copy starts before verify
 
         # 2) verify
         from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
@@ -341,13 +354,16 @@ class DLiteWorker(BaseSpecWorker):
             rt.mark()
         logits = logits_output.next_token_logits.view(bs, W, -1)
 
-        # 3) accept
-        a, bonus = self._accept(drafts, logits, batch.sampling_info)
+        # 3) accept: penalties / grammar / logit_bias / custom processors on all W rows, then choose
+        gmask = verify_logits.grammar_mask(batch, grammar_tree, logits.device, grammar_barrier)
+        verify_logits.process(logits_output.next_token_logits, W, batch, block, prefix_lens, gmask)
+        a, bonus = self._accept(drafts, logits, batch, prefix_lens)
         commit_lens = (a + 1).to(torch.int32)
         out_tokens = torch.zeros((bs, W), dtype=torch.int64, device=device)
         out_tokens[:, :K] = drafts
         out_tokens.scatter_(1, a[:, None], bonus[:, None])
         new_seq_lens = prefix_lens + commit_lens.to(prefix_lens.dtype)
+        verify_logits.commit(batch.reqs, out_tokens, a)
 
         if batch.return_logprob:
             from sglang.srt.layers.logprob_processor import compute_spec_logprobs
@@ -383,16 +399,3 @@ class DLiteWorker(BaseSpecWorker):
             new_seq_lens=new_seq_lens,
         )
 
-
-def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """probs [B, W, V]; per-request top-k (int) and top-p (float) filters, renormalized."""
-    sorted_p, idx = probs.sort(dim=-1, descending=True)
-    V = probs.shape[-1]
-    rank = torch.arange(V, device=probs.device)[None, None, :]
-    k = top_ks.to(probs.device).clamp(min=1, max=V).view(-1, 1, 1)
-    cum = sorted_p.cumsum(-1)
-    keep = (rank < k) & ((cum - sorted_p) <= top_ps.to(probs.device).view(-1, 1, 1).float())
-    keep[..., 0] = True
-    sorted_p = sorted_p * keep
-    out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-    return out / out.sum(-1, keepdim=True)
