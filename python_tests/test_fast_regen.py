@@ -72,6 +72,8 @@ def _fast(model, eos, batch_size, max_new=24, max_len=256, dtype=torch.float32, 
     fr.eos, fr.max_new, fr.max_len = eos, max_new, max_len
     fr.capture = list(layers)
     fr.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=fr.capture)
+    fr.engine.k.fill_(float("nan"))  # the cache is allocated unfilled: nothing unwritten may be read
+    fr.engine.v.fill_(float("nan"))
     fr.batch_size, fr.sort_window, fr.new_tokens, fr.L1 = batch_size, 64, 0, len(layers) + 1
     fr.continue_truncated = continue_truncated
     return fr

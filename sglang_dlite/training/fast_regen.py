@@ -76,8 +76,11 @@ class FastLlama:
         self.head = hf_model.get_output_embeddings().weight.detach().to(d).contiguous()
         self.I = self.layers[0]["wgu"].shape[0] // 2
         self.slots, self.max_len = slots, max_len
-        self.k = torch.zeros(self.nl, slots, self.kvh, max_len, self.hd, dtype=d)
-        self.v = torch.zeros_like(self.k)
+        # Allocated, not filled: a slot's positions are zeroed (or written) only up to the longest
+        # context its attention reads (``hw``), so memory grows with the contexts actually decoded.
+        self.k = torch.empty(self.nl, slots, self.kvh, max_len, self.hd, dtype=d)
+        self.v = torch.empty_like(self.k)
+        self.hw = [0] * slots
 
     # ------------------------------------------------------------------ pieces
     def _rms(self, x, w):
@@ -129,6 +132,7 @@ class FastLlama:
             q, k = self._rot(q, cos, sin), self._rot(k, cos, sin)
             self.k[li, slot, :, start:S] = k.transpose(0, 1)
             self.v[li, slot, :, start:S] = v.transpose(0, 1)
+            self.hw[slot] = max(self.hw[slot], S)
             K = self.k[li, slot, :, :S][None]  # [1, kvh, S, hd]
             V = self.v[li, slot, :, :S][None]
             qh = q.transpose(0, 1)[None]  # [1, nh, T, hd]
@@ -159,6 +163,11 @@ class FastLlama:
         S = int(pos.max()) + 1
         valid = (torch.arange(S)[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, S]
         rows = torch.arange(B)
+        for b in range(B):  # the masked tail [pos_b + 1, S) of a shorter row is read too: never garbage
+            if self.hw[b] < S:
+                self.k[:, b, :, self.hw[b]:S] = 0
+                self.v[:, b, :, self.hw[b]:S] = 0
+                self.hw[b] = S
         caps = [None] * (len(self.capture) + 1)
         for li, p in enumerate(self.layers):
             h = self._rms(x, p["ln1"])
@@ -187,6 +196,7 @@ class FastLlama:
     def move_slot(self, src: int, dst: int, length: int):
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self.hw[dst] = max(self.hw[dst], length)
 
 
 class _Row:
