@@ -344,7 +344,12 @@ class DLiteWorker(BaseSpecWorker):
             host = seq_lens_cpu_backup + W
             batch.seq_lens_cpu = host
             batch.seq_lens_sum = int(host.sum())
-        fb, _ = verify_input.prepare_for_verify(batch, self._target_worker)
+        # Attention metadata is planned once per verify: eager TARGET_VERIFY plans it inside the
+        # target's forward (eager_runner._execute_extend re-plans every verify), so plan here only
+        # for a CUDA-graph replay.
+        fb, can_graph = verify_input.prepare_for_verify(batch, self._target_worker, defer_metadata_init=True)
+        if can_graph:
+            self.model_runner.decode_cuda_graph_runner.load_batch(fb)
         batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu_backup, seq_lens_sum_backup
         target_out = self._target_worker.forward_batch_generation(
             batch=None, forward_batch=fb, is_verify=True,
