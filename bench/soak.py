@@ -398,6 +398,51 @@ def slope_mb_per_min(points):
     return None if den == 0 else 60.0 * sum((t - mt) * (y - my) for t, y in points) / den
 
 
+def rss_summary(samples, load_ends) -> dict:
+    """Scheduler RSS over the run: slopes over the load (all / second half / after the first,
+    warm-up cycle), the RSS after each idle period, and the median / max under load per cycle.
+    Prints one paragraph; ``python bench/soak.py --summary RUN.json`` reprints it for a run."""
+    def pts(phase, after=0.0):
+        return [(s["t"], s["scheduler_mb"]) for s in samples if s["phase"] == phase and s.get("scheduler_mb")
+                and s["t"] > after]
+
+    load = pts("load")
+    end = load_ends[-1] if load_ends else (load[-1][0] if load else 0.0)
+    warm = load_ends[0] if len(load_ends) > 1 else 0.0
+    idle_after = []
+    for i, t_end in enumerate(load_ends):
+        nxt = load_ends[i + 1] if i + 1 < len(load_ends) else float("inf")
+        ps = [pt for pt in pts("idle", t_end) if pt[0] < nxt]
+        if ps:
+            idle_after.append(ps[-1])
+    cycles = []
+    for i, t_end in enumerate(load_ends):
+        lo = load_ends[i - 1] if i else 0.0
+        xs = sorted(m for t, m in load if lo < t <= t_end)
+        if xs:
+            cycles.append(dict(median_mb=xs[len(xs) // 2], max_mb=xs[-1]))
+    out = dict(
+        pre_mb=next((s.get("scheduler_mb") for s in samples if s["phase"] == "pre"), None),
+        end_mb=samples[-1].get("scheduler_mb") if samples else None,
+        slope_mb_per_min=slope_mb_per_min(load),
+        slope_second_half_mb_per_min=slope_mb_per_min([pt for pt in load if pt[0] >= end / 2]),
+        slope_after_warmup_cycle_mb_per_min=slope_mb_per_min(pts("load", warm)) if warm else None,
+        after_idle_mb=[m for _, m in idle_after],
+        slope_after_idle_mb_per_min=slope_mb_per_min(idle_after),
+        per_cycle=cycles,
+    )
+
+    def f(x):
+        return f"{x:+.2f}" if x is not None else "n/a"
+
+    print(f"\nscheduler RSS: pre-load {out['pre_mb'] or 0:.0f} MB, end {out['end_mb'] or 0:.0f} MB; slope "
+          f"{f(out['slope_mb_per_min'])} MB/min over the load, {f(out['slope_second_half_mb_per_min'])} over its "
+          f"second half, {f(out['slope_after_warmup_cycle_mb_per_min'])} after the first (warm-up) cycle; after each "
+          f"idle period {[round(m) for m in out['after_idle_mb']]} MB (slope {f(out['slope_after_idle_mb_per_min'])} "
+          f"MB/min); per cycle under load median/max {[(round(c['median_mb']), round(c['max_mb'])) for c in cycles]} MB")
+    return out
+
+
 def pct(xs, q):
     if not xs:
         return float("nan")
@@ -489,7 +534,14 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="short")
     p.add_argument("--out", default=None, help="JSON (default artifacts/soak/TAG.json)")
     p.add_argument("--plot", default=None, help="PNG (default bench/plots/soak_TAG.png)")
+    p.add_argument("--summary", default=None, metavar="RUN.json", help="reprint the table and RSS summary of a run")
     args = p.parse_args(argv)
+    if args.summary:
+        run = json.loads(Path(args.summary).read_text())
+        print_table(run["table"], run["wall_s"])
+        rss_summary(run["samples"], run.get("load_ends_s") or [])
+        print(f"KV tokens in use after idle: {run['kv_used_after_idle']}; passed: {run['passed']}")
+        return 0 if run["passed"] else 1
     out = Path(args.out or REPO / "artifacts" / "soak" / f"{args.tag}.json")
     png = Path(args.plot or REPO / "bench" / "plots" / f"soak_{args.tag}.png")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -572,20 +624,7 @@ def main(argv=None) -> int:
 
         rows = table(stats, wall)
         print_table(rows, wall)
-        load_pts = [(s["t"], s["scheduler_mb"]) for s in samples if s["phase"] == "load" and s.get("scheduler_mb")]
-        half = [pt for pt in load_pts if pt[0] >= load_end / 2]
-        pre = next((s.get("scheduler_mb") for s in samples if s["phase"] == "pre"), None)
-        last = samples[-1].get("scheduler_mb") if samples else None
-        slope_all, slope_half = slope_mb_per_min(load_pts), slope_mb_per_min(half)
-        idle_pts = [pt for pt in idle_points if pt[1]]
-        slope_idle = slope_mb_per_min(idle_pts)
-
-        def f(x):
-            return f"{x:+.2f}" if x is not None else "n/a"
-
-        print(f"\nscheduler RSS: pre-load {pre or 0:.0f} MB, end {last or 0:.0f} MB; slope {f(slope_all)} MB/min over the "
-              f"load, {f(slope_half)} MB/min over its second half; after each idle period: "
-              f"{[round(m) for _, m in idle_pts]} MB (slope {f(slope_idle)} MB/min)")
+        rss = rss_summary(samples, load_ends)
         print(f"KV tokens in use after each {args.idle:.0f} s idle period: {kv_checks}")
         if dlite:
             print("DLITE /metrics: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
@@ -602,8 +641,7 @@ def main(argv=None) -> int:
             config=dict(vars(args), torch_threads=args.threads, host=platform.node(), python=platform.python_version(),
                         server_cmd=srv.cmd),
             wall_s=wall, requests=len(stats.records), table=rows, samples=samples, load_ends_s=load_ends,
-            scheduler_rss=dict(pre_mb=pre, end_mb=last, slope_mb_per_min=slope_all, slope_second_half_mb_per_min=slope_half,
-                               after_idle_mb=[m for _, m in idle_pts], slope_after_idle_mb_per_min=slope_idle),
+            scheduler_rss=rss,
             kv_used_after_idle=kv_checks, dlite_metrics=dlite, server_alive=alive_end,
             failures=[str(x)[:2000] for x in failures], failed_requests=stats.failures[:50], passed=not failures,
         )

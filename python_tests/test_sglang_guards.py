@@ -155,6 +155,25 @@ def test_metrics_api_counts_rounds_and_sources():
     assert val("sglang:dlite_verify_ms_sum") - v0 < 9.0
 
 
+def test_serve_cpu_fixes_the_malloc_mmap_threshold(tmp_path, monkeypatch):
+    """The soak's fix: a fixed glibc mmap threshold keeps the CPU scheduler's RSS flat; a value
+    the caller set is kept."""
+    import argparse
+
+    from sglang_dlite.sglang_plugin import serve
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    args = p.parse_args(["--model-path", str(tmp_path), "--no-spec", "--cpu", "--dry-run"])
+    assert serve.build_command(args)[1]["MALLOC_MMAP_THRESHOLD_"] == "131072"
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
+    assert serve.build_command(args)[1]["MALLOC_MMAP_THRESHOLD_"] == "4096"
+    args = p.parse_args(["--model-path", str(tmp_path), "--no-spec", "--dry-run"])
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert "MALLOC_MMAP_THRESHOLD_" not in serve.build_command(args)[1]  # CUDA deployments: untouched
+
+
 # ----------------------------------------------------------------------------- one real server
 def _free_port() -> int:
     with socket.socket() as s:

@@ -15,6 +15,9 @@ import subprocess
 import sys
 
 
+CPU_MALLOC_MMAP_THRESHOLD = 128 * 1024  # bytes: glibc's default start value, kept fixed
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default="default", help="target HF checkpoint folder ('default': bundled SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None, help="DLite checkpoint folder (default: the shipped drafter)")
@@ -65,6 +68,11 @@ def build_command(args) -> tuple[list, dict]:
         from ..cpu_launch import SERVER_CPU_ARGS, cpu_environ
 
         env.update(cpu_environ())
+        # glibc's dynamic mmap threshold keeps freed large tensor buffers on the heap: the CPU
+        # scheduler's RSS then climbs ~200 MB under varied batches and never comes back
+        # (bench/soak.py). A fixed threshold returns them to the OS (RSS flat); a value the
+        # caller set wins.
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(CPU_MALLOC_MMAP_THRESHOLD))
         defaults, note = cpu_serving_defaults(target, extra)
         if note:
             print(note, file=sys.stderr, flush=True)
