@@ -480,6 +480,11 @@ def print_table(rows, wall):
           f"{tot['tokens'] / wall if wall else 0:6.2f}")
 
 
+def plot_title(tag, n_requests, cfg) -> str:
+    return (f"soak {tag}: {n_requests} requests, {cfg['clients']} clients + chaos,\n"
+            f"{cfg['minutes']:g} min of load in {cfg.get('cycles', 1)} cycle(s) (dashed lines: ends of load)")
+
+
 def plot(samples, load_ends, path, title):
     import matplotlib
 
@@ -503,7 +508,7 @@ def plot(samples, load_ends, path, title):
     for a in (a1, a2):
         for t_end in load_ends:
             a.axvline(t_end / 60, color="gray", ls="--", lw=1)
-    a1.set_title(title)
+    a1.set_title(title, fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -540,6 +545,9 @@ def main(argv=None) -> int:
         run = json.loads(Path(args.summary).read_text())
         print_table(run["table"], run["wall_s"])
         rss_summary(run["samples"], run.get("load_ends_s") or [])
+        if args.plot:  # re-render the run's plot
+            ends = run.get("load_ends_s") or [max((s["t"] for s in run["samples"] if s["phase"] == "load"), default=0)]
+            plot(run["samples"], ends, args.plot, plot_title(run["config"]["tag"], run["requests"], run["config"]))
         print(f"KV tokens in use after idle: {run['kv_used_after_idle']}; passed: {run['passed']}")
         return 0 if run["passed"] else 1
     out = Path(args.out or REPO / "artifacts" / "soak" / f"{args.tag}.json")
@@ -645,8 +653,7 @@ def main(argv=None) -> int:
             kv_used_after_idle=kv_checks, dlite_metrics=dlite, server_alive=alive_end,
             failures=[str(x)[:2000] for x in failures], failed_requests=stats.failures[:50], passed=not failures,
         )
-        plot(samples, load_ends, png, f"soak {args.tag}: {len(stats.records)} requests, {args.clients} clients + chaos, "
-                                      f"{args.minutes:g} min in {args.cycles} load cycle(s) (dashed: load ends)")
+        plot(samples, load_ends, png, plot_title(args.tag, len(stats.records), vars(args)))
     finally:
         srv.stop()
     out.write_text(json.dumps(result, indent=1, default=str))
