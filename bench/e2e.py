@@ -2,17 +2,25 @@
 
     python bench/e2e.py --engine sglang --workload agent-stdlib --concurrency 1,4,16 --out RESULT.json
 
-For every mode (``dlite``, ``dlite:W``, ``ngram``, ``ngram:W``, ``nospec``) one sglang Engine is started (start-up is not timed) and
+For every mode (``dlite``, ``dlite:W``, ``hybrid[:W]``, ``dlite-only[:W]``, ``ngram``, ``ngram:W``, ``nospec``) one
+sglang Engine is started (start-up is not timed) and
 the same requests (every recorded turn of the first ``--max-convs`` conversations of the
 workload, rendered with the target's chat template) are run greedily at each concurrency:
 ``c`` requests in flight at a time (asyncio, ``Engine.async_generate``). Reported per
 (mode, concurrency): output tokens/s (all output tokens / wall time), mean latency per request,
-tau (completion tokens / verify rounds), and whether the speculative outputs equal the
+tau (completion tokens / verify rounds), the share of rounds per drafting source (hybrid modes: the
+worker's lookup trace), and whether the speculative outputs equal the
 no-speculation outputs (they must, greedy). ``ngram`` is sglang's own prompt-lookup drafter (its
 trie corpus, tree verify; W = 8 draft tokens by default): the training-free peer. Its corpus keeps
 the outputs of earlier levels (``flush_cache`` flushes the radix cache, not the corpus), and every
 level replays the same requests, so only the FIRST level of an ngram mode is a clean measurement. ``--engine reference`` runs the HF reference
 engine instead (concurrency 1 only).
+
+DLITE modes: ``dlite`` is DLITE's default drafting, which is hybrid (DLite + the per-request suffix
+lookup, chosen per request every round); ``hybrid`` says so explicitly; ``dlite-only`` turns the
+lookup off (``SGLANG_DLITE_LOOKUP=0``: DLite alone, the previous release's drafting). The suffix
+lookup indexes only the request's own tokens (prompt + its output so far): a replayed request
+never sees its own recorded answer, and nothing carries over between requests or levels.
 
 Noise: on a 2-core machine one run's tokens/s moves by 10-15 % (the scheduler's two torch threads
 share the cores with the tokenizer and detokenizer processes). ``--repeats R`` runs every mode R
@@ -65,8 +73,10 @@ def parse_args(argv=None):
     p.add_argument("--draft", default=None, help="DLite checkpoint (default: the shipped drafter)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--modes", default="dlite,nospec",
-                   help="dlite (verify all K drafts), dlite:W (verify the anchor + the first W-1 drafts, "
-                        "= --speculative-num-draft-tokens W), ngram[:W] (sglang's NGRAM, default W=8), nospec")
+                   help="dlite (DLITE default drafting = hybrid, verify all K drafts), dlite:W (verify the anchor + "
+                        "the first W-1 drafts, = --speculative-num-draft-tokens W), hybrid[:W] (the same, lookup on "
+                        "explicitly), dlite-only[:W] (lookup off: DLite alone), ngram[:W] (sglang's NGRAM, default "
+                        "W=8), nospec")
     p.add_argument("--dtype", default="bfloat16",
                    help="target (and drafter) dtype, the same for every mode: bfloat16 (default; on a CPU with "
                         "avx512_bf16/AMX a 4-8 token verify then costs little more than a 1-token decode step), "
@@ -114,21 +124,34 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype):
 
     kw = dict(dtype=dtype, max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
     spec, _, w = mode.partition(":")
-    if spec not in ("dlite", "ngram", "nospec"):
-        raise SystemExit(f"unknown mode {mode!r}: dlite[:W], ngram[:W] or nospec")
+    if spec not in ("dlite", "hybrid", "dlite-only", "ngram", "nospec"):
+        raise SystemExit(f"unknown mode {mode!r}: dlite[:W], hybrid[:W], dlite-only[:W], ngram[:W] or nospec")
+    lookup = {"hybrid": "1", "dlite-only": "0"}.get(spec, os.environ.get("SGLANG_DLITE_LOOKUP", "1"))
+    is_dlite = spec in ("dlite", "hybrid", "dlite-only")
+    import tempfile
+
+    trace = os.path.join(tempfile.mkdtemp(prefix="dlite_lookup_"), "trace.jsonl")
+    saved_env = {k: os.environ.get(k) for k in ("SGLANG_DLITE_LOOKUP", "SGLANG_DLITE_LOOKUP_TRACE")}
+    os.environ["SGLANG_DLITE_LOOKUP"] = lookup  # read by the scheduler subprocess at start-up
+    os.environ["SGLANG_DLITE_LOOKUP_TRACE"] = trace
     verify_kw = {"speculative_num_draft_tokens": int(w)} if spec != "nospec" and w else {}
     if spec == "ngram":
         verify_kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8, **verify_kw}
     t0 = time.perf_counter()
     if device == "cpu":
-        e = F.start_engine(target, dlite=draft if spec == "dlite" else None, **kw, **verify_kw)
+        e = F.start_engine(target, dlite=draft if is_dlite else None, **kw, **verify_kw)
     else:
         import sglang as sgl
 
         args = dict(model_path=str(target), dtype=dtype, sleep_on_idle=True, max_running_requests=max(levels), random_seed=0, **verify_kw)
-        if spec == "dlite":
+        if is_dlite:
             args.update(speculative_algorithm="DLITE", speculative_draft_model_path=str(draft))
         e = sgl.Engine(**args)
+    for k, v in saved_env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     start_s = time.perf_counter() - t0
     sp = {"temperature": 0.0, "max_new_tokens": max_new}
     rows, outputs = [], {}
@@ -136,7 +159,9 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype):
         e.generate(input_ids=reqs[0][:32], sampling_params={"temperature": 0.0, "max_new_tokens": 4})  # warm-up
         for c in levels:
             e.flush_cache()  # every level starts cold: same prefix-cache behaviour for both modes
+            mark = os.path.getsize(trace) if os.path.exists(trace) else 0
             outs, lat, wall = e.loop.run_until_complete(_run_level(e, reqs, c, sp))
+            shares = _source_share(trace, mark)
             toks = sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
             verify = sum(int(o["meta_info"].get("spec_verify_ct") or 0) for o in outs)
             rows.append({
@@ -146,11 +171,31 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype):
                 "tau": round(toks / verify, 3) if verify else None,
                 "start_up_s": round(start_s, 1),
             })
+            if shares:
+                rows[-1]["source_share"] = shares
             outputs[c] = [list(o["output_ids"]) for o in outs]
             print(json.dumps(rows[-1]), flush=True)
     finally:
         e.shutdown()
     return rows, outputs
+
+
+def _source_share(trace, offset) -> dict:
+    """Share of decode rounds per drafting source in the worker's lookup trace after ``offset``."""
+    if not os.path.exists(trace):
+        return {}
+    cnt = {}
+    with open(trace, encoding="utf-8") as f:
+        f.seek(offset)
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            for s in rec.get("sources") or []:
+                cnt[s] = cnt.get(s, 0) + 1
+    tot = sum(cnt.values())
+    return {k: round(v / tot, 3) for k, v in sorted(cnt.items())} if tot else {}
 
 
 def run_reference(mode, target, draft, reqs, max_new):
@@ -163,13 +208,18 @@ def run_reference(mode, target, draft, reqs, max_new):
 
     model, tok = load_target(str(target))
     d = DLiteDrafter.from_pretrained(draft).bind_hf_target(model)
-    eng = ReferenceEngine(model, DLiteEngineDrafter(d), eos_token_ids=[tok.eos_token_id])
+    drafter = DLiteEngineDrafter(d)
+    if mode.split(":")[0] in ("dlite", "hybrid"):  # DLITE's default drafting: hybrid
+        from sglang_dlite.lookup.drafters import HybridEngineDrafter
+
+        drafter = HybridEngineDrafter(drafter)
+    eng = ReferenceEngine(model, drafter, eos_token_ids=[tok.eos_token_id])
     outs, lat, rounds = [], [], 0
     t0 = time.perf_counter()
     with torch.no_grad():
         for r in reqs:
             t1 = time.perf_counter()
-            g = eng.generate(r, max_new, speculative=mode.startswith("dlite"))
+            g = eng.generate(r, max_new, speculative=mode.split(":")[0] in ("dlite", "hybrid", "dlite-only"))
             lat.append(time.perf_counter() - t1)
             outs.append(g.output_ids)
             rounds += len(g.rounds)

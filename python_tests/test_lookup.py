@@ -266,3 +266,18 @@ def test_dlite_confidence_is_the_softmax_of_its_greedy_draft(tiny_target, varian
             logits = m(ctx, valid, anchor)
     p = torch.softmax(logits.float(), -1)
     assert torch.allclose(withc.confidence, p.gather(-1, withc.tokens[..., None]).squeeze(-1), atol=1e-5)
+
+
+def test_report_plots_tell_series_apart_and_hide_checkpoint_paths():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("report", Path(__file__).resolve().parents[1] / "bench" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    names = ["hybrid", "suffix", "dlite", "ngram"] + [f"x{i}" for i in range(10)]
+    styles = [tuple(sorted(report.series_style(n, i).items())) for i, n in enumerate(names)]
+    assert len(set(styles)) == len(styles)  # 14 series, no two drawn alike
+    assert len({s["color"] for s in (report.series_style(n, i) for i, n in enumerate(names[:12]))}) == 12
+    assert report.display_name("dlite:artifacts/train/run_v2/stabilize/model") == "dlite (run_v2)"
+    assert report.display_name("ngram") == "ngram"

@@ -127,12 +127,15 @@ def test_dlite_qwen3_target(tmp_path_factory):
     assert got == ref
 
 
-def test_real_target_shipped_drafter_rounds_equal_reference():
+def test_real_target_shipped_drafter_rounds_equal_reference(monkeypatch):
     """The default target + the shipped drafter: sglang's DLITE worker and the reference engine
     produce the same tokens in the same number of verify rounds. The round count depends on every
     draft, so a worker that carried the wrong context rows (or none) to the drafter would differ
-    here even though its output stays lossless."""
+    here even though its output stays lossless. With the lookup turned off
+    (SGLANG_DLITE_LOOKUP=0) DLITE drafts with DLite alone: exactly the reference DLite rounds."""
     from sglang_dlite.drafters import shipped_drafter_path
+
+    monkeypatch.setenv("SGLANG_DLITE_LOOKUP", "0")
 
     drafter = shipped_drafter_path()
     if drafter is None:

@@ -35,6 +35,7 @@ from sglang.srt.runtime_context import get_schedule, get_spec
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from ..errors import DLiteConfigError
+from ..lookup.batch import ENV_LOOKUP, ENV_TRACE, BatchLookup, lookup_enabled
 from ..model import DLiteDrafter
 from . import metrics as dlite_metrics
 from . import verify_logits
@@ -88,8 +89,10 @@ class _DrafterCudaGraphs:
     static input buffers (context, validity, anchor) and one output buffer (tokens).
     """
 
-    def __init__(self, drafter: DLiteDrafter, max_bs: int, device, dtype, num_drafts: Optional[int] = None):
+    def __init__(self, drafter: DLiteDrafter, max_bs: int, device, dtype, num_drafts: Optional[int] = None,
+                 with_confidence: bool = False):
         cfg = drafter.config
+        self.with_confidence = with_confidence  # hybrid drafting also reads DLite's confidences
         self.drafter = drafter
         self.buckets = [b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256) if b <= max_bs]
         if not self.buckets or self.buckets[-1] < max_bs:
@@ -106,10 +109,13 @@ class _DrafterCudaGraphs:
         with torch.cuda.stream(stream):
             for bs in reversed(self.buckets):
                 for _ in range(2):  # warm-up outside the graph
-                    drafter.propose(self.ctx[:bs], self.valid[:bs], self.anchor[:bs], num_drafts=num_drafts)
+                    drafter.propose(self.ctx[:bs], self.valid[:bs], self.anchor[:bs], num_drafts=num_drafts,
+                                    return_confidence=with_confidence)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool, stream=stream):
-                    out = drafter.propose(self.ctx[:bs], self.valid[:bs], self.anchor[:bs], num_drafts=num_drafts).tokens
+                    prop = drafter.propose(self.ctx[:bs], self.valid[:bs], self.anchor[:bs], num_drafts=num_drafts,
+                                           return_confidence=with_confidence)
+                    out = (prop.tokens, prop.confidence) if with_confidence else prop.tokens
                 pool = g.pool()
                 self.graphs[bs], self.outs[bs] = g, out
         torch.cuda.current_stream().wait_stream(stream)
@@ -126,6 +132,9 @@ class _DrafterCudaGraphs:
             self.valid[bs:bucket].fill_(False)
             self.anchor[bs:bucket].fill_(0)
         self.graphs[bucket].replay()
+        if self.with_confidence:
+            toks, conf = self.outs[bucket]
+            return toks[:bs], conf[:bs]
         return self.outs[bucket][:bs]
 
 
@@ -183,6 +192,14 @@ class DLiteWorker(BaseSpecWorker):
         self._graphs: Optional[_DrafterCudaGraphs] = None
         self._metrics = dlite_metrics.worker_timer(server_args, self.device, self.C,  # None unless --enable-metrics
                                                    getattr(self.model_runner, "tp_rank", 0))
+        # Hybrid drafting (the default): a per-request suffix lookup beside DLite, chosen per
+        # request every round (sglang_dlite/lookup/). SGLANG_DLITE_LOOKUP=0 turns it off.
+        self.lookup: Optional[BatchLookup] = None
+        if lookup_enabled():
+            self.lookup = BatchLookup(self.K, trace_path=os.environ.get(ENV_TRACE) or None)
+        self._round_lookup = None
+        logger.info("DLITE drafting: %s", "hybrid (DLite + suffix lookup)" if self.lookup is not None
+                    else f"DLite alone ({ENV_LOOKUP}=0)")
         logger.info(
             "DLITE drafter %s: K=%d (verifying %d per round), C=%d, target layers %s, dtype %s", path, self.K_model, self.K, self.C,
             cfg.target_layer_ids, dtype,
@@ -211,7 +228,8 @@ class DLiteWorker(BaseSpecWorker):
         if use:
             max_bs = int(self.model_runner.max_running_requests or 64)
             self._graphs = _DrafterCudaGraphs(self.drafter, min(max_bs, 256), self.device,
-                                              self.model_runner.dtype, num_drafts=self.K)
+                                              self.model_runner.dtype, num_drafts=self.K,
+                                              with_confidence=self.lookup is not None)
             logger.info("DLITE drafter CUDA graphs captured for batch sizes %s", self._graphs.buckets)
 
     def clear_cache_pool(self):
@@ -235,16 +253,44 @@ class DLiteWorker(BaseSpecWorker):
         rows = hidden[idx] * valid[..., None].to(hidden.dtype)  # [B, C, L*H]
         return torch.cat([rows, valid[..., None].to(hidden.dtype)], dim=-1)
 
-    def _draft(self, state: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def _draft(self, state: torch.Tensor, anchors: torch.Tensor, batch=None) -> torch.Tensor:
+        if self.lookup is not None and batch is not None:
+            return self._draft_hybrid(state, anchors, batch)
+        return self._draft_dlite(state, anchors)
+
+    def _draft_hybrid(self, state: torch.Tensor, anchors: torch.Tensor, batch) -> torch.Tensor:
+        """Per request: the suffix lookup, DLite, or DLite's prefix continued by the lookup,
+        whichever is expected to be accepted more (lookup/chooser.py). DLite runs only when some
+        request's lookup is not confident enough to skip it. Same [B, K] drafts for one verify."""
+        seq = batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else None
+        idxs, lookups, need_dlite = self.lookup.begin_round(batch.reqs, anchors.tolist(), seq)
+        d_toks = d_conf = None
+        if need_dlite:
+            d, conf = self._draft_dlite(state, anchors, with_confidence=True)
+            d_toks, d_conf = d.tolist(), conf.float().tolist()
+        drafts, sources = self.lookup.choose(idxs, lookups, d_toks, d_conf)
+        self._round_lookup = (idxs, drafts, sources)
+        return torch.tensor(drafts, dtype=torch.int64, device=self.device).view(len(drafts), self.K)
+
+    def _lookup_commit(self, batch, accepted: torch.Tensor) -> None:
+        if self.lookup is None or self._round_lookup is None:
+            return
+        idxs, drafts, sources = self._round_lookup
+        self._round_lookup = None
+        self.lookup.commit(batch.reqs, idxs, drafts, accepted.tolist(), sources)
+
+    def _draft_dlite(self, state: torch.Tensor, anchors: torch.Tensor, with_confidence: bool = False):
         bs = state.shape[0]
         ctx = state[..., :-1].reshape(bs, self.C, self.L, self.H).permute(0, 2, 1, 3)
         valid = state[..., -1] > 0.5
         anchors = anchors.to(torch.int64)
-        if self._graphs is not None:
+        if self._graphs is not None and self._graphs.with_confidence == with_confidence:
             out = self._graphs.propose(ctx, valid, anchors)
             if out is not None:
-                return out.clone()
-        return self.drafter.propose(ctx.contiguous(), valid, anchors, num_drafts=self.K).tokens
+                return (out[0].clone(), out[1].clone()) if with_confidence else out.clone()
+        prop = self.drafter.propose(ctx.contiguous(), valid, anchors, num_drafts=self.K,
+                                    return_confidence=with_confidence)
+        return (prop.tokens, prop.confidence) if with_confidence else prop.tokens
 
     def _accept(self, drafts: torch.Tensor, logits: torch.Tensor, batch, prefix_lens):
         """drafts [B, K], processed logits [B, W, V] -> (accepted count a [B], bonus [B]):
@@ -279,6 +325,8 @@ class DLiteWorker(BaseSpecWorker):
         if hidden is None:
             raise RuntimeError("DLITE: the target returned no captured hidden states in prefill.")
         state = self._prefill_state(hidden, batch.extend_lens)
+        if self.lookup is not None:
+            self.lookup.on_extend(batch.reqs)
         seq_lens_host = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
         verify_logits.on_extend(batch.reqs, out.next_token_ids, seq_lens_host.tolist(),
                                 int(batch.sampling_info.vocab_size))
@@ -317,7 +365,7 @@ class DLiteWorker(BaseSpecWorker):
 
         rt = self._metrics.start() if self._metrics is not None else None  # --enable-metrics only
         # 1) draft
-        drafts = self._draft(state, anchors).to(torch.int64)  # [B, K] (the first K = W-1 of the chain)
+        drafts = self._draft(state, anchors, batch).to(torch.int64)  # [B, K] (the first K = W-1 of the chain)
         if rt is not None:
             rt.mark()
         block = torch.cat([anchors[:, None], drafts], dim=1)  # [B, W]
@@ -368,6 +416,7 @@ class DLiteWorker(BaseSpecWorker):
         out_tokens[:, :K] = drafts
         out_tokens.scatter_(1, a[:, None], bonus[:, None])
         new_seq_lens = prefix_lens + commit_lens.to(prefix_lens.dtype)
+        self._lookup_commit(batch, a)
         verify_logits.commit(batch.reqs, out_tokens, a)
 
         if batch.return_logprob:
