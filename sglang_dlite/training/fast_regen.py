@@ -36,6 +36,8 @@ class FastLlama:
     """Weights of a HF ``LlamaForCausalLM`` rearranged for batched decoding (fused QKV, fused
     gate/up), plus the static KV cache. Computes what HF's Llama computes, in ``dtype``."""
 
+    ATT_CHUNK = 4
+
     def __init__(self, hf_model, slots: int, max_len: int, dtype=torch.float32, capture_layers=None):
         cfg = hf_model.config
         if getattr(cfg, "model_type", "llama") not in ("llama",):
@@ -160,14 +162,21 @@ class FastLlama:
         x = self.embed[ids]  # [B, H]
         cos, sin = self._rope(pos)
         cos, sin = cos[:, None], sin[:, None]
-        S = int(pos.max()) + 1
-        valid = (torch.arange(S)[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        # Attention runs per chunk of ATT_CHUNK consecutive slots, each to its own longest context
+        # (decode attention is memory-bound: reading every slot's cache to the batch's longest
+        # context wasted ~40 %); neighbouring slots were admitted together, so their lengths are close.
+        plist = pos.tolist()
+        chunks = []
+        for c0 in range(0, B, self.ATT_CHUNK):
+            c1 = min(B, c0 + self.ATT_CHUNK)
+            S = max(plist[c0:c1]) + 1
+            chunks.append((c0, c1, S, (torch.arange(S)[None, :] <= pos[c0:c1, None])[:, None, None, :]))
+            for b in range(c0, c1):  # the masked tail [pos_b + 1, S) of a shorter row is read too: never garbage
+                if self.hw[b] < S:
+                    self.k[:, b, :, self.hw[b]:S] = 0
+                    self.v[:, b, :, self.hw[b]:S] = 0
+                    self.hw[b] = S
         rows = torch.arange(B)
-        for b in range(B):  # the masked tail [pos_b + 1, S) of a shorter row is read too: never garbage
-            if self.hw[b] < S:
-                self.k[:, b, :, self.hw[b]:S] = 0
-                self.v[:, b, :, self.hw[b]:S] = 0
-                self.hw[b] = S
         caps = [None] * (len(self.capture) + 1)
         for li, p in enumerate(self.layers):
             h = self._rms(x, p["ln1"])
@@ -178,9 +187,11 @@ class FastLlama:
             q, k = self._rot(q, cos, sin), self._rot(k, cos, sin)
             self.k[li, rows, :, pos] = k
             self.v[li, rows, :, pos] = v
-            K = self.k[li, :B, :, :S]  # [B, kvh, S, hd] (a view: active rows are slots 0..B-1)
-            V = self.v[li, :B, :, :S]
-            o = F.scaled_dot_product_attention(q[:, :, None], K, V, attn_mask=valid, scale=self.scale, enable_gqa=True)
+            qb = q[:, :, None]  # [B, nh, 1, hd]
+            o = torch.cat([  # K, V: views [rows, kvh, S, hd] (active rows are slots 0..B-1)
+                F.scaled_dot_product_attention(qb[c0:c1], self.k[li, c0:c1, :, :S], self.v[li, c0:c1, :, :S],
+                                               attn_mask=valid, scale=self.scale, enable_gqa=True)
+                for c0, c1, S, valid in chunks], 0)
             o = o.reshape(B, self.nh * self.hd)
             x = x + o @ p["wo"].T
             x = x + self._mlp(self._rms(x, p["ln2"]), p)
