@@ -58,6 +58,9 @@ CASES = {
     "json_schema": {"temperature": 0.0, "json_schema": json.dumps(JSON_SCHEMA), "max_new_tokens": 40},
     "regex": {"temperature": 0.0, "regex": REGEX},
     "ebnf": {"temperature": 0.0, "ebnf": EBNF, "max_new_tokens": 40},
+    # a custom logit processor (sglang's DisallowedTokensLogitsProcessor) on every verify row
+    "custom_processor": {"temperature": 0.0, "custom_params": {"token_ids": [198, 28, 30]},
+                         "_top": "disallowed_tokens_processor"},
 }
 # sampled: random on both servers, so checked for validity only
 SAMPLED = {
@@ -82,7 +85,7 @@ def _start(target, draft, tmp):
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", target, *SERVER_CPU_ARGS,
            "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", "8192",
            "--max-running-requests", "32", "--skip-server-warmup", "--log-level", "warning",
-           "--random-seed", "0", "--sleep-on-idle"]
+           "--random-seed", "0", "--sleep-on-idle", "--enable-custom-logit-processor"]
     if draft:
         cmd += ["--speculative-algorithm", "DLITE", "--speculative-draft-model-path", draft,
                 "--enable-return-hidden-states"]  # so that the request reaches DLITE's refusal
@@ -128,7 +131,12 @@ def _requests(prompts):
     for name, sp in {**CASES, **SAMPLED}.items():
         for i, ids in enumerate(prompts):
             p = {"max_new_tokens": 24, **sp}
-            out.append(((name, i), "/generate", {"input_ids": ids, "sampling_params": p}))
+            body = {"input_ids": ids, "sampling_params": p}
+            if p.pop("_top", None) == "disallowed_tokens_processor":
+                from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
+
+                body["custom_logit_processor"] = DisallowedTokensLogitsProcessor.to_str()
+            out.append(((name, i), "/generate", body))
     for i, choice in enumerate(["required", {"type": "function", "function": {"name": "get_weather"}}]):
         out.append((("tool_call", i), "/v1/chat/completions", {
             "model": "default", "temperature": 0, "max_tokens": 64, "tools": TOOLS, "tool_choice": choice,
@@ -184,6 +192,8 @@ def test_generate_case_identical_to_no_speculation(results, name):
     for i in range(len(MESSAGES)):
         a, b = results["dlite"][(name, i)], results["nospec"][(name, i)]
         assert a["output_ids"] == b["output_ids"], (name, i, a["text"], b["text"])
+    if name == "custom_processor":  # the processor ran on every row DLITE committed
+        assert all(not {198, 28, 30} & set(results["dlite"][(name, i)]["output_ids"]) for i in range(len(MESSAGES)))
     if name != "greedy":
         # the parameter changes the output, so a worker that ignored it would fail above
         changed = [results["nospec"][(name, i)]["output_ids"] != results["nospec"][("greedy", i)]["output_ids"]
