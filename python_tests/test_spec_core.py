@@ -106,10 +106,20 @@ def test_last_rows_of_segments_matches_per_request():
 
 def test_filters():
     logits = torch.randn(3, 50)
-    from sglang_dlite.model import logits_to_probs as model_probs
+
+    def nucleus(logits, t, top_p):  # brute force: smallest most-likely set whose mass reaches top_p
+        out = torch.zeros(logits.shape)
+        for r, row in enumerate(torch.softmax(logits / t, -1)):
+            mass = 0.0
+            for i in row.argsort(descending=True).tolist():
+                if mass > top_p:
+                    break
+                out[r, i] = row[i]
+                mass += float(row[i])
+        return out / out.sum(-1, keepdim=True)
 
     for t, tp in [(0.7, 1.0), (1.0, 0.9), (1.3, 0.05)]:
-        torch.testing.assert_close(spec.logits_to_probs(logits, t, tp), model_probs(logits, t, tp))
+        torch.testing.assert_close(spec.logits_to_probs(logits, t, tp), nucleus(logits, t, tp))
     p = spec.logits_to_probs(logits, 1.0, top_k=5)
     assert ((p > 0).sum(-1) == 5).all() and torch.allclose(p.sum(-1), torch.ones(3))
     probs = torch.softmax(torch.randn(2, 3, 20), -1)

@@ -24,7 +24,7 @@ import torch
 
 from .drafters import DraftRequest, Drafter
 from .errors import DLiteInputError
-from .model import logits_to_probs
+from .spec import chain_rejection_sample, greedy_accept, logits_to_probs
 
 
 @dataclass
@@ -287,11 +287,8 @@ class ReferenceEngine:
         logits = sess.verify([sess.tokens[-1]] + drafts)  # [K+1, V]
         t2 = time.perf_counter()
         if temperature <= 0:
-            target_toks = logits.argmax(-1).tolist()
-            a = 0
-            while a < K and drafts[a] == target_toks[a]:
-                a += 1
-            bonus = target_toks[a]
+            acc, bon = greedy_accept(torch.tensor([drafts], dtype=torch.int64), logits.argmax(-1)[None])
+            a, bonus = int(acc[0]), int(bon[0])
         else:
             p = logits_to_probs(logits, temperature, top_p)
             q = prop.probs[0] if prop.probs is not None else None
@@ -305,30 +302,13 @@ class ReferenceEngine:
 
 def rejection_sample(p: torch.Tensor, q: Optional[torch.Tensor], drafts: list,
                      generator: Optional[torch.Generator] = None):
-    """Standard speculative rejection sampling along a chain.
+    """Standard speculative rejection sampling along one request's chain (the speculative core's
+    ``chain_rejection_sample`` for a batch of one).
 
     p: [K+1, V] target distributions (row j scores the token after anchor+drafts[:j]);
     q: [K, V] the distributions the drafts were sampled from (None: deterministic drafts, i.e.
     one-hot q). Returns (accepted count a, the token that follows the accepted drafts).
     """
-    K = len(drafts)
-    for j in range(K):
-        d = drafts[j]
-        qd = 1.0 if q is None else float(q[j, d])
-        pd = float(p[j, d])
-        u = float(torch.rand((), generator=generator))
-        if qd > 0 and u < min(1.0, pd / qd):
-            continue
-        if q is None:
-            resid = p[j].clone()
-            resid[d] = 0.0
-        else:
-            resid = torch.clamp(p[j] - q[j], min=0.0)
-        total = resid.sum()
-        if total <= 0:  # p == q: cannot happen after a rejection unless numerically degenerate
-            resid = p[j]
-            total = resid.sum()
-        tok = int(torch.multinomial(resid / total, 1, generator=generator))
-        return j, tok
-    tok = int(torch.multinomial(p[K], 1, generator=generator))
-    return K, tok
+    d = torch.tensor([list(drafts)], dtype=torch.int64, device=p.device)
+    a, bonus = chain_rejection_sample(p[None], d, None if q is None else q[None], generator=generator)
+    return int(a[0]), int(bonus[0])

@@ -392,14 +392,5 @@ def load_checkpoint(path: str):
     return _load_checkpoint(path, DLiteConfig)
 
 
-def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """Temperature + top-p (nucleus) filtered distribution, in fp32."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        cum = sorted_p.cumsum(-1)
-        drop = cum - sorted_p > top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+# Temperature + top-p: the speculative core's one definition (re-exported for the drafters).
+from .spec.sampling import logits_to_probs  # noqa: E402,F401
