@@ -13,6 +13,7 @@ from typing import Optional, Protocol
 import torch
 
 from .model import DLiteDrafter, DraftProposal, History
+from .spec.context import last_rows
 
 
 @dataclass
@@ -56,14 +57,10 @@ class DLiteEngineDrafter:
         """Last C positions (left-padded, with a validity mask) + the allowed history."""
         cfg = self.model.config
         C = cfg.num_context_positions
-        L, T, H = req.hidden.shape
+        T = req.hidden.shape[1]
         n = min(C, T)
-        ctx = req.hidden.new_zeros(L, C, H)
-        if n:
-            ctx[:, C - n:] = req.hidden[:, T - n:]
+        ctx, valid = last_rows(req.hidden, C)  # [L, C, H], [C]
         dev = req.hidden.device
-        valid = torch.zeros(C, dtype=torch.bool, device=dev)
-        valid[C - n:] = True
         history = None
         offset = req.hidden_end - C
         w = cfg.history_window
