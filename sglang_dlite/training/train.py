@@ -661,8 +661,13 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
     if is_main():
         with open(os.path.join(out_dir, "train_info.json"), "w") as f:
             json.dump(info, f, indent=1, default=str)
-    print(f"train: {len(data.train_idx)} train / {len(data.eval_idx)} held-out sequences, "
-          f"{data.num_train_anchors} training anchors")
+    if stream_info is not None:
+        sd = stream_info["streaming"]
+        print(f"train: streaming {sd['shards']} shards ({sd['sequences']} sequences, {sd['generated_tokens']} generated "
+              f"tokens), window {sd['window']}; held-out: {len(data.eval_idx)} sequences of {sd['eval_shards']} shards")
+    else:
+        print(f"train: {len(data.train_idx)} train / {len(data.eval_idx)} held-out sequences, "
+              f"{data.num_train_anchors} training anchors")
     done = {}
 
     def finished(name):
