@@ -85,8 +85,25 @@ def parse_args(argv=None):
                    help="run every mode this many times (fresh engine each, rotated order); report the median")
     p.add_argument("--tie-margin", type=float, default=DEFAULT_TIE_MARGIN,
                    help="float32 logit gap below which a differing greedy token is a precision tie (see above)")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="sglang --tp-size for every mode without its own @tpN suffix (e.g. --modes "
+                        "nospec,dlite,dlite@tp2 compares DLITE at tp 2 with no speculation and DLITE at tp 1)")
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="sglang --dp-size (replicas) for every mode without its own @dpN suffix")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
+
+
+def parse_parallel(mode, tp_size=1, dp_size=1):
+    """'dlite@tp2' -> ('dlite', 2, dp_size); 'nospec@dp2' -> ('nospec', tp_size, 2)."""
+    import re
+
+    base, _, par = mode.partition("@")
+    for kind, n in re.findall(r"(tp|dp)(\d+)", par):
+        tp_size, dp_size = (int(n), dp_size) if kind == "tp" else (tp_size, int(n))
+    if par and not re.fullmatch(r"((tp|dp)\d+)+", par):
+        raise SystemExit(f"mode {mode!r}: the suffix after @ is tpN and/or dpN (e.g. dlite@tp2, nospec@dp2)")
+    return base, tp_size, dp_size
 
 
 def build_requests(tok, workload, max_convs, max_requests, max_new):
@@ -119,11 +136,13 @@ async def _run_level(engine, reqs, conc, sp):
     return outs, lat, time.perf_counter() - t0
 
 
-def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype):
+def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_size=1, dp_size=1):
     import sglang_fixtures as F
 
     kw = dict(dtype=dtype, max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
-    spec, _, w = mode.partition(":")
+    base_mode, tp_size, dp_size = parse_parallel(mode, tp_size, dp_size)
+    kw.update(tp_size=tp_size, dp_size=dp_size)
+    spec, _, w = base_mode.partition(":")
     if spec not in ("dlite", "hybrid", "dlite-only", "ngram", "nospec"):
         raise SystemExit(f"unknown mode {mode!r}: dlite[:W], hybrid[:W], dlite-only[:W], ngram[:W] or nospec")
     lookup = {"hybrid": "1", "dlite-only": "0"}.get(spec, os.environ.get("SGLANG_DLITE_LOOKUP", "1"))
@@ -131,7 +150,15 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype):
     import tempfile
 
     trace = os.path.join(tempfile.mkdtemp(prefix="dlite_lookup_"), "trace.jsonl")
-    saved_env = {k: os.environ.get(k) for k in ("SGLANG_DLITE_LOOKUP", "SGLANG_DLITE_LOOKUP_TRACE")}
+    saved_env = {k: os.environ.get(k) for k in ("SGLANG_DLITE_LOOKUP", "SGLANG_DLITE_LOOKUP_TRACE",
+                                                "SGLANG_CPU_OMP_THREADS_BIND")}
+    ranks = tp_size * dp_size
+    if device == "cpu" and ranks > 1 and not saved_env["SGLANG_CPU_OMP_THREADS_BIND"]:
+        # sglang's CPU path needs each rank's cores when ranks outnumber NUMA nodes.
+        ncpu = os.cpu_count() or 1
+        per = max(1, ncpu // ranks)
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+            f"{(r * per) % ncpu}-{(r * per) % ncpu + per - 1}" if per > 1 else str(r % ncpu) for r in range(ranks))
     os.environ["SGLANG_DLITE_LOOKUP"] = lookup  # read by the scheduler subprocess at start-up
     os.environ["SGLANG_DLITE_LOOKUP_TRACE"] = trace
     verify_kw = {"speculative_num_draft_tokens": int(w)} if spec != "nospec" and w else {}
@@ -143,7 +170,8 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype):
     else:
         import sglang as sgl
 
-        args = dict(model_path=str(target), dtype=dtype, sleep_on_idle=True, max_running_requests=max(levels), random_seed=0, **verify_kw)
+        args = dict(model_path=str(target), dtype=dtype, sleep_on_idle=True, max_running_requests=max(levels), random_seed=0,
+                    tp_size=tp_size, dp_size=dp_size, **verify_kw)
         if is_dlite:
             args.update(speculative_algorithm="DLITE", speculative_draft_model_path=str(draft))
         e = sgl.Engine(**args)
@@ -286,7 +314,8 @@ def main(argv=None) -> int:
         order = modes[rep % len(modes):] + modes[: rep % len(modes)]
         for mode in order:
             if args.engine == "sglang":
-                r, o = run_sglang(mode, target, draft, reqs, levels, args.max_new_tokens, device, args.dtype)
+                r, o = run_sglang(mode, target, draft, reqs, levels, args.max_new_tokens, device, args.dtype,
+                                  args.tp_size, args.dp_size)
             else:
                 r, o = run_reference(mode, target, draft, reqs, args.max_new_tokens)
             runs[mode].append(r)
@@ -296,7 +325,7 @@ def main(argv=None) -> int:
     score = Fp32LogitGap(target)
     table, divergences = [], {}
     by = {(r["mode"], r["concurrency"]): r for r in rows}
-    spec_modes = [m for m in modes if m != "nospec"]
+    spec_modes = [m for m in modes if m.partition("@")[0] != "nospec"]
     base = outs.get("nospec", {})
     for c in sorted({r["concurrency"] for r in rows}):
         if c != levels[0] and levels[0] in base and c in base:  # the no-speculation floor

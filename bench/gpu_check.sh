@@ -53,10 +53,21 @@ else
   log "sglang (CUDA build) not importable here: step 5 skipped"
 fi
 
-"$PY" - "$OUT" "$build_rc" "$build_s" "$cuda_check_rc" "$tests_rc" "$bench_rc" "$(( $(date +%s) - t_start ))" "$sglang_rc" <<'PYEOF'
+log "6 (>= 2 GPUs only) sglang DLITE with --tp-size 2: output vs no speculation, tau vs tp 1"
+tp2_rc=skipped
+ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "${ngpu:-0}" -ge 2 ] && "$PY" -c 'import sglang' > /dev/null 2>&1; then
+  timeout 420 "$PY" bench/e2e.py --device cuda --dtype bfloat16 --modes nospec,dlite,dlite@tp2 --concurrency 1,8 \
+    --max-requests 8 --max-new-tokens 64 --out "$OUT/e2e_tp2.json" > "$OUT/e2e_tp2.log" 2>&1; tp2_rc=$?
+  grep -E '^\|' "$OUT/e2e_tp2.log" | tail -6
+else
+  log "$ngpu GPU(s) or no sglang: step 6 skipped"
+fi
+
+"$PY" - "$OUT" "$build_rc" "$build_s" "$cuda_check_rc" "$tests_rc" "$bench_rc" "$(( $(date +%s) - t_start ))" "$sglang_rc" "$tp2_rc" <<'PYEOF'
 import json, os, sys, xml.etree.ElementTree as ET
 out, build_rc, build_s, cc_rc, tests_rc, bench_rc, total_s = sys.argv[1], *map(int, sys.argv[2:8])
-sglang_rc = sys.argv[8]
+sglang_rc, tp2_rc = sys.argv[8], sys.argv[9]
 def read(p):
     try:
         return open(os.path.join(out, p)).read()
@@ -76,10 +87,11 @@ res = {
     "tests": {"rc": tests_rc, **(tests or {})},
     "bench": {"rc": bench_rc, **(json.loads(bench) if bench else {})},
     "sglang": {"rc": sglang_rc, **(json.loads(read("gpu_check_sglang.json")) if read("gpu_check_sglang.json") else {})},
+    "tp2": {"rc": tp2_rc, **({"table": json.loads(read("e2e_tp2.json")).get("table")} if read("e2e_tp2.json") else {})},
     "total_seconds": total_s,
 }
 json.dump(res, open(os.path.join(out, "gpu_check.json"), "w"), indent=2)
 print(f"wrote {os.path.join(out, 'gpu_check.json')}: build rc={build_rc} ({build_s}s), cuda-check rc={cc_rc}, "
-      f"tests rc={tests_rc} {tests}, bench rc={bench_rc}, sglang rc={sglang_rc}, total {total_s}s")
+      f"tests rc={tests_rc} {tests}, bench rc={bench_rc}, sglang rc={sglang_rc}, tp2 rc={tp2_rc}, total {total_s}s")
 PYEOF
-[ "$build_rc$tests_rc$bench_rc" = "000" ] && { [ "$sglang_rc" = 0 ] || [ "$sglang_rc" = skipped ]; }
+[ "$build_rc$tests_rc$bench_rc" = "000" ] && { [ "$sglang_rc" = 0 ] || [ "$sglang_rc" = skipped ]; } && { [ "$tp2_rc" = 0 ] || [ "$tp2_rc" = skipped ]; }

@@ -140,8 +140,6 @@ def validate_server_args(server_args) -> None:
         config.check_target(hidden_size=hidden, vocab_size=vocab, num_layers=layers)
         check_capture_layers(config.target_layer_ids, layers)
         check_attention_only_target(model_path)
-    if getattr(server_args, "tp_size", 1) not in (None, 1):
-        raise DLiteConfigError("DLITE supports --tp-size 1 only in this release.")
     check_deployment(server_args)
 
 
@@ -210,6 +208,24 @@ def check_deployment(server_args) -> None:
             f"DLITE does not support pipeline parallelism (--pp-size {pp}): its worker runs the whole "
             "target in one stage. Use --pp-size 1 (scale out with more replicas, --dp-size), or serve "
             "without --speculative-algorithm DLITE."
+        )
+    # Tensor parallelism (--tp-size, --nnodes) and plain data parallelism (--dp-size replicas) are
+    # supported; attention data / context parallelism shards the batch or the sequence across the
+    # ranks of one TP group, so the ranks would no longer draft for the same requests.
+    for flag, field in (("--attn-dp-size", "attn_dp_size"), ("--attn-cp-size", "attn_cp_size")):
+        n = getattr(server_args, field, 1)
+        if n not in (None, 1) and int(n) > 1:
+            raise DLiteConfigError(
+                f"DLITE does not support attention data/context parallelism ({flag} {n}): its worker "
+                "expects every TP rank to hold the whole batch and full-width hidden states. Use plain "
+                "--tp-size N (tensor parallel) and/or --dp-size M (independent replicas, each with its "
+                "own DLITE drafter), or serve without --speculative-algorithm DLITE."
+            )
+    if getattr(server_args, "enable_dp_attention", False):
+        raise DLiteConfigError(
+            "DLITE does not support DP attention (--enable-dp-attention): its worker expects every TP "
+            "rank to hold the whole batch. Use plain --tp-size N and/or --dp-size M (independent "
+            "replicas), or serve without --speculative-algorithm DLITE."
         )
     mode = getattr(server_args, "disaggregation_mode", "null")
     if mode not in (None, "null"):

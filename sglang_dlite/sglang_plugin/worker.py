@@ -56,6 +56,45 @@ def _target_parts(model):
     return embed.weight, lm_head.weight
 
 
+def _tp_group(model_runner):
+    """sglang's TP group coordinator when the target runs tensor-parallel, else None."""
+    from sglang.srt.distributed import get_tp_group
+
+    group = get_tp_group()
+    return group if group.world_size > 1 else None
+
+
+def _gather_vocab_rows(weight: torch.Tensor, vocab: int, group) -> torch.Tensor:
+    """A full [vocab, H] copy of a target embedding / LM head weight.
+
+    Under TP sglang's VocabParallelEmbedding / ParallelLMHead hold rows
+    [rank * n, (rank + 1) * n) of the vocabulary padded to tp * n rows: the shards are gathered in
+    rank order and the padding stripped. Without TP (all rows local) this is the unpadded view."""
+    if group is None:
+        return weight[:vocab]
+    parts = [torch.empty_like(weight) for _ in range(group.world_size)]
+    torch.distributed.all_gather(parts, weight.contiguous(), group=group.device_group)
+    full = torch.cat(parts, dim=0)
+    if full.shape[0] < vocab:
+        raise DLiteConfigError(
+            f"DLITE: the target's vocabulary-sharded weight gathers to {full.shape[0]} rows over "
+            f"{group.world_size} TP ranks, fewer than the vocabulary ({vocab}).")
+    return full[:vocab].contiguous()
+
+
+def _check_gathered_embedding(embed_module, full: torch.Tensor) -> None:
+    """The gathered embedding copy must equal what the target's own (sharded) embedding returns
+    for tokens of every shard: a wrong shard layout would silently ruin every draft."""
+    V = full.shape[0]
+    ids = torch.unique(torch.cat([torch.arange(0, V, max(1, V // 61)), torch.tensor([V - 1])]))
+    ids = ids.to(device=full.device)
+    got = embed_module(ids)
+    if not torch.equal(got.to(full.dtype), full[ids]):
+        raise DLiteConfigError(
+            "DLITE: the embedding gathered from the TP ranks does not match the target's sharded "
+            "embedding (an unexpected vocabulary shard layout); serve DLITE with --tp-size 1.")
+
+
 def _check_target_supported(model_runner, cfg, server_args) -> None:
     """Launch-time refusals the launcher's validate_server_args may not see (Engine args built
     in-process, a model config only sglang resolves): capture layers, recurrent-state targets,
@@ -165,8 +204,27 @@ class DLiteWorker(BaseSpecWorker):
             )
         embed_w, head_w = _target_parts(model)
         # sglang pads the vocabulary rows (to a multiple of 64 per TP rank): bind the real ones.
+        # Under tensor parallelism both are vocabulary-sharded: every rank gathers a full copy once
+        # (padding stripped), so drafting needs no collective; the copy is that rank's extra memory.
         V = cfg.vocab_size
-        drafter.bind_target(embed_w[:V], head_w[:V])
+        self._tp = _tp_group(self.model_runner)
+        self.tp_rank = 0 if self._tp is None else int(self._tp.rank_in_group)
+        embed_full = _gather_vocab_rows(embed_w, V, self._tp)
+        head_full = embed_full if head_w is embed_w else _gather_vocab_rows(head_w, V, self._tp)
+        if self._tp is not None:
+            _check_gathered_embedding(getattr(model, "model", model).embed_tokens, embed_full)
+        drafter.bind_target(embed_full, head_full)
+        self._tp_sync = self._tp is not None and os.environ.get("SGLANG_DLITE_TP_SYNC", "1") != "0"
+        self._tp_check = self._tp is not None and os.environ.get("SGLANG_DLITE_TP_CHECK", "0") == "1"
+        mib = 2 ** 20
+        own = sum(t.numel() * t.element_size() for t in list(drafter.parameters()) + list(drafter.buffers())
+                  if t.data_ptr() not in {w.data_ptr() for w in (embed_w, head_w, embed_full, head_full)})
+        copies = 0 if self._tp is None else embed_full.numel() * embed_full.element_size() * (
+            1 if head_full is embed_full else 2)
+        self.drafter_memory = {"tp_rank": self.tp_rank, "drafter_weights_mib": round(own / mib, 1),
+                               "gathered_vocab_copies_mib": round(copies / mib, 1)}
+        logger.info("DLITE drafter memory on TP rank %d: %.1f MiB weights (replicated) + %.1f MiB gathered "
+                    "target embedding/LM head", self.tp_rank, own / mib, copies / mib)
         self.drafter = drafter
         self.K_model = cfg.block_size  # drafts the drafter makes per round
         # Tokens verified per round (anchor + the first W-1 drafts): K+1 unless the server asked
@@ -253,6 +311,33 @@ class DLiteWorker(BaseSpecWorker):
         rows = hidden[idx] * valid[..., None].to(hidden.dtype)  # [B, C, L*H]
         return torch.cat([rows, valid[..., None].to(hidden.dtype)], dim=-1)
 
+    def _check_hidden(self, hidden: torch.Tensor, where: str) -> None:
+        """Captured hidden states must be full-width ([tokens, L*H]) on every rank (under TP the
+        decoder layers' outputs are all-reduced; a sharded capture would break the drafter)."""
+        if hidden.shape[-1] != self.L * self.H:
+            raise RuntimeError(
+                f"DLITE: the target's captured hidden states in {where} are {tuple(hidden.shape)} on TP rank "
+                f"{self.tp_rank}, expected [tokens, {self.L * self.H}] (L={self.L} layers x H={self.H}, full "
+                "width); this target's TP layout shards them. Serve it with --tp-size 1.")
+
+    def _tp_same(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """Under TP: make t identical on every rank (broadcast from TP rank 0, unless
+        SGLANG_DLITE_TP_SYNC=0), after checking that the ranks computed the same (SGLANG_DLITE_TP_CHECK=1)."""
+        if self._tp is None or not (self._tp_sync or self._tp_check):
+            return t
+        t = t.contiguous()
+        if self._tp_check:
+            g = self._tp
+            parts = [torch.empty_like(t) for _ in range(g.world_size)]
+            torch.distributed.all_gather(parts, t, group=g.device_group)
+            bad = [r for r, p in enumerate(parts) if not torch.equal(p, parts[0])]
+            if bad:
+                raise RuntimeError(f"DLITE: {what} differ between TP rank 0 and ranks {bad} "
+                                   f"(rank 0: {parts[0].tolist()}, rank {bad[0]}: {parts[bad[0]].tolist()}).")
+        if self._tp_sync:
+            self._tp.broadcast(t, src=0)
+        return t
+
     def _draft(self, state: torch.Tensor, anchors: torch.Tensor, batch=None) -> torch.Tensor:
         if self.lookup is not None and batch is not None:
             return self._draft_hybrid(state, anchors, batch)
@@ -324,6 +409,7 @@ class DLiteWorker(BaseSpecWorker):
         hidden = out.logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DLITE: the target returned no captured hidden states in prefill.")
+        self._check_hidden(hidden, "prefill")
         state = self._prefill_state(hidden, batch.extend_lens)
         if self.lookup is not None:
             self.lookup.on_extend(batch.reqs)
@@ -366,6 +452,7 @@ class DLiteWorker(BaseSpecWorker):
         rt = self._metrics.start() if self._metrics is not None else None  # --enable-metrics only
         # 1) draft
         drafts = self._draft(state, anchors, batch).to(torch.int64)  # [B, K] (the first K = W-1 of the chain)
+        drafts = self._tp_same(drafts, "drafts")  # TP: every rank verifies the same block
         if rt is not None:
             rt.mark()
         block = torch.cat([anchors[:, None], drafts], dim=1)  # [B, W]
@@ -411,6 +498,9 @@ class DLiteWorker(BaseSpecWorker):
         gmask = verify_logits.grammar_mask(batch, grammar_tree, logits.device, grammar_barrier)
         verify_logits.process(logits_output.next_token_logits, W, batch, block, prefix_lens, gmask)
         a, bonus = self._accept(drafts, logits, batch, prefix_lens)
+        if self._tp is not None:  # TP: the same accept lengths and bonus tokens on every rank
+            ab = self._tp_same(torch.stack([a.to(torch.int64), bonus.to(torch.int64)]), "accept lengths / bonus tokens")
+            a, bonus = ab[0].to(a.dtype), ab[1].to(bonus.dtype)
         commit_lens = (a + 1).to(torch.int32)
         out_tokens = torch.zeros((bs, W), dtype=torch.int64, device=device)
         out_tokens[:, :K] = drafts
@@ -430,6 +520,7 @@ class DLiteWorker(BaseSpecWorker):
         hv = logits_output.hidden_states
         if hv is None:
             raise RuntimeError("DLITE: the target verify returned no captured hidden states.")
+        self._check_hidden(hv, "verify")
         hv = hv.view(bs, W, -1).to(state.dtype)
         ones = torch.ones((bs, W, 1), dtype=state.dtype, device=device)
         cat = torch.cat([state, torch.cat([hv, ones], dim=-1)], dim=1)  # [B, C+W, D+1]
