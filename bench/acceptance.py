@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(max(1, args.threads))
-    from sglang_dlite.drafters import make_engine_drafter
+    from sglang_dlite.registry import make_engine_drafter
     from sglang_dlite.engine import ReferenceEngine
     from sglang_dlite.errors import DLiteError
     from sglang_dlite.target import load_target

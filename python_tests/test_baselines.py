@@ -17,7 +17,8 @@ from sglang_dlite.baselines.ngram import NGramDrafter, lookup
 from sglang_dlite.baselines.registry import (
     DLITE_ABLATIONS, DRAFTER_NAMES, engine_adapter, make_baseline_drafter, new_model,
 )
-from sglang_dlite.drafters import DLiteEngineDrafter, DraftRequest, make_engine_drafter
+from sglang_dlite.drafters import DLiteEngineDrafter, DraftRequest
+from sglang_dlite.registry import make_engine_drafter
 from sglang_dlite.engine import ReferenceEngine
 from sglang_dlite.errors import DLiteConfigError, DLiteInputError
 from sglang_dlite.model import DLiteDrafter, DraftProposal

@@ -144,25 +144,3 @@ def load_dlite(path: Optional[str], target, **config_overrides) -> DLiteDrafter:
         )).eval()
     return model.bind_hf_target(target)
 
-
-def make_engine_drafter(spec: str, target) -> Drafter:
-    """``--drafter`` specs: ``dlite[:PATH]``, ``hybrid[:PATH]`` (DLite + suffix lookup, chosen per
-    round), ``suffix`` (the lookup alone), or a baseline/ablation name (``baselines/registry.py``)."""
-    name, _, path = spec.partition(":")
-    if name == "dlite":
-        return DLiteEngineDrafter(load_dlite(path or None, target))
-    if name == "hybrid":
-        from .lookup.drafters import HybridEngineDrafter
-
-        return HybridEngineDrafter(DLiteEngineDrafter(load_dlite(path or None, target)))
-    if name == "suffix":
-        from .lookup.drafters import SuffixEngineDrafter
-
-        return SuffixEngineDrafter(block_size=int(path) if path else 7)
-    from .baselines.registry import BASELINE_NAMES, known_drafters_text, make_baseline_drafter
-    from .errors import DLiteInputError
-
-    if name in BASELINE_NAMES:
-        return make_baseline_drafter(name, path or None, target)
-    raise DLiteInputError(f"unknown drafter {spec!r}; known: dlite[:PATH], hybrid[:PATH], suffix[:K], "
-                          f"{known_drafters_text()}.")

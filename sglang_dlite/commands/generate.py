@@ -31,7 +31,7 @@ def chat_ids(tok, text: str) -> list:
 
 
 def run(args) -> int:
-    from ..drafters import make_engine_drafter
+    from ..registry import make_engine_drafter
     from ..engine import ReferenceEngine
     from ..target import load_target
 
