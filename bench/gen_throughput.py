@@ -53,7 +53,8 @@ def main(argv=None) -> int:
     from sglang_dlite.target import load_target
     from sglang_dlite.training.fast_regen import (FastRegenerator, count_disagreements, first_disagreement,
                                                   reference_greedy)
-    from sglang_dlite.training.gen_data import Regenerator, load_prompts
+    from sglang_dlite.training.hf_regen import Regenerator
+    from sglang_dlite.training.prompts import load_prompts
 
     torch.set_num_threads(args.threads)
     layers = [int(x) for x in args.capture_layers.split(",")] if args.capture_layers else None

@@ -5,7 +5,7 @@
         --threads 1 --out artifacts/results/lookup/calibration_run.json \
         --write-calibration sglang_dlite/lookup/calibration.json --plot bench/plots/lookup_calibration.png
 
-Prompts come from gen-data's training sources (``sglang_dlite.training.gen_data.load_prompts``:
+Prompts come from gen-data's training sources (``sglang_dlite.training.prompts.load_prompts``:
 the sharegpt train split, stdlib files disjoint from agent-stdlib, bfcl single-turn categories).
 Each is generated greedily by the reference engine with hybrid drafting under the prior
 calibration, logging every round's candidates: the lookup's chain, DLite's greedy chain with its
@@ -64,7 +64,7 @@ def generate_log(args, log_path):
     from sglang_dlite.lookup.chooser import Calibration
     from sglang_dlite.lookup.drafters import HybridEngineDrafter
     from sglang_dlite.target import load_target
-    from sglang_dlite.training.gen_data import load_prompts
+    from sglang_dlite.training.prompts import load_prompts
     from sglang_dlite.workloads.replay import eos_token_ids
 
     target, tok = load_target("default")

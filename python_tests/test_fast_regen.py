@@ -285,7 +285,7 @@ def test_gen_data_fast_engine_refuses_sampling(tiny_ckpt, tmp_path):
 
 def test_agent_prompt_source_avoids_eval_sources():
     """agent traces: several turns each, never over an evaluation package or agent-stdlib module."""
-    from sglang_dlite.training.gen_data import EVAL_PACKAGES, _eval_stdlib_files, load_prompts
+    from sglang_dlite.training.prompts import EVAL_PACKAGES, _eval_stdlib_files, load_prompts
 
     name, convs = load_prompts("agent:12", 0, 3)
     assert name == "agent" and len(convs) == 12

@@ -251,7 +251,7 @@ def test_train_with_all_anchor_tokens_lowers_the_loss(tmp_path, tiny_target):
 
 def test_empty_prompt_source(tmp_path):
     from sglang_dlite.errors import DLiteInputError
-    from sglang_dlite.training.gen_data import load_prompts
+    from sglang_dlite.training.prompts import load_prompts
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

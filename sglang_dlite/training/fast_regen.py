@@ -227,11 +227,11 @@ class FastRegenerator:
     """Greedy turn-by-turn regeneration of conversations (the same sequences ``Regenerator``
     builds: the chat template's user turns + the target's own ids), batched continuously.
 
-    ``tokenizer_helper``: a ``gen_data.Regenerator`` (its prompt/turn rendering is reused)."""
+    ``tokenizer_helper``: a ``hf_regen.Regenerator`` (its prompt/turn rendering is reused)."""
 
     def __init__(self, model, tok, max_new_tokens=256, max_len=2048, max_user_tokens=1024, capture_layers=None,
                  batch_size=32, dtype=torch.float32, sort_window=64, continue_truncated=False):
-        from .gen_data import Regenerator
+        from .hf_regen import Regenerator
 
         self.helper = Regenerator(model, tok, max_new_tokens, max_len, max_user_tokens, capture_layers=None)
         self.eos, self.max_new, self.max_len = self.helper.eos, max_new_tokens, max_len
