@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sglang_dlite.drafters import load_dlite  # noqa: E402
 from sglang_dlite.errors import DLiteInputError  # noqa: E402
 from sglang_dlite.target import load_target  # noqa: E402
-from sglang_dlite.training.train import FeatureData, eval_groups, greedy_scores  # noqa: E402
+from sglang_dlite.training.dataset import FeatureData, eval_groups  # noqa: E402
+from sglang_dlite.training.evaluation import greedy_scores  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -172,7 +172,8 @@ def test_training_json_written_and_read_back_by_the_card(shard_dir, target, tmp_
     """training.json lands beside the model's config.json (data + run + held-out tau with CI),
     the export copies it, and the model card renders it."""
     from sglang_dlite.training import model_card
-    from sglang_dlite.training.recipe import export, summarize
+    from sglang_dlite.training.recipe import export
+    from sglang_dlite.training.run_summary import summarize
     from sglang_dlite.training.train import train_pipeline
 
     d, layers, files = shard_dir

@@ -66,13 +66,6 @@ def test_forward_kl_and_tv_hand_computed():
     assert abs(float(losses.tv_distance(p2, s2, torch.ones(1, 2, dtype=torch.bool), w2)) - want) < 1e-6
 
 
-def test_greedy_accept_length():
-    d = torch.tensor([[1, 2, 3], [1, 9, 3], [5, 2, 3]])
-    lab = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
-    v = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
-    assert losses.greedy_accept_length(d, lab, v).tolist() == [3.0, 2.0, 1.0]
-
-
 # ---------------------------------------------------------------------------- tiny data
 def _tiny_data(tmp_path, target, n_seqs=6, prompt_len=6, gen_len=40, with_features=True):
     torch.manual_seed(1)
@@ -146,7 +139,8 @@ def test_tiny_end_to_end_lowers_loss(tmp_path, tiny_target):
     assert res.output_ids == base.output_ids  # lossless
     # the model card renders from the run's numbers; the bf16 export reloads
     from sglang_dlite.training.model_card import render_card
-    from sglang_dlite.training.recipe import export, summarize
+    from sglang_dlite.training.recipe import export
+    from sglang_dlite.training.run_summary import summarize
 
     card = render_card(summarize(out, data))
     assert "| stabilize |" in card and "| teacher |" in card

@@ -76,7 +76,7 @@ def loss_fn(name, model, data, batch, weights, head_w, base_vocab=None, autocast
     from contextlib import nullcontext
 
     from ..training.losses import tv_distance, weighted_ce
-    from ..training.train import batch_vocab_subset
+    from ..training.dataset import batch_vocab_subset
 
     K, L = model.config.block_size, model.config.num_capture_layers
     autocast = autocast or nullcontext
@@ -121,7 +121,8 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
     ``budget_min``: a wall-clock budget; the cosine schedule is re-planned to end inside it (the
     same rule as DLite's ``--stage-budget-min``), so drafters compare at equal training time;
     ``anchor_tokens``: as DLite's ``--anchor-tokens`` (generated spans only, or every position)."""
-    from ..training.train import FeatureData, lr_at, sample_batch
+    from ..training.dataset import FeatureData, sample_batch
+    from ..training.train import lr_at
 
     if name not in KV_BASELINES:
         raise DLiteInputError(f"train_kv_baseline trains {', '.join(KV_BASELINES)}, not {name!r}.")

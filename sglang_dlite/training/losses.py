@@ -51,6 +51,3 @@ def tv_distance(target_probs, student_logits, valid, weights) -> torch.Tensor:
     tv = 0.5 * (target_probs.float() - q).abs().sum(-1)
     return _weighted_mean(tv, valid, weights)
 
-
-# Training evaluation scores a drafter with the speculative core's one definition of acceptance.
-from ..spec.accept import greedy_accept_length  # noqa: E402,F401

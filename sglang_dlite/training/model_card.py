@@ -8,65 +8,10 @@ import json
 import os
 from typing import Optional
 
+from .run_summary import read_training_json, summarize, summarize_run  # noqa: F401  (read_training_json: re-exported)
+
 BENCH_CMD = ("python bench/acceptance.py --engine reference --drafter {drafter} --workload {wl} --max-convs <N> "
              "--max-new-tokens 128 --check-lossless --threads 1 --ar-cache artifacts/results/v2/ar_<workload>.jsonl --out {out}")
-
-
-TRAINING_JSON = "training.json"
-
-
-def training_record(s: dict, stage: Optional[str] = None) -> dict:
-    """What ``training.json`` (beside a drafter's config.json) records, from ``recipe.summarize``:
-    the data (sequences, generated tokens, prompt sources) and the run (steps, wall time, held-out
-    tau with its 95 % CI) up to ``stage`` (default: the last finished one)."""
-    d = s.get("data", {})
-    rec = d.get("recipe", {})
-    stages = s.get("stages", {})
-    names = list(stages)
-    if stage is not None and stage in names:
-        names = names[: names.index(stage) + 1]
-    last = names[-1] if names else None
-    ev = s.get("final_eval", {}).get(last, {}) if last else {}
-    opts = s.get("train_info", {}).get("options", {})
-    return {
-        "format": 1,
-        "data": {
-            "sequences": d.get("sequences"), "tokens": d.get("tokens"), "generated_tokens": d.get("generated_tokens"),
-            "shards": d.get("shards"), "prompt_sources": rec.get("prompts", []), "by_source": d.get("by_source", {}),
-            "engine": rec.get("engine"), "decoding": rec.get("decoding"), "max_len": rec.get("max_len"),
-            "max_new_tokens_per_turn": rec.get("max_new_tokens_per_turn"), "feature_layers": rec.get("feature_layers"),
-        },
-        "run": {
-            "stages": {n: {"steps": stages[n].get("steps"), "wall_s": stages[n].get("wall_s")} for n in names},
-            "steps": sum(int(stages[n].get("steps") or 0) for n in names),
-            "wall_s": round(sum(float(stages[n].get("wall_s") or 0.0) for n in names), 1),
-            "final_stage": last,
-            "epochs": ev.get("epochs"),
-            "heldout_tau": {"mean": ev.get("tau_proxy"), "ci95": ev.get("tau_ci95"), "anchors": ev.get("eval_anchors"),
-                            "acc_per_pos": ev.get("acc_per_pos")},
-            "options": {k: opts.get(k) for k in ("lr", "batch_size", "seqs_per_batch", "anchor_tokens", "vocab_subset",
-                                                 "stream_window", "bf16", "gamma", "config_overrides") if k in opts},
-        },
-    }
-
-
-def write_training_json(model_dir: str, record: dict) -> str:
-    path = os.path.join(model_dir, TRAINING_JSON)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
-    return path
-
-
-def read_training_json(model_dir: str) -> Optional[dict]:
-    path = os.path.join(model_dir, TRAINING_JSON)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def render_training_section(t: dict) -> list:
@@ -221,7 +166,6 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
 
 def ablation_rows(run_dirs: dict) -> str:
     """Markdown rows comparing the final held-out tau (expected, greedy) of several runs."""
-    from .recipe import summarize_run
 
     lines = ["| run | stage | steps | wall (s) | held-out tau (expected) | P[accept] per position |", "|---|---|---|---|---|---|"]
     for label, d in run_dirs.items():
@@ -238,7 +182,6 @@ def main(argv=None) -> int:
     --dest CKPT_DIR [--bench label=result.json ...] [--ablation label=OUT ...] [--note TEXT]."""
     import argparse
 
-    from .recipe import summarize
 
     p = argparse.ArgumentParser()
     p.add_argument("--run", required=True)

@@ -19,6 +19,8 @@ import shutil
 import time
 from typing import Optional
 
+from .run_summary import read_training_json, summarize
+
 DEFAULT_DATA = os.path.join("artifacts", "train", "data")
 DEFAULT_OUT = os.path.join("artifacts", "train", "default")
 DEFAULT_GEN = dict(
@@ -94,57 +96,6 @@ def train_args(args, out):
                engine_eval_stages="stabilize", ddp=args.ddp)
 
 
-def summarize_run(out_dir: str) -> dict:
-    """Stages (DONE files), final held-out eval and loss per stage, train_info of a run folder."""
-    s = {}
-    stages = {}
-    for st in ("teacher", "distill", "stabilize"):
-        p = os.path.join(out_dir, st, "DONE.json")
-        if os.path.isfile(p):
-            with open(p) as f:
-                stages[st] = json.load(f)
-    s["stages"] = stages
-    recs = []
-    mp = os.path.join(out_dir, "metrics.jsonl")
-    if os.path.isfile(mp):
-        recs = [json.loads(x) for x in open(mp) if x.strip()]
-    s["final_eval"] = {}
-    for st in stages:
-        ev = [r for r in recs if r.get("stage") == st and "tau_proxy" in r]
-        tr = [r for r in recs if r.get("stage") == st and "loss" in r]
-        if ev:
-            s["final_eval"][st] = {k: ev[-1][k] for k in ("tau_proxy", "acc_per_pos", "eval_anchors")}
-            s["final_eval"][st].update({k: ev[-1][k] for k in ("tau_ci95", "epochs") if k in ev[-1]})
-            s["final_eval"][st].update({k: v for k, v in ev[-1].items() if k.startswith("engine_")})
-        if tr:
-            s["final_eval"].setdefault(st, {})["final_loss"] = round(tr[-1]["loss"], 4)
-            s["final_eval"][st]["anchors_per_s"] = tr[-1].get("anchors_per_s")
-    ip = os.path.join(out_dir, "train_info.json")
-    if os.path.isfile(ip):
-        with open(ip) as f:
-            s["train_info"] = json.load(f)
-    return s
-
-
-def summarize(out_dir: str, data_dir: str) -> dict:
-    """Numbers for the model card, from the manifest, train_info, DONE files and metrics."""
-    from .data import read_manifest
-
-    man = read_manifest(data_dir)
-    shards = man.get("shards", [])
-    s = {"data": {"shards": len(shards), "sequences": sum(x["num_seqs"] for x in shards),
-                  "tokens": sum(x["num_tokens"] for x in shards),
-                  "generated_tokens": sum(x["num_loss_tokens"] for x in shards),
-                  "by_source": {}, "recipe": man.get("recipe", {}), "runs": man.get("runs", [])}}
-    for x in shards:
-        src = x.get("source") or x["file"].rsplit("_", 1)[0]
-        d = s["data"]["by_source"].setdefault(src, {"sequences": 0, "generated_tokens": 0})
-        d["sequences"] += x["num_seqs"]
-        d["generated_tokens"] += x["num_loss_tokens"]
-    s.update(summarize_run(out_dir))
-    return s
-
-
 def export(model_dir: str, dest: str, card: str, data_dir: Optional[str] = None, draft_vocab: int = 0) -> str:
     """The drafter in bf16 safetensors + its model card; with ``draft_vocab`` N > 0, a drafting
     vocabulary of the N most frequent tokens of ``data_dir`` (training/draft_vocab.py)."""
@@ -185,7 +136,6 @@ def run(args) -> int:
     final = os.path.join(out, "stabilize", "model")
     summary = summarize(out, args.data)
     summary["wall_s"] = {"gen_data_this_run": round(t1 - t0, 1), "train_this_run": round(t2 - t1, 1)}
-    from .model_card import read_training_json
 
     summary["training"] = read_training_json(final)
     with open(os.path.join(out, "summary.json"), "w") as f:

@@ -13,7 +13,7 @@
   continues with exactly the batches the uninterrupted run would have drawn, and never reopens a
   shard it had finished in this epoch.
 * Held-out sequences (sha256 of ``file:index`` mod ``heldout_mod`` == 0, the rule of
-  ``train.FeatureData``) are never trained on.
+  ``dataset.FeatureData``) are never trained on.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class ShardStream:
         return out
 
     def group(self, ref, C: int, K: int, history, want_target: bool, all_tokens: bool = False) -> dict:
-        from .train import build_group
+        from .dataset import build_group
 
         sh, start, length, anchors = ref
         return build_group(sh.ids, sh.mask, sh.feats, start, length, anchors, len(self.layer_ids), sh.feats.shape[-1],

@@ -29,7 +29,6 @@ stage is skipped on resume. ``OUT/metrics.jsonl`` and ``OUT/curve.png`` record l
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -43,13 +42,15 @@ import torch
 
 from ..config import DLiteConfig
 from ..errors import DLiteConfigError, DLiteInputError
-from ..model import DLiteDrafter, History
-from .data import DataError, load_shard, read_manifest
-from .features import ensure_features, load_features
-from .losses import forward_kl, greedy_accept_length, position_weights, tv_distance, weighted_ce
+from ..model import DLiteDrafter
+from .data import DataError, read_manifest
+from .dataset import (
+    ANCHOR_TOKENS, FeatureData, _hist_mode, batch_vocab_subset, concat_groups, eval_groups, sample_batch,
+)
+from .evaluation import evaluate, make_engine_eval, model_forward
+from .losses import forward_kl, position_weights, tv_distance, weighted_ce
 
 STAGES = ("teacher", "distill", "stabilize")
-ANCHOR_TOKENS = ("generated", "all")
 
 # Data-parallel training over several single-thread processes (``--ddp N``, gloo all-reduce):
 # on a shared, loaded CPU several processes get more CPU time than one with several threads.
@@ -92,156 +93,6 @@ def _min_int(x: int) -> int:
     return int(t)
 
 
-# ---------------------------------------------------------------------------- data
-class FeatureData:
-    """All sequences of a gen-data folder with their memory-mapped target features."""
-
-    def __init__(self, data_dir: str, layer_ids, heldout_mod: int = 16, model_loader=None, progress=True,
-                 anchor_tokens: str = "generated", shard_files=None):
-        if anchor_tokens not in ANCHOR_TOKENS:
-            raise DLiteInputError(f"anchor_tokens must be one of {', '.join(ANCHOR_TOKENS)}, not {anchor_tokens!r}.")
-        self.anchor_tokens = anchor_tokens
-        self.data_dir = data_dir
-        man = read_manifest(data_dir)
-        shards = man.get("shards", [])
-        if shard_files is not None:  # a subset (the streaming trainer's held-out view)
-            keep = set(shard_files)
-            shards = [sh for sh in shards if sh["file"] in keep]
-        if not shards:
-            raise DataError(f"{data_dir!r} lists no finished shards; run `sglang-dlite gen-data` first.")
-        if model_loader is not None:
-            ensure_features(data_dir, shards, model_loader, layer_ids, progress=progress)
-        self.L = len(layer_ids)
-        self.shards = []  # (ids, mask, feats)
-        self.seqs = []  # (shard index, start, length, generated-span anchors, name)
-        for k, sh in enumerate(shards):
-            path = os.path.join(data_dir, sh["file"])
-            ids, mask, off = load_shard(path)
-            feats = load_features(path, layer_ids, len(ids))
-            if feats is None:
-                raise DataError(f"no features for {path!r} (layers {list(layer_ids)}); run train with the target to compute them.")
-            self.shards.append((ids, mask, feats))
-            for s in range(len(off) - 1):
-                a, b = int(off[s]), int(off[s + 1])
-                m = mask[a:b]
-                n = np.arange(1, b - a - 1)
-                anchors = n[m[n + 1] == 1] if len(n) else n
-                if len(anchors):
-                    self.seqs.append((k, a, b - a, anchors, f"{sh['file']}:{s}"))
-        if not self.seqs:
-            raise DataError(f"{data_dir!r} has no sequence with a loss-masked (generated) span.")
-        self.hidden = self.shards[0][2].shape[-1]
-        held = [i for i, s in enumerate(self.seqs)
-                if heldout_mod and int(hashlib.sha256(s[4].encode()).hexdigest(), 16) % heldout_mod == 0]
-        if len(held) == len(self.seqs) or not held:  # tiny data: hold out the last sequence
-            held = [len(self.seqs) - 1] if len(self.seqs) > 1 else []
-        self.eval_idx = held
-        self.train_idx = [i for i in range(len(self.seqs)) if i not in set(held)] or list(range(len(self.seqs)))
-        self.num_train_anchors = int(sum(len(self.train_anchors(i)) for i in self.train_idx))
-        counts = None
-        for i in self.train_idx:
-            k, a, n, _, _ = self.seqs[i]
-            c = np.bincount(self.shards[k][0][a:a + n], minlength=1)
-            if counts is None:
-                counts = c
-            else:
-                m = max(len(counts), len(c))
-                counts = np.pad(counts, (0, m - len(counts))) + np.pad(c, (0, m - len(c)))
-        self.token_counts = counts
-
-    def train_anchors(self, seq_i: int) -> np.ndarray:
-        """The anchors training samples from: positions whose next token the target generated
-        ("generated"), or every position ("all": prompt text too; its labels are the real next
-        tokens and its TV target the target's distribution there)."""
-        _, _, length, generated, _ = self.seqs[seq_i]
-        return np.arange(1, length - 1) if self.anchor_tokens == "all" else generated
-
-    def frequent_tokens(self, n: int) -> torch.Tensor:
-        """The n most frequent token ids of the training sequences (those that occur)."""
-        order = np.argsort(-self.token_counts, kind="stable")
-        order = order[self.token_counts[order] > 0][:n]
-        return torch.from_numpy(np.sort(order).astype(np.int64))
-
-    def group(self, seq_i: int, anchors, C: int, K: int, history: Optional[int], want_target: bool,
-              all_tokens: bool = False):
-        """Tensors for anchors of one sequence. history: 0 none, None full, W window. Labels are
-        valid on generated tokens only, or on every token with ``all_tokens``."""
-        k, start, length, _, _ = self.seqs[seq_i]
-        ids, mask, feats = self.shards[k]
-        return build_group(ids, mask, feats, start, length, anchors, self.L, self.hidden, C, K, history, want_target,
-                           all_tokens)
-
-
-def build_group(ids, mask, feats, start: int, length: int, anchors, L: int, H: int, C: int, K: int,
-                history: Optional[int], want_target: bool, all_tokens: bool = False) -> dict:
-    """``FeatureData.group`` on raw shard arrays (also used by the streaming loader, stream.py)."""
-    n = np.asarray(anchors, dtype=np.int64)
-    B = len(n)
-    cpos = n[:, None] - C + np.arange(C)[None]  # [B, C]
-    cvalid = cpos >= 0
-    ctx = np.asarray(feats[start + np.clip(cpos, 0, None).reshape(-1), :L], dtype=np.float32).reshape(B, C, L, H)
-    ctx[~cvalid] = 0
-    lpos = n[:, None] + 1 + np.arange(K)[None]  # [B, K]
-    inside = lpos < length
-    lp = np.clip(lpos, 0, length - 1)
-    labels = ids[start + lp].astype(np.int64)
-    lvalid = inside if all_tokens else inside & (mask[start + lp] == 1)
-    out = {
-        "context_hidden": torch.from_numpy(ctx).permute(0, 2, 1, 3).contiguous(),
-        "context_valid": torch.from_numpy(cvalid),
-        "anchor_ids": torch.from_numpy(ids[start + n].astype(np.int64)),
-        "labels": torch.from_numpy(labels),
-        "valid": torch.from_numpy(lvalid),
-        "round_offset": torch.from_numpy(n - C),
-    }
-    if want_target:
-        tpos = np.clip(n[:, None] + np.arange(K)[None], 0, length - 2)
-        out["target_hidden"] = torch.from_numpy(
-            np.asarray(feats[start + tpos.reshape(-1), L], dtype=np.float32).reshape(B, K, H))
-    if history != 0:
-        T = max(int(n.max()) - C, 0)
-        if T > 0:
-            hid = np.asarray(feats[start:start + T, :L], dtype=np.float32)  # [T, L, H]
-            hpos = np.arange(T)
-            hv = hpos[None, :] < (n[:, None] - C)
-            if history is not None:
-                hv &= hpos[None, :] >= (n[:, None] - C - history)
-            out["history"] = History(
-                hidden=torch.from_numpy(hid).permute(1, 0, 2)[None].contiguous(),
-                positions=torch.from_numpy(hpos)[None], valid=torch.from_numpy(hv),
-            )
-    return out
-
-
-def _hist_mode(cfg: DLiteConfig):
-    return cfg.history_window  # 0 none, None full, W window
-
-
-def sample_batch(data: FeatureData, rng: np.random.Generator, batch_size: int, seqs_per_batch: int):
-    """[(seq index, anchors)]: seqs_per_batch random training sequences, random anchors in each."""
-    per = max(1, batch_size // seqs_per_batch)
-    chosen = rng.choice(len(data.train_idx), size=min(seqs_per_batch, len(data.train_idx)), replace=False)
-    groups = []
-    for c in chosen:
-        si = data.train_idx[c]
-        anchors = data.train_anchors(si)
-        take = rng.choice(anchors, size=min(per, len(anchors)), replace=False)
-        groups.append((si, np.sort(take)))
-    return groups
-
-
-def eval_groups(data: FeatureData, max_anchors: int, seed: int = 1234):
-    """A fixed set of held-out anchors, grouped by sequence."""
-    rng = np.random.default_rng(seed)
-    idx = data.eval_idx or data.train_idx[:1]
-    per = max(1, max_anchors // max(len(idx), 1))
-    out = []
-    for si in idx:
-        a = data.seqs[si][3]
-        out.append((si, np.sort(rng.choice(a, size=min(per, len(a)), replace=False))))
-    return out
-
-
 # ---------------------------------------------------------------------------- model pieces
 def bind(model: DLiteDrafter, embed_w, head_w) -> DLiteDrafter:
     return model.bind_target(embed_w, head_w)
@@ -252,69 +103,6 @@ def target_probs(head_w, target_hidden, dtype, vocab=None):
         w = head_w if vocab is None else head_w[vocab]
         logits = torch.nn.functional.linear(target_hidden.to(dtype), w.to(dtype))
         return torch.softmax(logits.float(), dim=-1)
-
-
-def batch_vocab_subset(base_vocab: torch.Tensor, labels: list, valid: list, vocab_size: int):
-    """The training-time vocabulary subset of one batch: the frequent tokens ``base_vocab`` plus
-    every valid label. Returns (sorted token ids, labels remapped to their index in the subset;
-    invalid positions get 0)."""
-    vocab = torch.unique(torch.cat([base_vocab] + [lab[v] for lab, v in zip(labels, valid)]))
-    lookup = torch.full((vocab_size,), -1, dtype=torch.long)
-    lookup[vocab] = torch.arange(len(vocab))
-    return vocab, [torch.where(v, lookup[lab], torch.zeros_like(lab)) for lab, v in zip(labels, valid)]
-
-
-def concat_groups(batches: list) -> dict:
-    out = {}
-    for key in batches[0]:
-        if key == "history":
-            continue
-        out[key] = torch.cat([b[key] for b in batches], 0)
-    return out
-
-
-def model_forward(model, b, vocab: Optional[torch.Tensor] = None):
-    """Logits [B, K, V] (or [B, K, |vocab|] over the token subset ``vocab``: the frozen LM head's
-    rows for those tokens only -- the training-time vocabulary subset, see ``--vocab-subset``)."""
-    if vocab is not None and model.config.head_input == "hidden":
-        z = model.backbone(b["context_hidden"], b["context_valid"], b["anchor_ids"], b.get("history"), b["round_offset"])
-        y = model.head(z[:, :-1], z[:, 1:])
-        return torch.nn.functional.linear(model.final_norm(y), model.lm_head_weight[vocab].to(y.dtype))
-    return model(b["context_hidden"], b["context_valid"], b["anchor_ids"], history=b.get("history"),
-                 round_offset=b["round_offset"], feedback_tokens=b["labels"] if model.config.head_input == "token" else None)
-
-
-@torch.no_grad()
-def greedy_scores(model: DLiteDrafter, data: FeatureData, groups, autocast, chunk: int = 8):
-    """Per held-out anchor: the committed tokens of a greedy round there (1 + leading drafts equal
-    to the target's greedy tokens; the data is greedy-regenerated, so labels are the target's
-    continuation), and per draft position the accuracy. Returns (tau [N], acc per position).
-    History-free drafters run ``chunk`` sequences' anchors per forward, others one sequence."""
-    cfg = model.config
-    C, K = cfg.num_context_positions, cfg.block_size
-    hist = _hist_mode(cfg)
-    taus, hits, n_valid = [], torch.zeros(K), torch.zeros(K)
-    step = chunk if hist == 0 else 1
-    for i in range(0, len(groups), step):
-        gs = [data.group(si, a, C, K, hist, False) for si, a in groups[i:i + step]]
-        b = concat_groups(gs) if hist == 0 else gs[0]  # a history is per sequence
-        with autocast():
-            draft = model_forward(model, b).float().argmax(-1)
-        taus.append(greedy_accept_length(draft, b["labels"], b["valid"]))
-        hits += ((draft == b["labels"]) & b["valid"]).float().sum(0)
-        n_valid += b["valid"].float().sum(0)
-    return torch.cat(taus), (hits / n_valid.clamp(min=1)).tolist()
-
-
-def evaluate(model: DLiteDrafter, data: FeatureData, groups, autocast) -> dict:
-    """Expected greedy tau on held-out anchors and per-position accuracy (``greedy_scores``)."""
-    model.eval()
-    tau, acc = greedy_scores(model, data, groups, autocast)
-    model.train()
-    half = 1.96 * float(tau.std()) / math.sqrt(len(tau)) if len(tau) > 1 else 0.0
-    m = float(tau.mean())
-    return {"tau_proxy": m, "tau_ci95": [round(m - half, 4), round(m + half, 4)], "acc_per_pos": [round(x, 4) for x in acc],
-            "eval_anchors": int(len(tau))}
 
 
 def lr_at(step: int, total: int, base: float, warmup: int, min_ratio: float = 0.1) -> float:
@@ -392,7 +180,7 @@ def plot_curves(out_dir: str) -> Optional[str]:
         return None
     recs = [json.loads(x) for x in open(path) if x.strip()]
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    offset, last_stage, g = 0, None, 0
+    offset = 0
     for st in STAGES:
         tr = [r for r in recs if r.get("stage") == st and "loss" in r]
         ev = [r for r in recs if r.get("stage") == st and "tau_proxy" in r]
@@ -619,8 +407,7 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
             json.dump({"steps": step, "wall_s": round(wall_used, 1), "loss": spec.loss, "lr": spec.lr,
                        "history": cfg.history, "processes": _DIST["world"]}, f)
         if getattr(data, "data_dir", None):  # training.json beside the model's config.json
-            from .model_card import training_record, write_training_json
-            from .recipe import summarize
+            from .run_summary import summarize, training_record, write_training_json
 
             write_training_json(os.path.join(sdir, "model"), training_record(summarize(out_dir, data.data_dir), spec.name))
         plot_curves(out_dir)
@@ -841,35 +628,6 @@ def options_from_args(args) -> TrainOptions:
         time_budget_s=budget, stream_window=getattr(args, "stream_window", 0), eval_shards=getattr(args, "eval_shards", 32),
         stop_after_s=None if getattr(args, "stop_after_min", None) is None else args.stop_after_min * 60,
     )
-
-
-def make_engine_eval(target, tokenizer, workloads: list, max_convs: int, max_new_tokens: int):
-    """Held-out tau through the reference engine (exact rounds) on a small workload sample:
-    ``workloads`` e.g. ["sharegpt-heldout", "agent-stdlib"]; run at the end of every stage."""
-    from ..drafters import DLiteEngineDrafter
-    from ..engine import ReferenceEngine
-    from ..workloads import load_workload
-    from ..workloads.replay import eos_token_ids, evaluate_tau
-
-    convs = {w: load_workload(w, max_convs=max_convs) for w in workloads}
-
-    def fn(model, stage, step):
-        model.eval()
-        out = {}
-        eng = ReferenceEngine(target, DLiteEngineDrafter(model), eos_token_ids=eos_token_ids(tokenizer, target))
-        try:
-            for w, cv in convs.items():
-                r = evaluate_tau(eng, cv, max_new_tokens, tokenizer)
-                out[f"engine_tau/{w}"] = round(float(r["tau"]), 3)
-        except Exception as exc:  # noqa: BLE001 - an eval failure must not lose the training run
-            out["engine_eval_error"] = f"{type(exc).__name__}: {exc}"
-        finally:
-            eng.close()
-            model.train()
-        print(f"train[{stage}] step {step}: reference-engine tau {out}")
-        return out
-
-    return fn
 
 
 def _ddp_worker(rank, args, port):
