@@ -37,6 +37,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from ..errors import DLiteConfigError
 from ..lookup.batch import ENV_LOOKUP, ENV_TRACE, BatchLookup, lookup_enabled
 from ..model import DLiteDrafter
+from ..spec.context import last_rows_of_segments
 from . import metrics as dlite_metrics
 from . import verify_logits
 from .info import DLiteDraftInput, DLiteVerifyInput
@@ -226,19 +227,19 @@ class DLiteWorker(BaseSpecWorker):
         logger.info("DLITE drafter memory on TP rank %d: %.1f MiB weights (replicated) + %.1f MiB gathered "
                     "target embedding/LM head", self.tp_rank, own / mib, copies / mib)
         self.drafter = drafter
-        self.K_model = cfg.block_size  # drafts the drafter makes per round
+        self.drafter_block_size = cfg.block_size  # K: drafts the drafter can make per round
         # Tokens verified per round (anchor + the first W-1 drafts): K+1 unless the server asked
         # for fewer (--speculative-num-draft-tokens; cheaper verify where it is compute-bound).
         self.W = int(spec.speculative_num_draft_tokens)
-        self.K = self.W - 1
+        self.num_drafts = self.W - 1
         self.C = cfg.num_context_positions
         self.L = cfg.num_capture_layers
         self.H = cfg.target_hidden_size
         self.state_width = self.L * self.H + 1
-        if not 2 <= self.W <= self.K_model + 1:
+        if not 2 <= self.W <= self.drafter_block_size + 1:
             raise DLiteConfigError(
-                f"DLITE: speculative_num_draft_tokens={self.W} but the drafter has K={self.K_model} "
-                f"(needs 2..{self.K_model + 1})."
+                f"DLITE: speculative_num_draft_tokens={self.W} but the drafter has K={self.drafter_block_size} "
+                f"(needs 2..{self.drafter_block_size + 1})."
             )
         if not hasattr(model, "set_dflash_layers_to_capture"):
             raise DLiteConfigError(
@@ -254,13 +255,13 @@ class DLiteWorker(BaseSpecWorker):
         # request every round (sglang_dlite/lookup/). SGLANG_DLITE_LOOKUP=0 turns it off.
         self.lookup: Optional[BatchLookup] = None
         if lookup_enabled():
-            self.lookup = BatchLookup(self.K, trace_path=os.environ.get(ENV_TRACE) or None)
+            self.lookup = BatchLookup(self.num_drafts, trace_path=os.environ.get(ENV_TRACE) or None)
         self._round_lookup = None
         logger.info("DLITE drafting: %s", "hybrid (DLite + suffix lookup)" if self.lookup is not None
                     else f"DLite alone ({ENV_LOOKUP}=0)")
         logger.info(
-            "DLITE drafter %s: K=%d (verifying %d per round), C=%d, target layers %s, dtype %s", path, self.K_model, self.K, self.C,
-            cfg.target_layer_ids, dtype,
+            "DLITE drafter %s: K=%d (verifying %d drafts per round), C=%d, target layers %s, dtype %s", path,
+            self.drafter_block_size, self.num_drafts, self.C, cfg.target_layer_ids, dtype,
         )
 
     # ------------------------------------------------------------------ scheduler protocol
@@ -286,7 +287,7 @@ class DLiteWorker(BaseSpecWorker):
         if use:
             max_bs = int(self.model_runner.max_running_requests or 64)
             self._graphs = _DrafterCudaGraphs(self.drafter, min(max_bs, 256), self.device,
-                                              self.model_runner.dtype, num_drafts=self.K,
+                                              self.model_runner.dtype, num_drafts=self.num_drafts,
                                               with_confidence=self.lookup is not None)
             logger.info("DLITE drafter CUDA graphs captured for batch sizes %s", self._graphs.buckets)
 
@@ -300,15 +301,7 @@ class DLiteWorker(BaseSpecWorker):
 
     def _prefill_state(self, hidden: torch.Tensor, extend_lens) -> torch.Tensor:
         """Last C captured rows of every request's extend segment (+ validity column)."""
-        C = self.C
-        lens = torch.as_tensor(list(extend_lens), dtype=torch.int64)
-        ends = torch.cumsum(lens, 0)
-        j = torch.arange(C, dtype=torch.int64)
-        idx = ends[:, None] - C + j[None, :]  # [B, C]
-        valid = j[None, :] >= (C - torch.clamp(lens, max=C))[:, None]
-        idx = torch.where(valid, idx, torch.zeros_like(idx)).to(hidden.device)
-        valid = valid.to(hidden.device)
-        rows = hidden[idx] * valid[..., None].to(hidden.dtype)  # [B, C, L*H]
+        rows, valid = last_rows_of_segments(hidden, list(extend_lens), self.C)  # [B, C, L*H], [B, C]
         return torch.cat([rows, valid[..., None].to(hidden.dtype)], dim=-1)
 
     def _check_hidden(self, hidden: torch.Tensor, where: str) -> None:
@@ -355,7 +348,7 @@ class DLiteWorker(BaseSpecWorker):
             d_toks, d_conf = d.tolist(), conf.float().tolist()
         drafts, sources = self.lookup.choose(idxs, lookups, d_toks, d_conf)
         self._round_lookup = (idxs, drafts, sources)
-        return torch.tensor(drafts, dtype=torch.int64, device=self.device).view(len(drafts), self.K)
+        return torch.tensor(drafts, dtype=torch.int64, device=self.device).view(len(drafts), self.num_drafts)
 
     def _lookup_commit(self, batch, accepted: torch.Tensor) -> None:
         if self.lookup is None or self._round_lookup is None:
@@ -363,6 +356,9 @@ class DLiteWorker(BaseSpecWorker):
         idxs, drafts, sources = self._round_lookup
         self._round_lookup = None
         self.lookup.commit(batch.reqs, idxs, drafts, accepted.tolist(), sources)
+        if dlite_metrics.enabled():  # /metrics: rounds drafted by each source (suffix / dlite / mixed)
+            for name in set(sources):
+                dlite_metrics.record_source(name, sources.count(name))
 
     def _draft_dlite(self, state: torch.Tensor, anchors: torch.Tensor, with_confidence: bool = False):
         bs = state.shape[0]
@@ -373,7 +369,7 @@ class DLiteWorker(BaseSpecWorker):
             out = self._graphs.propose(ctx, valid, anchors)
             if out is not None:
                 return (out[0].clone(), out[1].clone()) if with_confidence else out.clone()
-        prop = self.drafter.propose(ctx.contiguous(), valid, anchors, num_drafts=self.K,
+        prop = self.drafter.propose(ctx.contiguous(), valid, anchors, num_drafts=self.num_drafts,
                                     return_confidence=with_confidence)
         return (prop.tokens, prop.confidence) if with_confidence else prop.tokens
 
@@ -443,7 +439,7 @@ class DLiteWorker(BaseSpecWorker):
         if not isinstance(draft_input, DLiteDraftInput):
             raise RuntimeError(f"DLITE expected DLiteDraftInput on the running batch, got {type(draft_input)}")
         bs = len(batch.reqs)
-        W, K = self.W, self.K
+        W, K = self.W, self.num_drafts
         device = self.device
         prefix_lens = batch.seq_lens
         state = draft_input.hidden_states
@@ -475,17 +471,19 @@ class DLiteWorker(BaseSpecWorker):
         )
         batch.out_cache_loc = out_cache_loc
         seq_lens_cpu_backup, seq_lens_sum_backup = batch.seq_lens_cpu, batch.seq_lens_sum
-        if seq_lens_cpu_backup is not None:
-            host = seq_lens_cpu_backup + W
-            batch.seq_lens_cpu = host
-            batch.seq_lens_sum = int(host.sum())
-        # Attention metadata is planned once per verify: eager TARGET_VERIFY plans it inside the
-        # target's forward (eager_runner._execute_extend re-plans every verify), so plan here only
-        # for a CUDA-graph replay.
-        fb, can_graph = verify_input.prepare_for_verify(batch, self._target_worker, defer_metadata_init=True)
-        if can_graph:
-            self.model_runner.decode_cuda_graph_runner.load_batch(fb)
-        batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu_backup, seq_lens_sum_backup
+        try:  # the verify input sees the lengths after the W verify tokens; the batch keeps its own
+            if seq_lens_cpu_backup is not None:
+                host = seq_lens_cpu_backup + W
+                batch.seq_lens_cpu = host
+                batch.seq_lens_sum = int(host.sum())
+            # Attention metadata is planned once per verify: eager TARGET_VERIFY plans it inside the
+            # target's forward (eager_runner._execute_extend re-plans every verify), so plan here
+            # only for a CUDA-graph replay.
+            fb, can_graph = verify_input.prepare_for_verify(batch, self._target_worker, defer_metadata_init=True)
+            if can_graph:
+                self.model_runner.decode_cuda_graph_runner.load_batch(fb)
+        finally:
+            batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu_backup, seq_lens_sum_backup
         target_out = self._target_worker.forward_batch_generation(
             batch=None, forward_batch=fb, is_verify=True,
         )
