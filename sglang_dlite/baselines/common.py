@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from ..errors import DLiteConfigError, DLiteInputError
 from ..model import DraftProposal, logits_to_probs
-from ..ops.reference import apply_rope, rms_norm, rope_cos_sin
+from ..ops.reference import apply_rope, rope_cos_sin
 from ..target_binding import TargetBoundMixin, load_checkpoint
 
 
@@ -118,16 +118,6 @@ class BaselineConfig(PretrainedConfig):
 
 
 # ---------------------------------------------------------------------------- layers
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
-
-
 class MLP(nn.Module):
     def __init__(self, dim: int, inter: int):
         super().__init__()

@@ -33,8 +33,9 @@ import torch.nn.functional as F
 
 from ..drafters import DraftRequest
 from ..errors import DLiteInputError
+from ..model import RMSNorm  # the same norm layer as DLite's
 from .common import (
-    MLP, Attention, BaselineConfig, BoundTargetMixin, CacheState, RMSNorm, attend,
+    MLP, Attention, BaselineConfig, BoundTargetMixin, CacheState, attend,
     check_training_inputs, init_weights, mark_synced, proposal, sample, valid_cached_prefix,
 )
 

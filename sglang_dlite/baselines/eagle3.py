@@ -28,8 +28,9 @@ import torch.nn as nn
 
 from ..drafters import DraftRequest
 from ..errors import DLiteInputError
+from ..model import RMSNorm  # the same norm layer as DLite's
 from .common import (
-    MLP, Attention, BaselineConfig, BoundTargetMixin, CacheState, RMSNorm,
+    MLP, Attention, BaselineConfig, BoundTargetMixin, CacheState,
     attend, check_training_inputs, init_weights, mark_synced, proposal, sample, valid_cached_prefix,
 )
 
