@@ -17,8 +17,6 @@ import os
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-ALGORITHM_NAME = "DLITE"
-
 
 class DLiteSpecAlgo(CustomSpecAlgo):
     """History-free chain drafter: no draft model runner, no draft KV, hidden states relayed."""
