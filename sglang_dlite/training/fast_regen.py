@@ -204,6 +204,77 @@ class FastLlama:
             feats = torch.stack(caps, 1).to(torch.float16)
         return normed, feats
 
+    @torch.no_grad()
+    def verify(self, ids, starts, lens, want_features: bool):
+        """Several tokens for each of the slots 0..B-1 in one pass (a speculative verify):
+        ``ids`` [N] the rows' tokens concatenated, slot b's ``lens[b]`` tokens at positions
+        ``starts[b]..starts[b]+lens[b]-1`` (its cache holds 0..starts[b]-1). The weight GEMMs
+        run on the N real tokens (no padding); attention per chunk of ATT_CHUNK slots with the
+        queries padded to the chunk's longest row. ``decode`` is the case lens == 1.
+        Returns (final-norm outputs [N, H], features [N, L+1, H] fp16 or None)."""
+        B = len(lens)
+        N = int(sum(lens))
+        rows = torch.repeat_interleave(torch.arange(B), torch.as_tensor(lens))  # [N] slot of each token
+        offs = [0]
+        for n in lens:
+            offs.append(offs[-1] + n)
+        qi = torch.cat([torch.arange(n) for n in lens])  # [N] index of each token within its row
+        pos = torch.as_tensor(starts, dtype=torch.long)[rows] + qi
+        if int(pos.max()) >= self.max_len:
+            raise DLiteInputError(f"sequence of {int(pos.max()) + 1} tokens exceeds the fast engine's max_len {self.max_len}.")
+        x = self.embed[ids]  # [N, H]
+        cos, sin = self._rope(pos)
+        cos, sin = cos[:, None], sin[:, None]
+        chunks = []
+        for c0 in range(0, B, self.ATT_CHUNK):
+            c1 = min(B, c0 + self.ATT_CHUNK)
+            S = max(starts[b] + lens[b] for b in range(c0, c1))
+            Tm = max(lens[c0:c1])
+            st = torch.as_tensor(starts[c0:c1], dtype=torch.long)
+            ln = torch.as_tensor(lens[c0:c1], dtype=torch.long)
+            t = torch.arange(Tm)
+            # query t of row b (position st_b + t) sees keys 0..st_b + t; padded queries (t >= len_b)
+            # see key 0 only (their output is dropped)
+            lim = torch.where(t[None] < ln[:, None], st[:, None] + t[None], torch.zeros_like(t[None]))
+            valid = (torch.arange(S)[None, None, :] <= lim[:, :, None])[:, None]  # [c, 1, Tm, S]
+            # flat token index -> (row in chunk, query) of the padded layout
+            sel_r = rows[offs[c0]:offs[c1]] - c0
+            sel_t = qi[offs[c0]:offs[c1]]
+            chunks.append((c0, c1, S, Tm, valid, sel_r, sel_t))
+            for b in range(c0, c1):  # masked positions [starts_b + len_b, S) are read too: never garbage
+                if self.hw[b] < S:
+                    self.k[:, b, :, self.hw[b]:S] = 0
+                    self.v[:, b, :, self.hw[b]:S] = 0
+                    self.hw[b] = S
+        caps = [None] * (len(self.capture) + 1)
+        for li, p in enumerate(self.layers):
+            h = self._rms(x, p["ln1"])
+            qkv = h @ p["wqkv"].T
+            q = qkv[:, : self.nh * self.hd].view(N, self.nh, self.hd)
+            k = qkv[:, self.nh * self.hd:(self.nh + self.kvh) * self.hd].view(N, self.kvh, self.hd)
+            v = qkv[:, (self.nh + self.kvh) * self.hd:].view(N, self.kvh, self.hd)
+            q, k = self._rot(q, cos, sin), self._rot(k, cos, sin)
+            self.k[li, rows, :, pos] = k
+            self.v[li, rows, :, pos] = v
+            outs = []
+            for c0, c1, S, Tm, valid, sel_r, sel_t in chunks:
+                qp = q.new_zeros(c1 - c0, Tm, self.nh, self.hd)
+                qp[sel_r, sel_t] = q[offs[c0]:offs[c1]]
+                o = F.scaled_dot_product_attention(qp.transpose(1, 2), self.k[li, c0:c1, :, :S], self.v[li, c0:c1, :, :S],
+                                                   attn_mask=valid, scale=self.scale, enable_gqa=True)
+                outs.append(o.transpose(1, 2)[sel_r, sel_t])  # [n_chunk, nh, hd]
+            o = torch.cat(outs, 0).reshape(N, self.nh * self.hd)
+            x = x + o @ p["wo"].T
+            x = x + self._mlp(self._rms(x, p["ln2"]), p)
+            if want_features and li in self._cap_index:
+                caps[self._cap_index[li]] = x
+        normed = self._rms(x, self.norm_w)
+        feats = None
+        if want_features:
+            caps[-1] = normed
+            feats = torch.stack(caps, 1).to(torch.float16)
+        return normed, feats
+
     def move_slot(self, src: int, dst: int, length: int):
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
@@ -345,18 +416,7 @@ class FastRegenerator:
                     yield self._finish(row)
             if not rows:
                 return
-            ids = torch.tensor([r.seq[-1] for r in rows], dtype=torch.long)
-            pos = torch.tensor([len(r.seq) - 1 for r in rows], dtype=torch.long)
-            normed, f = self.engine.decode(ids, pos, bool(self.capture))
-            toks, margins = self._argmax(normed)
-            toks, margins = toks.tolist(), margins.tolist()
-            done = []
-            for b, r in enumerate(rows):
-                if f is not None:
-                    r.feats.append(f[b:b + 1])
-                self._push(r, toks[b], margins[b])
-                if self._turn_over(r) and not self._next_turn(r, b):
-                    done.append(b)
+            done = self._step(rows)
             for b in reversed(done):  # compact: the last row moves into the freed slot
                 yield self._finish(rows[b])
                 last = len(rows) - 1
@@ -364,6 +424,22 @@ class FastRegenerator:
                     self.engine.move_slot(last, b, len(rows[last].seq) - 1)
                     rows[b] = rows[last]
                 rows.pop()
+
+    def _step(self, rows) -> list:
+        """One decode step for every active row (slot b = rows[b]); returns the finished slots."""
+        ids = torch.tensor([r.seq[-1] for r in rows], dtype=torch.long)
+        pos = torch.tensor([len(r.seq) - 1 for r in rows], dtype=torch.long)
+        normed, f = self.engine.decode(ids, pos, bool(self.capture))
+        toks, margins = self._argmax(normed)
+        toks, margins = toks.tolist(), margins.tolist()
+        done = []
+        for b, r in enumerate(rows):
+            if f is not None:
+                r.feats.append(f[b:b + 1])
+            self._push(r, toks[b], margins[b])
+            if self._turn_over(r) and not self._next_turn(r, b):
+                done.append(b)
+        return done
 
     def run(self, convs):
         """(sequences, masks, features) in the order of ``convs`` (``Regenerator.run``'s API)."""

@@ -1,0 +1,99 @@
+"""Self-speculative regeneration (training/spec_regen.py) on tiny random-weight Llamas: the text is
+the float32 target's greedy text (HF, batch 1, turn by turn), token for token, with rows that
+finish at different times, drafts accepted and rejected; the features are HF's hidden states;
+``FastLlama.verify`` equals ``decode`` step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_fast_regen import LAYERS, FakeHelper, _convs, hf_greedy_conv, tiny  # noqa: F401  (fixture)
+
+from sglang_dlite.training.fast_regen import FastLlama
+from sglang_dlite.training.spec_regen import SpecRegenerator
+
+
+def _spec(model, eos, batch_size, num_drafts=4, min_reach=0.0, max_new=24, max_len=256, layers=LAYERS,
+          continue_truncated=False):
+    fr = SpecRegenerator.__new__(SpecRegenerator)  # the tokenizer helper replaced by FakeHelper
+    fr.helper = FakeHelper(eos)
+    fr.eos, fr.max_new, fr.max_len = eos, max_new, max_len
+    fr.capture = list(layers)
+    fr.engine = FastLlama(model, batch_size, max_len, capture_layers=fr.capture)
+    fr.engine.k.fill_(float("nan"))  # the cache is allocated unfilled: nothing unwritten may be read
+    fr.engine.v.fill_(float("nan"))
+    fr.batch_size, fr.sort_window, fr.new_tokens, fr.L1 = batch_size, 64, 0, len(layers) + 1
+    fr.continue_truncated = continue_truncated
+    fr._init_spec(num_drafts, min_reach, 32)
+    return fr
+
+
+@pytest.mark.parametrize("batch_size,num_drafts", [(1, 4), (3, 3), (16, 6)])
+def test_spec_text_equals_hf_fp32_greedy(tiny, batch_size, num_drafts):
+    """Same sequences and masks as HF batch-1 float32 greedy decoding; drafts were both accepted
+    and rejected; rows finished at different steps (EOS turns, room limits, 1-3 turns)."""
+    convs, eos = _convs(tiny, 9)
+    fr = _spec(tiny, eos, batch_size, num_drafts=num_drafts, max_new=40)
+    seqs, masks, feats = fr.run(convs)
+    for c, s, m in zip(convs, seqs, masks):
+        assert (s, m) == hf_greedy_conv(tiny, c, eos, fr.max_new, fr.max_len), f"conversation {c['id']} differs"
+    st = fr.summary()
+    assert st["accepted"] >= 10, st  # multi-token commits happened ...
+    assert st["accepted"] < st["drafted"], st  # ... and rejections
+    assert fr.new_tokens == sum(sum(m) for m in masks)
+    assert st["steps"] < fr.new_tokens / min(batch_size, len(convs))  # fewer passes than one token each
+    assert sum(1 for s, m in zip(seqs, masks) for j in range(len(s)) if s[j] == eos and m[j]) >= 2
+    assert len({sum(m) for m in masks}) > 3  # rows of different lengths
+
+
+def test_spec_continue_truncated_and_max_len(tiny):
+    """A turn cut by max_new_tokens (drafts must never run past the room) and max_len."""
+    convs, eos = _convs(tiny, 6, seed=5)
+    fr = _spec(tiny, eos, 3, num_drafts=5, max_new=7, continue_truncated=True)
+    seqs, masks, _ = fr.run(convs)
+    for c, s, m in zip(convs, seqs, masks):
+        assert (s, m) == hf_greedy_conv(tiny, c, eos, 7, fr.max_len, continue_truncated=True)
+    convs, eos = _convs(tiny, 4, seed=4)
+    fr = _spec(tiny, eos, 2, num_drafts=5, max_new=40, max_len=70)
+    for c, s, m in zip(convs, *fr.run(convs)[:2]):
+        assert (s, m) == hf_greedy_conv(tiny, c, eos, 40, 70)
+
+
+def test_spec_features_equal_hf_hidden_states(tiny):
+    convs, eos = _convs(tiny, 5, seed=1)
+    fr = _spec(tiny, eos, 2, max_new=30)
+    seqs, masks, feats = fr.run(convs)
+    assert fr.stats["accepted"] > 0
+    for s, f in zip(seqs, feats):
+        assert f.shape == (len(s) - 1, len(LAYERS) + 1, tiny.config.hidden_size)
+        with torch.no_grad():
+            hs = tiny(input_ids=torch.tensor([s]), output_hidden_states=True).hidden_states
+        ref = torch.stack([hs[l + 1][0] for l in LAYERS] + [hs[-1][0]], 1)[: len(s) - 1]
+        torch.testing.assert_close(f.float(), ref.to(torch.float16).float(), atol=2e-3, rtol=2e-3)
+
+
+def test_verify_equals_decode(tiny):
+    """verify with rows of 1..4 tokens == the same tokens decoded one step at a time."""
+    torch.manual_seed(0)
+    V = tiny.config.vocab_size
+    prompts = [torch.randint(3, V, (n,)).tolist() for n in (5, 17, 9)]
+    nxt = [torch.randint(3, V, (n,)).tolist() for n in (4, 3, 1)]
+    a, b = FastLlama(tiny, 3, 64, capture_layers=[1]), FastLlama(tiny, 3, 64, capture_layers=[1])
+    for e in (a, b):
+        e.k.fill_(float("nan"))
+        e.v.fill_(float("nan"))
+        for s, p in enumerate(prompts):
+            e.extend(s, p, 0, False)
+    ids = torch.tensor([t for x in nxt for t in x])
+    na, fa = a.verify(ids, [len(p) for p in prompts], [len(x) for x in nxt], True)
+    outs = [[] for _ in prompts]
+    for step in range(max(len(x) for x in nxt)):
+        live = [s for s in range(3) if step < len(nxt[s])]
+        assert live == list(range(len(live)))  # rows with more tokens come first here
+        n, f = b.decode(torch.tensor([nxt[s][step] for s in live]), torch.tensor([len(prompts[s]) + step for s in live]), True)
+        for j, s in enumerate(live):
+            outs[s].append((n[j], f[j]))
+    flat = [o for s in range(3) for o in outs[s]]
+    torch.testing.assert_close(na, torch.stack([o[0] for o in flat]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fa.float(), torch.stack([o[1] for o in flat]).float(), atol=2e-3, rtol=2e-3)

@@ -1,0 +1,108 @@
+"""Self-speculative regeneration (``gen-data --engine fast --spec-drafts K``): the batched fast
+engine verifies drafts instead of decoding one token per step.
+
+Every step, each active row proposes up to K drafts from a suffix index over its *own* tokens
+(``lookup.suffix.SuffixIndex``: prompt + everything generated so far, a SAM extended token by
+token), cut where the calibrated probability that a draft is still reached falls below
+``min_reach`` (``lookup.chooser``'s table, fitted on training prompts); rows without a
+confident match draft nothing and decode one token as before. ``FastLlama.verify`` runs all rows'
+``[last token, d_1 .. d_k]`` in one pass (the weight GEMMs over the real tokens only), and
+``spec.accept.greedy_accept`` keeps the longest prefix of drafts equal to the target's greedy
+tokens plus the target's bonus token. So the text is the target's own greedy text, whatever the
+drafts: a draft only decides how many positions are scored in one pass. Tokens after an end of
+turn or past the turn's room are never committed.
+
+Features (captured layers + final norm) come from the verify pass: the rows of the committed
+inputs (the previous last token and the accepted drafts), the same positions ``decode`` captures.
+Everything else (shard format, turns, continuous batching, compaction) is ``FastRegenerator``'s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..lookup.chooser import default_calibration, lookup_only
+from ..lookup.suffix import SuffixIndex
+from ..spec.accept import greedy_accept
+from .fast_regen import FastRegenerator
+
+
+class SpecRegenerator(FastRegenerator):
+    """``FastRegenerator`` whose decode step verifies suffix-lookup drafts (see the module doc)."""
+
+    def __init__(self, *args, num_drafts: int = 4, min_reach: float = 0.3, max_match: int = 32, **kw):
+        super().__init__(*args, **kw)
+        self._init_spec(num_drafts, min_reach, max_match)
+
+    def _init_spec(self, num_drafts, min_reach, max_match):
+        if num_drafts < 1:
+            raise ValueError(f"num_drafts must be >= 1 (got {num_drafts}).")
+        self.num_drafts, self.min_reach, self.max_match = int(num_drafts), float(min_reach), int(max_match)
+        self.cal = default_calibration()
+        self._index: dict = {}
+        self.stats = {"steps": 0, "rows": 0, "drafted": 0, "accepted": 0, "verified_tokens": 0}
+
+    def _drafts(self, row) -> list:
+        idx = self._index.get(row.key)
+        if idx is None:
+            idx = self._index[row.key] = SuffixIndex(max_match=self.max_match)
+        idx.sync(row.seq)  # committed tokens, the pending last one included
+        k = min(self.num_drafts, row.room - row.gen - 1)  # the bonus token takes the last place
+        if k <= 0:
+            return []
+        d, ps, _ = lookup_only(idx, k, self.cal)
+        n, reach = 0, 1.0
+        for p in ps:
+            reach *= p
+            if reach < self.min_reach:
+                break
+            n += 1
+        return d.tokens[:n]
+
+    def _step(self, rows) -> list:
+        drafts = [self._drafts(r) for r in rows]
+        lens = [1 + len(d) for d in drafts]
+        ids = torch.tensor([t for r, d in zip(rows, drafts) for t in [r.seq[-1]] + d], dtype=torch.long)
+        starts = [len(r.seq) - 1 for r in rows]
+        normed, f = self.engine.verify(ids, starts, lens, bool(self.capture))
+        toks, margins = self._argmax(normed)
+        st = self.stats
+        st["steps"] += 1
+        st["rows"] += len(rows)
+        st["verified_tokens"] += len(ids)
+        done, off = [], 0
+        for b, (r, d) in enumerate(zip(rows, drafts)):
+            n = lens[b]
+            t = toks[off:off + n]
+            if d:
+                acc, bonus = greedy_accept(torch.tensor([d]), t[None])
+                a = int(acc[0])
+                st["drafted"] += len(d)
+                st["accepted"] += a
+                commit = d[:a] + [int(bonus[0])]
+            else:
+                commit = [int(t[0])]
+            m = margins[off:off + n].tolist()
+            pushed = 0
+            for j, tok in enumerate(commit):
+                self._push(r, tok, m[j])
+                pushed += 1
+                if self._turn_over(r):
+                    break
+            if f is not None:
+                r.feats.append(f[off:off + pushed])  # the inputs fed for the pushed tokens
+            off += n
+            if self._turn_over(r) and not self._next_turn(r, b):
+                done.append(b)
+        return done
+
+    def _finish(self, row):
+        self._index.pop(row.key, None)
+        return super()._finish(row)
+
+    def summary(self) -> dict:
+        st = dict(self.stats)
+        st["accept_rate"] = round(st["accepted"] / max(st["drafted"], 1), 4)
+        st["tokens_per_row_step"] = round(self.new_tokens / max(st["rows"], 1), 4)
+        st["num_drafts"], st["min_reach"] = self.num_drafts, self.min_reach
+        return st
