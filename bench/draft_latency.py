@@ -39,12 +39,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sglang_dlite import ops  # noqa: E402
-from sglang_dlite.config import DLiteConfig  # noqa: E402
-from sglang_dlite.model import DLiteDrafter  # noqa: E402
-from sglang_dlite.ops import _ext  # noqa: E402
+from sglang_dlite import ops
+from sglang_dlite.benchmarking.draft_rounds import latency_benches
+from sglang_dlite.config import DLiteConfig
+from sglang_dlite.model import DLiteDrafter
 
 
 # ----------------------------------------------------------------------------- drafters
@@ -87,10 +85,7 @@ class DLiteBench:
         return self.model.propose(ctx, valid, anchor, temperature=0.0).tokens
 
 
-DRAFTERS = {"dlite": DLiteBench}
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from draft_cost import latency_benches  # noqa: E402  (issue 6 baselines: eagle3, dflash, dspark)
-DRAFTERS.update(latency_benches())
+DRAFTERS = {"dlite": DLiteBench, **latency_benches()}  # + the issue-6 KV baselines: eagle3, dflash, dspark
 
 
 # ----------------------------------------------------------------------------- verify (GPU)
@@ -193,7 +188,7 @@ def main(argv=None):
     avail = ops.available_impls()
     missing = [i for i in impls if i not in avail]
     if missing:
-        ap.error(f"impl(s) {missing} unavailable here (available: {avail}); {_ext.status()}")
+        ap.error(f"impl(s) {missing} unavailable here (available: {avail}); {ops.build_status()}")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     torch.set_num_threads(args.threads)
     batches = [int(x) for x in args.batch_sizes.split(",")]
@@ -203,7 +198,7 @@ def main(argv=None):
     env = {
         "torch": torch.__version__, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(), "loadavg_start": os.getloadavg(), "ops": _ext.status(),
+        "cores": os.cpu_count(), "loadavg_start": os.getloadavg(), "ops": ops.build_status(),
         "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
     }

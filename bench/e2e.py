@@ -54,11 +54,9 @@ from statistics import median
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "python_tests"))
+from sglang_dlite.divergence import DEFAULT_TIE_MARGIN, Fp32LogitGap, classify_divergences
 
-from sglang_dlite.divergence import DEFAULT_TIE_MARGIN, Fp32LogitGap, classify_divergences  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None):
@@ -137,7 +135,7 @@ async def _run_level(engine, reqs, conc, sp):
 
 
 def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_size=1, dp_size=1):
-    import sglang_fixtures as F
+    from sglang_dlite.cpu_launch import start_engine
 
     kw = dict(dtype=dtype, max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
     base_mode, tp_size, dp_size = parse_parallel(mode, tp_size, dp_size)
@@ -166,7 +164,7 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
         verify_kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8, **verify_kw}
     t0 = time.perf_counter()
     if device == "cpu":
-        e = F.start_engine(target, dlite=draft if is_dlite else None, **kw, **verify_kw)
+        e = start_engine(target, dlite=draft if is_dlite else None, **kw, **verify_kw)
     else:
         import sglang as sgl
 
@@ -292,11 +290,11 @@ def main(argv=None) -> int:
     draft = args.draft or shipped_drafter_path()
     note = None
     if draft is None:
-        import sglang_fixtures as F
-
         import tempfile
 
-        draft = F.save_random_dlite(os.path.join(tempfile.mkdtemp(), "random-dlite"), target)
+        from sglang_dlite.benchmarking.random_models import save_random_dlite
+
+        draft = save_random_dlite(os.path.join(tempfile.mkdtemp(), "random-dlite"), target)
         note = "no shipped drafter: a RANDOM DLite drafter was used (tau ~1)"
         print("NOTE:", note)
     tok = AutoTokenizer.from_pretrained(target)

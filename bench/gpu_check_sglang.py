@@ -28,8 +28,6 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def _check_drafter_graphs(result):
@@ -37,7 +35,7 @@ def _check_drafter_graphs(result):
 
     from sglang_dlite.config import DLiteConfig
     from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.sglang_plugin.worker import _DrafterCudaGraphs
+    from sglang_dlite.sglang_plugin.worker import DrafterCudaGraphs
 
     details = {}
     ok = True
@@ -47,7 +45,7 @@ def _check_drafter_graphs(result):
         d = DLiteDrafter(cfg).to("cuda", dtype).eval()
         V, H = cfg.vocab_size, cfg.target_hidden_size
         d.bind_target(torch.randn(V, H, device="cuda", dtype=dtype), torch.randn(V, H, device="cuda", dtype=dtype))
-        graphs = _DrafterCudaGraphs(d, 16, "cuda", dtype)
+        graphs = DrafterCudaGraphs(d, 16, "cuda", dtype)
         for bs in (1, 3, 16):
             ctx = torch.randn(bs, cfg.num_capture_layers, cfg.num_context_positions, H, device="cuda", dtype=dtype)
             valid = torch.rand(bs, cfg.num_context_positions, device="cuda") > 0.2
@@ -170,10 +168,9 @@ def main(argv=None) -> int:
         target = prepare_default_target(verbose=False)
         draft = args.draft or shipped_drafter_path()
         if draft is None:
-            sys.path.insert(0, str(REPO / "python_tests"))
-            import sglang_fixtures as F
+            from sglang_dlite.benchmarking.random_models import save_random_dlite
 
-            draft = F.save_random_dlite(os.path.join(tempfile.mkdtemp(), "d"), str(target))
+            draft = save_random_dlite(os.path.join(tempfile.mkdtemp(), "d"), str(target))
             result["note"] = "random drafter (none shipped): tau ~1"
         _check_engine(result, target, draft, t_start + args.budget_s)
     except Exception as exc:  # noqa: BLE001

@@ -20,20 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from contextlib import nullcontext
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sglang_dlite.drafters import load_dlite  # noqa: E402
-from sglang_dlite.errors import DLiteInputError  # noqa: E402
-from sglang_dlite.target import load_target  # noqa: E402
-from sglang_dlite.training.dataset import FeatureData, eval_groups  # noqa: E402
-from sglang_dlite.training.evaluation import greedy_scores  # noqa: E402
+from sglang_dlite.drafters import load_dlite
+from sglang_dlite.errors import DLiteInputError
+from sglang_dlite.target import load_target
+from sglang_dlite.training.dataset import FeatureData, eval_groups
+from sglang_dlite.training.evaluation import greedy_scores
 
 
 def parse_args(argv=None):

@@ -24,8 +24,9 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
+from sglang_dlite.benchmarking.draft_cost_report import draft_cost_table, plot_draft_cost
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))  # draft_cost.markdown_table / plot
 BUCKETS = ("0-1k", "1-2k", "2-4k", "4-8k", ">=8k")
 DRAFTER_ORDER = ("hybrid", "suffix", "dlite", "dlite-teacher", "dlite-window128", "dlite-window512", "dlite-single",
                  "eagle3", "dflash", "dspark", "ngram")
@@ -268,8 +269,6 @@ def _load(x):
 
 
 def tables_draft_cost(dc) -> list:
-    from draft_cost import markdown_table
-
     env = dc.get("env", {})
     lines = ["### Draft cost vs context length", "",
              f"ms per draft round (median over {env.get('rounds', '?')} steady-state rounds, "
@@ -277,7 +276,7 @@ def tables_draft_cost(dc) -> list:
              f"request (state the drafter keeps between rounds: its own KV cache). CPU, {env.get('dtype')}, "
              f"{env.get('threads')} thread(s), 1-min load average {_load(env.get('loadavg_start'))} -> "
              f"{_load(env.get('loadavg_end'))} on {env.get('cores', '?')} cores. "
-             f"{env.get('note', '')}", "", markdown_table(dc), ""]
+             f"{env.get('note', '')}", "", draft_cost_table(dc), ""]
     lines += ["Drafters as measured:", ""] + [f"- `{k}`: {v}" for k, v in env.get("drafters", {}).items()] + [""]
     return lines
 
@@ -403,9 +402,7 @@ def plot_all(acc, dc, plots: Path, e2e=None) -> list:
         plt.close(fig)
         made.append("speedup_per_workload.png")
     if dc:
-        from draft_cost import plot
-
-        plot(dc, plots / "draft_ms_vs_context.png")
+        plot_draft_cost(dc, plots / "draft_ms_vs_context.png")
         made.append("draft_ms_vs_context.png")
     made += plot_e2e(e2e, plots, plt)
     return made

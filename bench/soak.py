@@ -8,7 +8,7 @@ mixed traffic plus a chaos client, bounded in time and in requests, stopping by 
 Traffic: ``--clients`` (default 16) concurrent clients, each looping over a seeded mix of greedy,
 sampled, penalty, json_schema, stop-string, logprob, streaming (native and OpenAI chat) requests,
 explicit aborts (``/abort_request``), client disconnects mid-stream, over-long prompts and invalid
-parameters; plus one chaos client that sends every input of ``python_tests/bad_requests.py`` in a
+parameters; plus one chaos client that sends every input of ``sglang_dlite/benchmarking/bad_requests.py`` in a
 loop. Every ``--sample-every`` seconds (default 10) it samples the resident memory (RSS) of the
 scheduler, tokenizer/HTTP and detokenizer processes and the KV pool's used tokens
 (``/v1/loads``). The load runs in ``--cycles`` cycles; after each it idles ``--idle`` seconds and
@@ -42,13 +42,11 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import requests
+
+from sglang_dlite.benchmarking.bad_requests import BAD_REQUESTS, LEAK_RE, error_message, send
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "python_tests"))
-
-import requests  # noqa: E402
-
-from bad_requests import BAD_REQUESTS, LEAK_RE, error_message, send  # noqa: E402
 
 PROMPTS = [
     "Write a short poem about the sea.",

@@ -18,7 +18,7 @@ import time
 import pytest
 
 import sglang_fixtures as F
-from bad_requests import BAD_REQUESTS, LEAK_RE, error_message, send
+from sglang_dlite.benchmarking.bad_requests import BAD_REQUESTS, LEAK_RE, error_message, send
 
 requests = pytest.importorskip("requests")
 
@@ -37,7 +37,7 @@ def test_http_check_refuses_or_defers(name, path, body, status, word):
     """Every bad input is refused by the HTTP-layer check, except the three only the server can
     judge (vocabulary size, regex compilation, context length), which must pass through."""
     G = _guards()
-    gen, sp = G._known_fields()
+    gen, sp = G.known_fields()
     server_only = {"generate-token-id-past-vocab", "generate-stream-token-id-past-vocab", "completions-token-id-past-vocab",
                    "generate-bad-regex", "generate-over-long-prompt"}
     try:
@@ -62,7 +62,7 @@ def test_http_check_refuses_or_defers(name, path, body, status, word):
 ])
 def test_http_check_lets_valid_requests_through(path, body):
     G = _guards()
-    gen, sp = G._known_fields()
+    gen, sp = G.known_fields()
     G.check_request(path, body, known_generate_fields=gen, known_sampling_params=sp)
 
 

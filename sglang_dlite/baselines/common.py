@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
+from ..drafters import DraftRequest
 from ..errors import DLiteConfigError, DLiteInputError
 from ..model import DraftProposal, logits_to_probs
 from ..ops.reference import apply_rope, rope_cos_sin
@@ -330,3 +331,33 @@ def valid_cached_prefix(st: CacheState, tokens: list) -> int:
 
 def mark_synced(st: CacheState, tokens: list) -> None:
     st.tokens, st.tokens_len, st.tail = tokens, len(tokens), tokens[-4:]
+
+
+class KVCacheEngineDrafter:
+    """What the engine adapters of the KV baselines share: the per-request ``CacheState`` in
+    ``req.state[state_key]`` (created on first use with ``cache_layers`` K/V caches) and its size.
+    Subclasses implement ``sync`` (encode the new committed positions) and ``draft``."""
+
+    def __init__(self, model, cache_layers: int):
+        self.model = model
+        cfg = model.config
+        self.state_key = cfg.model_type
+        self.cache_layers = cache_layers
+        self.block_size = cfg.block_size
+        self.capture_layer_ids = list(cfg.target_layer_ids)
+        self.hidden_rows_needed = None  # must see every position once, to encode it into its cache
+        self.last_logits: Optional[torch.Tensor] = None  # [K, V] of the last draft (tests)
+
+    def state(self, req: DraftRequest) -> CacheState:
+        """This request's cache state (created empty on the first round)."""
+        st = req.state.get(self.state_key)
+        if st is None:
+            cfg, w = self.model.config, self.model.fc.weight
+            st = req.state[self.state_key] = CacheState(self.cache_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                        w.dtype, w.device)
+        return st
+
+    def memory_bytes(self, state: dict) -> int:
+        """Drafter-owned bytes kept per request between rounds (its KV cache)."""
+        st = state.get(self.state_key)
+        return 0 if st is None else st.used_bytes()

@@ -35,7 +35,7 @@ from ..drafters import DraftRequest
 from ..errors import DLiteInputError
 from ..model import RMSNorm  # the same norm layer as DLite's
 from .common import (
-    MLP, Attention, BaselineConfig, BoundTargetMixin, CacheState, attend,
+    MLP, Attention, BaselineConfig, BoundTargetMixin, CacheState, KVCacheEngineDrafter, attend,
     check_training_inputs, init_weights, mark_synced, proposal, sample, valid_cached_prefix,
 )
 
@@ -200,36 +200,15 @@ class DSparkDrafter(DFlashDrafter):
         return F.linear(F.embedding(prev_ids, self.markov_embed), w)
 
 
-class DFlashEngineDrafter:
+class DFlashEngineDrafter(KVCacheEngineDrafter):
     """Engine adapter (DFlash and DSpark): the context K/V cache lives in ``req.state``."""
 
-    state_key = "dflash"
-
     def __init__(self, model: DFlashDrafter):
-        self.model = model
-        cfg = model.config
-        self.block_size = cfg.block_size
-        self.capture_layer_ids = list(cfg.target_layer_ids)
-        self.hidden_rows_needed = None  # must see every position once, to encode it into its cache
-        self.last_logits: Optional[torch.Tensor] = None
-        self.state_key = cfg.model_type
-
-    def _state(self, req: DraftRequest) -> CacheState:
-        st = req.state.get(self.state_key)
-        if st is None:
-            cfg, w = self.model.config, self.model.fc.weight
-            st = req.state[self.state_key] = CacheState(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                                        w.dtype, w.device)
-        return st
-
-    def memory_bytes(self, state: dict) -> int:
-        """Drafter-owned bytes kept per request between rounds (its context KV cache)."""
-        st = state.get(self.state_key)
-        return 0 if st is None else st.used_bytes()
+        super().__init__(model, cache_layers=model.config.num_layers)
 
     def sync(self, req: DraftRequest) -> CacheState:
         """Crop the context cache to the committed, unchanged prefix; encode the new positions."""
-        m, st = self.model, self._state(req)
+        m, st = self.model, self.state(req)
         end = req.hidden_end
         n = min(st.n, end, valid_cached_prefix(st, req.tokens))  # position p uses tokens[:p+1]
         if n < req.hidden_start:

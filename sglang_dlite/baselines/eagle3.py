@@ -30,7 +30,7 @@ from ..drafters import DraftRequest
 from ..errors import DLiteInputError
 from ..model import RMSNorm  # the same norm layer as DLite's
 from .common import (
-    MLP, Attention, BaselineConfig, BoundTargetMixin, CacheState,
+    MLP, Attention, BaselineConfig, BoundTargetMixin, CacheState, KVCacheEngineDrafter,
     attend, check_training_inputs, init_weights, mark_synced, proposal, sample, valid_cached_prefix,
 )
 
@@ -140,37 +140,17 @@ class Eagle3Drafter(BoundTargetMixin, nn.Module):
         return self.lm_logits(torch.stack(ys, dim=2))
 
 
-class Eagle3EngineDrafter:
+class Eagle3EngineDrafter(KVCacheEngineDrafter):
     """Engine adapter: keeps the drafter's KV cache over the whole context in ``req.state``."""
 
-    state_key = "eagle3"
-
     def __init__(self, model: Eagle3Drafter):
-        self.model = model
-        cfg = model.config
-        self.block_size = cfg.block_size
-        self.capture_layer_ids = list(cfg.target_layer_ids)
-        self.hidden_rows_needed = None  # must see every position once, to encode it into its cache
-        self.last_logits: Optional[torch.Tensor] = None  # [K, V] of the last draft (tests)
-
-    def _state(self, req: DraftRequest) -> CacheState:
-        st = req.state.get(self.state_key)
-        if st is None:
-            m = self.model
-            st = req.state[self.state_key] = CacheState(1, m.config.num_kv_heads, m.config.head_dim,
-                                                        m.fc.weight.dtype, m.fc.weight.device)
-        return st
-
-    def memory_bytes(self, state: dict) -> int:
-        """Drafter-owned bytes kept per request between rounds (its KV cache)."""
-        st = state.get(self.state_key)
-        return 0 if st is None else st.used_bytes()
+        super().__init__(model, cache_layers=1)
 
     def sync(self, req: DraftRequest) -> CacheState:
         """Crop the cache to what is still committed and encode the pairs not yet cached; always
         re-encodes the last pair (its query starts the draft). Returns the state; the last pair's
         layer input is left in ``st.last``."""
-        m, st = self.model, self._state(req)
+        m, st = self.model, self.state(req)
         end = req.hidden_end  # pairs 0..end-1 have features (end = len(tokens) - 1)
         if end < 1:
             raise DLiteInputError("EAGLE-3 drafting needs at least one committed position with a target feature.")

@@ -60,6 +60,11 @@ def available_impls() -> list:
     return out
 
 
+def build_status() -> str:
+    """One line for logs and benchmark reports: which compiled ops are loaded, or why none are."""
+    return _ext.status()
+
+
 def _pick(op: str, floats, device: torch.device) -> str:
     mode = ops_mode()
     if mode == "torch":

@@ -122,7 +122,7 @@ def _check_target_supported(model_runner, cfg, server_args) -> None:
         )
 
 
-class _DrafterCudaGraphs:
+class DrafterCudaGraphs:
     """CUDA only: the drafter's greedy propose captured once per batch-size bucket.
 
     The drafter has no KV and no attention metadata, so a graph is a pure function of three
@@ -241,14 +241,21 @@ class DLiteWorker(BaseSpecWorker):
                 f"DLITE: speculative_num_draft_tokens={self.W} but the drafter has K={self.drafter_block_size} "
                 f"(needs 2..{self.drafter_block_size + 1})."
             )
-        if not hasattr(model, "set_dflash_layers_to_capture"):
+        # Both setters, given explicit layer ids, capture the same decoder-layer outputs (sglang's
+        # Qwen2 model has only the EAGLE-3 one).
+        set_capture = (getattr(model, "set_dflash_layers_to_capture", None)
+                       or getattr(model, "set_eagle3_layers_to_capture", None))
+        if set_capture is None:
+            from ..config import supported_targets_text
+
             raise DLiteConfigError(
-                f"DLITE needs a target whose sglang model implements set_dflash_layers_to_capture "
-                f"(Llama, Qwen3, ...); {type(model).__name__} does not."
+                f"DLITE needs a target whose sglang model can capture decoder-layer outputs "
+                f"(set_dflash_layers_to_capture / set_eagle3_layers_to_capture); {type(model).__name__} "
+                f"cannot. Supported targets: {supported_targets_text()}."
             )
         # Must run before the target's CUDA graphs are captured (init_cuda_graphs comes later).
-        model.set_dflash_layers_to_capture(list(cfg.target_layer_ids))
-        self._graphs: Optional[_DrafterCudaGraphs] = None
+        set_capture(list(cfg.target_layer_ids))
+        self._graphs: Optional[DrafterCudaGraphs] = None
         self._metrics = dlite_metrics.worker_timer(server_args, self.device, self.C,  # None unless --enable-metrics
                                                    getattr(self.model_runner, "tp_rank", 0))
         # Hybrid drafting (the default): a per-request suffix lookup beside DLite, chosen per
@@ -286,7 +293,7 @@ class DLiteWorker(BaseSpecWorker):
         )
         if use:
             max_bs = int(self.model_runner.max_running_requests or 64)
-            self._graphs = _DrafterCudaGraphs(self.drafter, min(max_bs, 256), self.device,
+            self._graphs = DrafterCudaGraphs(self.drafter, min(max_bs, 256), self.device,
                                               self.model_runner.dtype, num_drafts=self.num_drafts,
                                               with_confidence=self.lookup is not None)
             logger.info("DLITE drafter CUDA graphs captured for batch sizes %s", self._graphs.buckets)
