@@ -99,14 +99,21 @@ def prepare_default_target(out: Optional[str] = None, force: bool = False, verbo
 
 
 def resolve_target(path_or_default: Optional[str]) -> str:
-    """'default' / None -> the prepared bundled target (preparing it if needed); else the path."""
+    """'default' / None -> the prepared bundled target (preparing it if needed); else the path,
+    checked to be a HF checkpoint of a supported architecture (``config.target_info``: every
+    command that takes a target comes through here, so an unsupported one is refused at once)."""
     if path_or_default in (None, "", "default"):
         return str(prepare_default_target(verbose=True))
+    path_or_default = os.fspath(path_or_default)
     if not os.path.isdir(path_or_default):
         raise DLiteInputError(
             f"target {path_or_default!r} is not a folder with a HF checkpoint; pass a local path "
             f"or 'default' (the bundled {DEFAULT_TARGET_NAME})."
         )
+    if os.path.isfile(os.path.join(path_or_default, "config.json")):  # (no config: the loader says so)
+        from .config import target_info
+
+        target_info(path_or_default)  # DLiteConfigError naming the supported architectures
     return path_or_default
 
 

@@ -44,10 +44,13 @@ DEFAULT_DRAFT_VOCAB = DEFAULT_TRAIN["vocab_subset"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="default")
+    p.add_argument("--target", default="default",
+                   help="HF checkpoint folder of a supported architecture (Llama, Mistral, Qwen2, Qwen3) or "
+                        "'default' (the bundled SmolLM2-135M-Instruct); the drafter is sized from it")
     p.add_argument("--data", default=DEFAULT_DATA)
     p.add_argument("--out", default=DEFAULT_OUT)
-    p.add_argument("--export", default=None, help="export folder (default: OUT/dlite-smollm2-135m)")
+    p.add_argument("--export", default=None,
+                   help="export folder (default: OUT/dlite-smollm2-135m for the bundled target, else OUT/dlite-<target folder>)")
     p.add_argument("--install", action="store_true",
                    help="also copy the exported drafter into the package (the shipped default checkpoint)")
     p.add_argument("--gen-max-shards", type=int, default=None, help="generate at most this many new shards")
@@ -69,6 +72,20 @@ def _ns(**kw):
     return argparse.Namespace(**kw)
 
 
+def layer_ids_for(target_path: str) -> str:
+    """The recipe's captured layers for a target: EAGLE-3's low / mid / high choice
+    (``config.low_mid_high_layer_ids``; 2,15,27 for the bundled 30-layer target)."""
+    from ..config import low_mid_high_layer_ids, target_info
+
+    return ",".join(map(str, low_mid_high_layer_ids(target_info(target_path).num_layers)))
+
+
+def export_name(target_path: str, is_default: bool) -> str:
+    if is_default:
+        return "dlite-smollm2-135m"
+    return "dlite-" + os.path.basename(os.path.normpath(target_path)).lower()
+
+
 def gen_args(args):
     g = DEFAULT_GEN
     return _ns(target=args.target, prompts=list(g["prompts"]), out=args.data, shard_size=g["shard_size"], worker="0/1",
@@ -76,7 +93,7 @@ def gen_args(args):
                max_new_tokens=g["max_new_tokens"], max_len=g["max_len"], max_turns=g["max_turns"],
                max_user_tokens=g["max_user_tokens"], temperature=g["temperature"], top_p=g["top_p"], seed=g["seed"],
                threads=max(2, args.threads), max_shards=args.gen_max_shards,
-               capture_layers=DEFAULT_TRAIN["target_layer_ids"], no_features=False,
+               capture_layers=getattr(args, "layer_ids", None) or DEFAULT_TRAIN["target_layer_ids"], no_features=False,
                budget_min=args.gen_budget_min)
 
 
@@ -90,7 +107,8 @@ def train_args(args, out):
                bf16=t["bf16"], vocab_subset=t["vocab_subset"], anchor_tokens=t["anchor_tokens"],
                eval_every=t["eval_every"],
                eval_anchors=t["eval_anchors"], save_every=t["save_every"], resume=True, seed=t["seed"],
-               threads=args.threads, num_context_positions=None, num_layers=None, target_layer_ids=t["target_layer_ids"],
+               threads=args.threads, num_context_positions=None, num_layers=None,
+               target_layer_ids=getattr(args, "layer_ids", None) or t["target_layer_ids"],
                stage_budget_min=args.stage_budget_min, no_progress=args.no_progress,
                engine_eval_convs=1, engine_eval_workloads="sharegpt-heldout,agent-stdlib", engine_eval_max_new_tokens=32,
                engine_eval_stages="stabilize", ddp=args.ddp)
@@ -122,8 +140,12 @@ def export(model_dir: str, dest: str, card: str, data_dir: Optional[str] = None,
 
 
 def run(args) -> int:
+    from ..target import resolve_target
     from . import gen_data, train
 
+    is_default = args.target in (None, "", "default")
+    target_path = resolve_target(args.target)  # refuses unsupported architectures
+    args.layer_ids = layer_ids_for(target_path)
     t0 = time.time()
     if not args.skip_gen:
         gen_data.run(gen_args(args))
@@ -138,12 +160,21 @@ def run(args) -> int:
     summary["wall_s"] = {"gen_data_this_run": round(t1 - t0, 1), "train_this_run": round(t2 - t1, 1)}
 
     summary["training"] = read_training_json(final)
+    from .model_card import read_drafter_config
+
+    name = export_name(target_path, is_default)
+    summary.update(target_name=os.path.basename(os.path.normpath(target_path)), export_name=name,
+                   drafter_config=read_drafter_config(final))
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
-    dest = args.export or os.path.join(out, "dlite-smollm2-135m")
+    dest = args.export or os.path.join(out, name)
     export(final, dest, render_card(summary), args.data, args.draft_vocab)
     print(f"train-default: exported {dest} ({os.path.getsize(os.path.join(dest, 'model.safetensors')) / 1e6:.1f} MB)")
     if args.install:
+        if not is_default:
+            print("train-default: --install is for the bundled target's shipped drafter; not installing a drafter "
+                  f"for {target_path}")
+            return 0
         from ..drafters import SHIPPED_DRAFTER_DIR
 
         export(final, SHIPPED_DRAFTER_DIR, render_card(summary), args.data, args.draft_vocab)
