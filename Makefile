@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export SGLANG_DLITE_CACHE ?= $(CURDIR)/artifacts/cache
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo build-ext cuda-check train-default train-two-stage train-baselines bench clean
+.PHONY: venv test demo build-ext cuda-check train-default train-two-stage train-baselines train-smoke bench clean
 
 venv: $(STAMP)
 
@@ -46,6 +46,13 @@ train-default: venv build-ext
 # The method's two-stage recipe (teacher -> distill -> stabilize) on the same data and budget.
 train-two-stage: venv build-ext
 	$(VENV)/bin/sglang-dlite train-default
+
+# The whole train-a-drafter pipeline on a tiny random target (< 5 min on 2 CPU cores): target ->
+# gen-data -> 2-process training -> export -> reference engine (greedy == the target's). Prints the
+# time of every step; artifacts/train-smoke/smoke.json. SMOKE_ARCH=qwen3 (or mistral, qwen2) for another architecture.
+SMOKE_ARCH ?= llama
+train-smoke: venv
+	OMP_NUM_THREADS=1 $(PY) -m sglang_dlite.training.smoke --arch $(SMOKE_ARCH) --out artifacts/train-smoke
 
 # Baselines of issue 6 (EAGLE-3, DFlash, DSpark, DLite ablations) on the same gen-data folder, into
 # artifacts/baselines/NAME/ (git-ignored; where `--drafter NAME` looks). ngram needs no training.
