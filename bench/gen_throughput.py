@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-ENGINES = ("hf", "fast-fp32", "fast-bf16")
+ENGINES = ("hf", "fast-fp32", "fast-bf16", "fast-spec", "sglang")
+DEFAULT_ENGINES = ("hf", "fast-fp32", "fast-spec")
 
 
 def main(argv=None) -> int:
@@ -43,7 +44,15 @@ def main(argv=None) -> int:
     ap.add_argument("--shard-size", type=int, default=12,
                     help="hf engine: conversations per generate batch, as gen-data --engine hf batches a shard "
                          "(12 = the shipped recipe's gen-data --shard-size); the fast engine streams them all")
-    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    ap.add_argument("--engines", nargs="+", default=list(DEFAULT_ENGINES), choices=ENGINES)
+    ap.add_argument("--spec-drafts", type=int, default=4, help="fast-spec: max suffix-lookup drafts verified per row and step")
+    ap.add_argument("--min-reach", type=float, default=0.3,
+                    help="fast-spec: a row's drafts stop where the calibrated chance of reaching them drops below this")
+    ap.add_argument("--spec-batch-size", type=int, default=None, help="fast-spec: KV-cache slots (default --batch-size)")
+    ap.add_argument("--spec-fixed-rows", type=float, default=None,
+                    help="fast-spec: a step's fixed cost in verified rows (default spec_regen.FIXED_ROWS; < 0: verify every candidate)")
+    ap.add_argument("--sglang-dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--sglang-batch-size", type=int, default=None, help="sglang: max running requests (default --batch-size)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="artifacts/results/gen_throughput.json")
     args = ap.parse_args(argv)
@@ -55,6 +64,9 @@ def main(argv=None) -> int:
                                                   reference_greedy)
     from sglang_dlite.training.hf_regen import Regenerator
     from sglang_dlite.training.prompts import load_prompts
+    from sglang_dlite.target import resolve_target
+    from sglang_dlite.training.sglang_regen import SglangRegenerator, _tree_cpu_seconds
+    from sglang_dlite.training.spec_regen import SpecRegenerator
 
     torch.set_num_threads(args.threads)
     layers = [int(x) for x in args.capture_layers.split(",")] if args.capture_layers else None
@@ -70,11 +82,22 @@ def main(argv=None) -> int:
     for name in tqdm(args.engines, desc="engines", unit="engine"):
         if name == "hf":
             gen = Regenerator(model, tok, args.max_new_tokens, args.max_len, capture_layers=layers)
+        elif name == "fast-spec":
+            gen = SpecRegenerator(model, tok, args.max_new_tokens, args.max_len, capture_layers=layers,
+                                  batch_size=args.spec_batch_size or args.batch_size, num_drafts=args.spec_drafts,
+                                  min_reach=args.min_reach,
+                                  **({} if args.spec_fixed_rows is None else {"fixed_rows": args.spec_fixed_rows}))
+        elif name == "sglang":
+            s0, sc0 = time.time(), _tree_cpu_seconds()
+            gen = SglangRegenerator(resolve_target(args.target), model, tok, args.max_new_tokens, args.max_len,
+                                    capture_layers=layers, batch_size=args.sglang_batch_size or args.batch_size,
+                                    dtype=args.sglang_dtype, threads=args.threads)
+            startup = {"startup_wall_s": round(time.time() - s0, 1), "startup_cpu_s": round(_tree_cpu_seconds() - sc0, 1)}
         else:
             dt = torch.float32 if name == "fast-fp32" else torch.bfloat16
             gen = FastRegenerator(model, tok, args.max_new_tokens, args.max_len, capture_layers=layers,
                                   batch_size=args.batch_size, dtype=dt)
-        w0, c0 = time.time(), time.process_time()
+        w0, c0 = time.time(), (time.process_time() if name != "sglang" else _tree_cpu_seconds())
         if name == "hf":  # gen-data's hf engine: one Regenerator.run per shard
             seqs, masks, feats = [], [], []
             for k in range(0, len(convs), args.shard_size):
@@ -82,11 +105,20 @@ def main(argv=None) -> int:
                 seqs, masks, feats = seqs + a, masks + b, feats + list(c)
         else:
             seqs, masks, feats = gen.run(convs)
-        wall, cpu = time.time() - w0, time.process_time() - c0
-        if name == "hf":
+        wall, cpu = time.time() - w0, (time.process_time() if name != "sglang" else _tree_cpu_seconds()) - c0
+        if name in ("hf", "sglang"):
             gen.close()
         n_gen = int(sum(sum(m) for m in masks))
         results[name] = {"seqs": seqs, "masks": masks, "feats": feats, "wall_s": wall, "cpu_s": cpu, "generated_tokens": n_gen}
+        if hasattr(gen, "summary"):
+            results[name]["spec"] = gen.summary()
+            print(f"  {name}: {results[name]['spec']}")
+        if name == "sglang":
+            results[name]["engine_info"] = dict(startup, dtype=args.sglang_dtype, **{
+                k: round(v, 1) if isinstance(v, float) else v for k, v in gen.stats.items()},
+                note="wall/CPU exclude the engine start-up; CPU = this process + the engine's subprocesses; "
+                     "includes the float32 HF feature pass")
+            print(f"  {name}: {results[name]['engine_info']}")
         print(f"  {name}: {n_gen} generated tokens, {wall:.1f} s wall ({n_gen / wall:.1f} tok/s), "
               f"{cpu:.1f} s CPU ({n_gen / cpu:.1f} tok/CPU-s)", flush=True)
         del gen
@@ -122,6 +154,9 @@ def main(argv=None) -> int:
             "tokens_dropped_by_cut": int(dropped), "sequences_identical_to_" + base: same_as_base,
             "feature_max_abs_diff": round(fdiff, 4), "feature_max_rel_diff": round(frel, 5),
         }
+        for k in ("spec", "engine_info"):
+            if k in r:
+                row[k] = r[k]
         rows.append(row)
     b = rows[0]
     for row in rows:

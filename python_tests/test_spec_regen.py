@@ -15,7 +15,7 @@ from sglang_dlite.training.spec_regen import SpecRegenerator
 
 
 def _spec(model, eos, batch_size, num_drafts=4, min_reach=0.0, max_new=24, max_len=256, layers=LAYERS,
-          continue_truncated=False):
+          continue_truncated=False, fixed_rows=24.0):
     fr = SpecRegenerator.__new__(SpecRegenerator)  # the tokenizer helper replaced by FakeHelper
     fr.helper = FakeHelper(eos)
     fr.eos, fr.max_new, fr.max_len = eos, max_new, max_len
@@ -25,16 +25,16 @@ def _spec(model, eos, batch_size, num_drafts=4, min_reach=0.0, max_new=24, max_l
     fr.engine.v.fill_(float("nan"))
     fr.batch_size, fr.sort_window, fr.new_tokens, fr.L1 = batch_size, 64, 0, len(layers) + 1
     fr.continue_truncated = continue_truncated
-    fr._init_spec(num_drafts, min_reach, 32)
+    fr._init_spec(num_drafts, min_reach, 32, fixed_rows)
     return fr
 
 
-@pytest.mark.parametrize("batch_size,num_drafts", [(1, 4), (3, 3), (16, 6)])
-def test_spec_text_equals_hf_fp32_greedy(tiny, batch_size, num_drafts):
+@pytest.mark.parametrize("batch_size,num_drafts,fixed_rows", [(1, 4, 24.0), (3, 3, None), (16, 6, 24.0)])
+def test_spec_text_equals_hf_fp32_greedy(tiny, batch_size, num_drafts, fixed_rows):
     """Same sequences and masks as HF batch-1 float32 greedy decoding; drafts were both accepted
     and rejected; rows finished at different steps (EOS turns, room limits, 1-3 turns)."""
     convs, eos = _convs(tiny, 9)
-    fr = _spec(tiny, eos, batch_size, num_drafts=num_drafts, max_new=40)
+    fr = _spec(tiny, eos, batch_size, num_drafts=num_drafts, max_new=40, fixed_rows=fixed_rows)
     seqs, masks, feats = fr.run(convs)
     for c, s, m in zip(convs, seqs, masks):
         assert (s, m) == hf_greedy_conv(tiny, c, eos, fr.max_new, fr.max_len), f"conversation {c['id']} differs"
@@ -97,3 +97,33 @@ def test_verify_equals_decode(tiny):
     flat = [o for s in range(3) for o in outs[s]]
     torch.testing.assert_close(na, torch.stack([o[0] for o in flat]), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fa.float(), torch.stack([o[1] for o in flat]).float(), atol=2e-3, rtol=2e-3)
+
+
+def test_select_draft_budget_vs_brute_force():
+    """_select takes a prefix of every chain and maximizes expected tokens per row-unit
+    (B + sum of reaches) / (fixed_rows + B + drafts) over all prefix choices (brute force)."""
+    import itertools
+    import random
+
+    fr = SpecRegenerator.__new__(SpecRegenerator)
+    rng = random.Random(0)
+    for trial in range(200):
+        B = rng.randint(1, 4)
+        cands = []
+        for b in range(B):
+            reach, c = 1.0, []
+            for j in range(rng.randint(0, 3)):
+                reach *= rng.choice([1.0, 0.9, 0.6, 0.3])
+                c.append((100 * b + j, reach))
+            cands.append(c)
+        fr.fixed_rows = rng.choice([0.0, 2.0, 8.0, 24.0])
+        got = fr._select(cands)
+        assert all(g == [t for t, _ in c[:len(g)]] for g, c in zip(got, cands))
+
+        def value(ns):
+            return (B + sum(r for c, n in zip(cands, ns) for _, r in c[:n])) / (fr.fixed_rows + B + sum(ns))
+
+        best = max(value(ns) for ns in itertools.product(*[range(len(c) + 1) for c in cands]))
+        assert value([len(g) for g in got]) >= best - 1e-9, (cands, fr.fixed_rows, got)
+    fr.fixed_rows = None
+    assert fr._select([[(1, 0.1), (2, 0.05)], []]) == [[1, 2], []]

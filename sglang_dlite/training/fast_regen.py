@@ -516,6 +516,12 @@ def relabel(model, seqs, masks, layer_ids=None):
     target's choice] (later text, conditioned on the other token, is dropped). Returns (seqs,
     masks, feats or None, number of sequences cut, generated tokens dropped)."""
     preds, feats = reference_greedy(model, seqs, layer_ids)
+    out_s, out_m, out_f, cut, dropped = cut_at_disagreements(seqs, masks, preds, feats)
+    return out_s, out_m, (out_f if layer_ids else None), cut, dropped
+
+
+def cut_at_disagreements(seqs, masks, preds, feats):
+    """``relabel``'s cut, given ``reference_greedy``'s (preds, feats): (seqs, masks, feats, cut, dropped)."""
     out_s, out_m, out_f, cut, dropped = [], [], [], 0, 0
     for s, m, p, f in zip(seqs, masks, preds, feats):
         j = first_disagreement(s, m, p)
@@ -527,4 +533,4 @@ def relabel(model, seqs, masks, layer_ids=None):
         out_s.append(list(s))
         out_m.append(list(m))
         out_f.append(None if f is None else f[: len(s) - 1])
-    return out_s, out_m, (out_f if layer_ids else None), cut, dropped
+    return out_s, out_m, out_f, cut, dropped

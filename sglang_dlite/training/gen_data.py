@@ -6,14 +6,18 @@ sequence is built from token ids directly (chat-template text of the user turns 
 own generated ids), so the training tokens are exactly what the target produced.
 
 Prompt sources (``--prompts name[:count] ...``: sharegpt, bfcl, stdlib, agent, jsonl:PATH) are in
-``prompts.py``; the engines in ``fast_regen.py`` (default) and ``hf_regen.py``.
+``prompts.py``; the engines in ``fast_regen.py`` (default), ``spec_regen.py``, ``sglang_regen.py`` and
+``hf_regen.py``.
 
 Engines (``--engine``): ``fast`` (default, greedy): ``fast_regen.FastRegenerator``, a pure-torch
 decode loop with a static KV cache and continuous batching across shards (finished conversations'
 slots are refilled at once, later turns prefill only their new tokens), features captured while
-generating; ``hf``: HF ``generate`` with left padding, batched over the conversations of a shard
-(needed for sampling). ``bench/gen_throughput.py`` compares them. Output is resumable: finished
-shards are skipped.
+generating; with ``--spec-drafts K`` it verifies per-row suffix-lookup drafts instead of decoding
+one token per step (``spec_regen.SpecRegenerator``, the same greedy text); ``sglang``: sglang's
+offline engine (continuous batching, radix cache) + one float32 target pass for the features
+(``sglang_regen.py``); ``hf``: HF ``generate`` with left padding, batched over the conversations
+of a shard (needed for sampling). ``bench/gen_throughput.py`` compares them. Output is resumable:
+finished shards are skipped.
 """
 
 from __future__ import annotations
@@ -60,12 +64,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and the conversation continues (default: it ends there); gives agent traces their long contexts")
     p.add_argument("--min-free-gb", type=float, default=10.0,
                    help="fast engine: claim no new shard while the output disk has less free space (GB); rerun later")
-    p.add_argument("--engine", choices=("fast", "hf"), default="fast",
+    p.add_argument("--engine", choices=("fast", "hf", "sglang"), default="fast",
                    help="fast: batched static-KV-cache decode loop with continuous batching (greedy only); "
-                        "hf: transformers.generate per shard (bench/gen_throughput.py compares them)")
-    p.add_argument("--batch-size", type=int, default=32, help="fast engine: conversations decoded at once (KV-cache slots)")
+                        "hf: transformers.generate per shard; sglang: sglang's offline engine (continuous batching, "
+                        "radix cache; CPU stack here, CUDA graphs on a GPU) + one float32 target pass for the features "
+                        "(bench/gen_throughput.py compares them)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="fast engine: conversations decoded at once (KV-cache slots); sglang: max running requests")
+    p.add_argument("--spec-drafts", type=int, default=0,
+                   help="fast engine: verify up to this many suffix-lookup drafts per row and step (self-speculative, "
+                        "same greedy text; training/spec_regen.py); 0 = one token per step")
+    p.add_argument("--spec-min-reach", type=float, default=0.3,
+                   help="fast engine with --spec-drafts: a row's drafts stop where the calibrated chance of reaching "
+                        "them drops below this")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="fast engine compute dtype (bfloat16 is not the float32 target's greedy text: it implies --relabel)")
+                   help="fast/sglang engine compute dtype (bfloat16 is not the float32 target's greedy text: it implies --relabel)")
     p.add_argument("--relabel", action="store_true",
                    help="one float32 target pass over each finished shard: cut every sequence at its first generated "
                         "token that is not the float32 target's greedy choice; the features come from that pass")
@@ -130,6 +143,17 @@ def plan_shards(args):
     return plan
 
 
+def _engine_desc(args) -> str:
+    e, dt = getattr(args, "engine", "hf"), getattr(args, "dtype", "float32")
+    if e == "hf":
+        return "transformers.generate (batched, left padding, fp32)"
+    if e == "sglang":
+        return f"sglang offline engine ({dt}, continuous batching, radix cache) + float32 HF feature pass"
+    k = getattr(args, "spec_drafts", 0) or 0
+    spec = f", self-speculative: {k} suffix-lookup drafts" if k > 0 else ""
+    return f"fast_regen (static KV cache, continuous batching, {dt}{spec})"
+
+
 def recipe_of(args, target_path) -> dict:
     return {
         "target": target_path, "prompts": list(args.prompts), "seed": args.seed,
@@ -137,8 +161,7 @@ def recipe_of(args, target_path) -> dict:
         "max_new_tokens_per_turn": args.max_new_tokens, "max_len": args.max_len,
         "max_turns": args.max_turns, "max_user_tokens": args.max_user_tokens,
         "shard_size": args.shard_size, "continue_truncated_turns": getattr(args, "continue_truncated_turns", False),
-        "engine": ("transformers.generate (batched, left padding, fp32)" if getattr(args, "engine", "hf") == "hf"
-                   else f"fast_regen (static KV cache, continuous batching, {getattr(args, 'dtype', 'float32')})"),
+        "engine": _engine_desc(args),
         "stdlib_split": "sha256('dlite-train-stdlib:'+relpath) % 2 == 0, minus every module the agent-stdlib eval conversations read",
         "sharegpt_split": "load_sharegpt('train') (heldout excluded by hashed base id)",
         "bfcl_categories": list(BFCL_CATEGORIES),
@@ -202,6 +225,10 @@ def run(args) -> int:
         if args.temperature > 0:
             raise DLiteInputError("--engine fast decodes greedily; use --engine hf for --temperature > 0.")
         return _run_fast(args, model, tok, todo, layers, wi, wn)
+    if engine == "sglang":
+        if args.temperature > 0:
+            raise DLiteInputError("--engine sglang regenerates greedily here; use --engine hf for --temperature > 0.")
+        return _run_sglang(args, target_path, model, tok, todo, layers, wi, wn)
     gen = Regenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens, args.temperature,
                       args.top_p, capture_layers=layers)
     t0 = time.time()
@@ -273,9 +300,15 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
 
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     do_relabel = args.relabel or dtype != torch.float32
-    gen = FastRegenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens,
-                          capture_layers=None if do_relabel else layers, batch_size=args.batch_size, dtype=dtype,
-                          continue_truncated=getattr(args, "continue_truncated_turns", False))
+    kw = dict(capture_layers=None if do_relabel else layers, batch_size=args.batch_size, dtype=dtype,
+              continue_truncated=getattr(args, "continue_truncated_turns", False))
+    if (getattr(args, "spec_drafts", 0) or 0) > 0:
+        from .spec_regen import SpecRegenerator
+
+        gen = SpecRegenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens,
+                              num_drafts=args.spec_drafts, min_reach=getattr(args, "spec_min_reach", 0.3), **kw)
+    else:
+        gen = FastRegenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens, **kw)
     t0 = time.time()
     budget_s = None if getattr(args, "budget_min", None) is None else args.budget_min * 60
     pending = {}
@@ -309,7 +342,7 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
         res = [p["res"][k] for k in range(p["n"])]
         seqs, masks = [r[0] for r in res], [r[1] for r in res]
         fts = [r[2] for r in res]
-        extra = {"engine": "fast-" + args.dtype, "min_logit_margin": round(min(r[3] for r in res), 6)}
+        extra = {"engine": _engine_tag(args), "min_logit_margin": round(min(r[3] for r in res), 6)}
         if do_relabel:
             seqs, masks, fts, cut, dropped = relabel(model, seqs, masks, layers)
             extra.update(relabeled=True, sequences_cut=cut, generated_tokens_dropped=dropped)
@@ -327,12 +360,77 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
               flush=True)
     bar.close()
     el = time.time() - t0
-    run_rec = {"worker": f"{wi}/{wn}", "engine": "fast-" + args.dtype, "new_shards": stats["shards"],
+    run_rec = {"worker": f"{wi}/{wn}", "engine": _engine_tag(args), "new_shards": stats["shards"],
                "new_tokens": gen.new_tokens, "wall_s": round(el, 1), "tokens_per_s": round(gen.new_tokens / max(el, 1e-9), 1),
                "threads": args.threads, "batch_size": args.batch_size}
     if do_relabel:
         run_rec.update(sequences_cut=stats["cut"], generated_tokens_dropped=stats["dropped"])
+    if hasattr(gen, "summary"):
+        run_rec["spec"] = gen.summary()
     _locked_update(args.out, lambda m: (m.setdefault("runs", []).append(run_rec), m)[1])
     print(f"gen-data: {stats['shards']} shards, {gen.new_tokens} generated tokens in {el:.0f}s "
           f"({gen.new_tokens / max(el, 1e-9):.1f} tok/s)")
+    return 0
+
+
+def _engine_tag(args) -> str:
+    k = getattr(args, "spec_drafts", 0) or 0
+    return f"{args.engine}-{args.dtype}" + (f"-spec{k}" if args.engine == "fast" and k > 0 else "")
+
+
+def _run_sglang(args, target_path, model, tok, todo, layers, wi, wn) -> int:
+    """gen-data with ``sglang_regen``: one sglang engine for the run; per shard, every
+    conversation in flight at once (the scheduler batches continuously; later turns hit the radix
+    cache), then one float32 target pass over the shard's sequences for the features and the
+    exactness count. Shards are claimed and written as by the other engines (resumable)."""
+    from tqdm.auto import tqdm
+
+    from .sglang_regen import SglangRegenerator
+
+    do_relabel = args.relabel or args.dtype != "float32"
+    gen = SglangRegenerator(target_path, model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens,
+                            capture_layers=layers, batch_size=args.batch_size, dtype=args.dtype, threads=args.threads,
+                            engine=getattr(args, "sglang_engine", None))
+    t0 = time.time()
+    budget_s = None if getattr(args, "budget_min", None) is None else args.budget_min * 60
+    stats = {"shards": 0, "not_greedy": 0, "cut": 0, "dropped": 0}
+    try:
+        bar = tqdm(todo, desc="gen-data[sglang]", unit="shard")
+        for fname, src, convs in bar:
+            if budget_s is not None and time.time() - t0 > budget_s:
+                print(f"gen-data[{wi}/{wn}]: --budget-min {args.budget_min} reached; stopping (rerun to continue)", flush=True)
+                break
+            free_gb = shutil.disk_usage(args.out).free / 1e9
+            if free_gb < getattr(args, "min_free_gb", 0.0):
+                print(f"gen-data[{wi}/{wn}]: only {free_gb:.1f} GB free on {args.out!r} (< --min-free-gb "
+                      f"{args.min_free_gb}); stopping (free space, then rerun)", flush=True)
+                break
+            if not _claim(args.out, fname):
+                continue
+            seqs, masks, feats = gen.run(convs, relabel=do_relabel)
+            extra = {"engine": _engine_tag(args), **gen.last}
+            stats["not_greedy"] += gen.last.get("tokens_not_fp32_greedy", 0)
+            stats["cut"] += gen.last.get("sequences_cut", 0)
+            stats["dropped"] += gen.last.get("generated_tokens_dropped", 0)
+            fts = [None if f is None else f.numpy() for f in feats] if layers else None
+            info = _save_generated(args, model, fname, src, seqs, masks, fts, layers, extra)
+            stats["shards"] += 1
+            el = time.time() - t0
+            bar.set_postfix_str(f"{gen.new_tokens / el:.1f} new tok/s, {gen.new_tokens} new tokens")
+            print(f"gen-data[{wi}/{wn}]: {fname}: {info['num_seqs']} seqs, {info['num_tokens']} tokens "
+                  f"({info['num_loss_tokens']} generated, {extra.get('tokens_not_fp32_greedy')} not fp32-greedy); "
+                  f"total {gen.new_tokens} new tokens, {gen.new_tokens / el:.1f} tok/s", flush=True)
+        bar.close()
+    finally:
+        gen.close()
+    el = time.time() - t0
+    run_rec = {"worker": f"{wi}/{wn}", "engine": _engine_tag(args), "new_shards": stats["shards"],
+               "new_tokens": gen.new_tokens, "wall_s": round(el, 1), "tokens_per_s": round(gen.new_tokens / max(el, 1e-9), 1),
+               "threads": args.threads, "batch_size": args.batch_size, "tokens_not_fp32_greedy": stats["not_greedy"],
+               "sglang": {k: round(v, 1) if isinstance(v, float) else v for k, v in gen.stats.items()}}
+    if do_relabel:
+        run_rec.update(sequences_cut=stats["cut"], generated_tokens_dropped=stats["dropped"])
+    _locked_update(args.out, lambda m: (m.setdefault("runs", []).append(run_rec), m)[1])
+    print(f"gen-data: {stats['shards']} shards, {gen.new_tokens} generated tokens in {el:.0f}s "
+          f"({gen.new_tokens / max(el, 1e-9):.1f} tok/s; {stats['not_greedy']} not the float32 target's greedy choice)")
     return 0

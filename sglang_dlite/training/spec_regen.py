@@ -21,23 +21,33 @@ from __future__ import annotations
 
 import torch
 
+from typing import Optional
+
 from ..lookup.chooser import default_calibration, lookup_only
 from ..lookup.suffix import SuffixIndex
 from ..spec.accept import greedy_accept
 from .fast_regen import FastRegenerator
 
 
+# The fixed cost of one step (the weights streamed once) in units of one more verified row:
+# SmolLM2-135M fp32, 1 thread on this CPU, contexts ~300: a decode step of B rows costs about
+# 100 + 4.2 B ms (B = 8..64), so ~24 rows.
+FIXED_ROWS = 24.0
+
+
 class SpecRegenerator(FastRegenerator):
     """``FastRegenerator`` whose decode step verifies suffix-lookup drafts (see the module doc)."""
 
-    def __init__(self, *args, num_drafts: int = 4, min_reach: float = 0.3, max_match: int = 32, **kw):
+    def __init__(self, *args, num_drafts: int = 4, min_reach: float = 0.3, max_match: int = 32,
+                 fixed_rows: Optional[float] = FIXED_ROWS, **kw):
         super().__init__(*args, **kw)
-        self._init_spec(num_drafts, min_reach, max_match)
+        self._init_spec(num_drafts, min_reach, max_match, fixed_rows)
 
-    def _init_spec(self, num_drafts, min_reach, max_match):
+    def _init_spec(self, num_drafts, min_reach, max_match, fixed_rows=FIXED_ROWS):
         if num_drafts < 1:
             raise ValueError(f"num_drafts must be >= 1 (got {num_drafts}).")
         self.num_drafts, self.min_reach, self.max_match = int(num_drafts), float(min_reach), int(max_match)
+        self.fixed_rows = None if fixed_rows is None or fixed_rows < 0 else float(fixed_rows)
         self.cal = default_calibration()
         self._index: dict = {}
         self.stats = {"steps": 0, "rows": 0, "drafted": 0, "accepted": 0, "verified_tokens": 0}
@@ -51,16 +61,38 @@ class SpecRegenerator(FastRegenerator):
         if k <= 0:
             return []
         d, ps, _ = lookup_only(idx, k, self.cal)
-        n, reach = 0, 1.0
-        for p in ps:
+        out, reach = [], 1.0
+        for tok, p in zip(d.tokens, ps):
             reach *= p
             if reach < self.min_reach:
                 break
-            n += 1
-        return d.tokens[:n]
+            out.append((tok, reach))
+        return out
+
+    def _select(self, cands) -> list:
+        """Which drafts to verify this step. ``cands[b]``: row b's chain [(token, reach)], reach =
+        the calibrated chance that the draft is accepted (decreasing along the chain). A step
+        costs about ``fixed_rows + rows`` row-units (the weights are streamed once per step:
+        ``fixed_rows`` = that fixed cost in units of one more verified row). Draft positions are
+        taken in decreasing reach while each one's expected tokens per row-unit (its reach) beats
+        the step's expected tokens per row-unit so far; ``fixed_rows`` None: every candidate."""
+        if self.fixed_rows is None:
+            return [[t for t, _ in c] for c in cands]
+        flat = sorted(((-r, b, j) for b, c in enumerate(cands) for j, (_, r) in enumerate(c)))
+        B = len(cands)
+        tokens, units, take = float(B), float(self.fixed_rows + B), [0] * B
+        for r, b, j in flat:
+            r = -r
+            if r * units <= tokens:
+                break
+            if j == take[b]:  # a chain's positions are taken in order (reach decreases along it)
+                take[b] += 1
+                tokens += r
+                units += 1
+        return [[t for t, _ in c[:n]] for c, n in zip(cands, take)]
 
     def _step(self, rows) -> list:
-        drafts = [self._drafts(r) for r in rows]
+        drafts = self._select([self._drafts(r) for r in rows])
         lens = [1 + len(d) for d in drafts]
         ids = torch.tensor([t for r, d in zip(rows, drafts) for t in [r.seq[-1]] + d], dtype=torch.long)
         starts = [len(r.seq) - 1 for r in rows]
@@ -104,5 +136,5 @@ class SpecRegenerator(FastRegenerator):
         st = dict(self.stats)
         st["accept_rate"] = round(st["accepted"] / max(st["drafted"], 1), 4)
         st["tokens_per_row_step"] = round(self.new_tokens / max(st["rows"], 1), 4)
-        st["num_drafts"], st["min_reach"] = self.num_drafts, self.min_reach
+        st["num_drafts"], st["min_reach"], st["fixed_rows"] = self.num_drafts, self.min_reach, self.fixed_rows
         return st

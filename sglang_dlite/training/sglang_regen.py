@@ -1,0 +1,147 @@
+"""``gen-data --engine sglang``: the target generates in sglang's offline engine, then one target
+pass over the finished sequences gives the features.
+
+* **Generation**: ``sglang.Engine`` (on this CPU: the project's CPU stack, ``cpu_launch``; on a
+  GPU: CUDA graphs, FlashInfer, whatever sglang picks) with continuous batching and the radix
+  cache. Every conversation is one asyncio task that submits its turns one after another, all
+  conversations concurrently: the scheduler batches whatever turns are ready, and a later turn
+  re-uses its earlier turns' KV from the radix cache (only the new user turn is prefilled).
+  Greedy (temperature 0); a turn stops at the chat end-of-turn token (``stop_token_ids``) or at
+  its room, the same rule as the fast and hf engines. sglang also stops at the model's other EOS
+  ids; such a turn is resumed where it stopped, so only ``<|im_end|>`` ends a turn.
+* **Features and exactness**: ``fast_regen.reference_greedy``, one float32 HF forward per group
+  of finished sequences with hooks on the capture layers (the same capture the relabel path
+  uses), gives the features and the float32 target's greedy choice at every position; generated
+  tokens that are not that choice are counted per shard (``tokens_not_fp32_greedy``), and with
+  ``relabel`` (implied by ``--dtype bfloat16``) a sequence is cut at the first one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from ..errors import DLiteInputError
+
+
+def _tree_cpu_seconds() -> float:
+    """CPU seconds of this process and its live children (sglang's scheduler and detokenizer)."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for c in me.children(recursive=True):
+        try:
+            total += sum(c.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return total
+
+
+class SglangRegenerator:
+    """Turn-by-turn greedy regeneration of conversations in a started sglang engine.
+
+    ``helper``: a ``hf_regen.Regenerator`` (chat rendering, eos); ``model``: the HF target for the
+    feature / exactness pass (``None``: no pass)."""
+
+    def __init__(self, target_path, model, tok, max_new_tokens=256, max_len=2048, max_user_tokens=1024,
+                 capture_layers=None, batch_size=32, dtype="float32", threads=1, engine=None, **engine_kw):
+        from .hf_regen import Regenerator
+
+        if dtype not in ("float32", "bfloat16"):
+            raise DLiteInputError(f"--engine sglang: --dtype must be float32 or bfloat16 (got {dtype!r}).")
+        self.helper = Regenerator(model, tok, max_new_tokens, max_len, max_user_tokens, capture_layers=None)
+        self.model, self.eos, self.max_new, self.max_len = model, self.helper.eos, max_new_tokens, max_len
+        self.capture = list(capture_layers) if capture_layers else []
+        self.dtype, self.batch_size = dtype, batch_size
+        self.new_tokens = 0
+        self.stats = {"requests": 0, "resumed_turns": 0, "gen_s": 0.0, "feature_pass_s": 0.0}
+        self._owns_engine = engine is None
+        if engine is None:
+            from ..cpu_launch import start_engine
+
+            os.environ["OMP_NUM_THREADS"] = str(threads)  # the scheduler subprocess's torch threads
+            kw = dict(dtype=dtype, max_running_requests=batch_size, skip_tokenizer_init=True,
+                      max_total_tokens=min(batch_size * max_len, 1 << 17))
+            kw.update(engine_kw)
+            engine = start_engine(target_path, **kw)
+        self.engine = engine
+
+    def close(self):
+        if self._owns_engine and self.engine is not None:
+            self.engine.shutdown()
+        self.engine = None
+
+    # ------------------------------------------------------------------ generation
+    async def _conv(self, conv):
+        seq = self.helper.start(conv)
+        mask = [0] * len(seq)
+        if not len(seq) + 16 < self.max_len:
+            return seq, mask
+        for t in range(len(conv["users"])):
+            if t > 0:
+                suf = self.helper.turn_suffix(conv["users"][t])
+                if len(seq) + len(suf) + 16 >= self.max_len:
+                    break
+                seq += suf
+                mask += [0] * len(suf)
+            room = min(self.max_new, self.max_len - len(seq))
+            gen = 0
+            while gen < room:
+                out = await self.engine.async_generate(
+                    input_ids=list(seq), sampling_params={"temperature": 0.0, "max_new_tokens": room - gen,
+                                                          "stop_token_ids": [self.eos]})
+                self.stats["requests"] += 1
+                ids = list(out["output_ids"])[: room - gen]
+                if self.eos in ids:
+                    ids = ids[: ids.index(self.eos) + 1]
+                seq += ids
+                mask += [1] * len(ids)
+                gen += len(ids)
+                self.new_tokens += len(ids)
+                if not ids or ids[-1] == self.eos:
+                    break
+                if gen < room:
+                    self.stats["resumed_turns"] += 1  # stopped at another EOS id of the model: go on
+            if seq[-1] != self.eos:
+                break  # truncated turn: the conversation ends here (the other engines' rule)
+        return seq, mask
+
+    def generate(self, convs):
+        """(sequences, masks) in the order of ``convs``, all conversations in flight at once."""
+        async def all_convs():
+            return await asyncio.gather(*[self._conv(c) for c in convs])
+
+        t0 = time.time()
+        try:
+            loop = asyncio.get_event_loop()
+        except RuntimeError:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+        res = loop.run_until_complete(all_convs())
+        self.stats["gen_s"] += time.time() - t0
+        return [r[0] for r in res], [r[1] for r in res]
+
+    def run(self, convs, relabel: bool = False):
+        """(sequences, masks, features or [None]*n) as ``Regenerator.run``; per-call exactness
+        counts in ``self.last`` (tokens_not_fp32_greedy, sequences_cut, generated_tokens_dropped)."""
+        from .fast_regen import count_disagreements, cut_at_disagreements, reference_greedy
+
+        seqs, masks = self.generate(convs)
+        self.last = {}
+        if self.model is None:
+            return seqs, masks, [None] * len(seqs)
+        t0 = time.time()
+        preds, feats = reference_greedy(self.model, seqs, self.capture or None)
+        self.stats["feature_pass_s"] += time.time() - t0
+        self.last["tokens_not_fp32_greedy"] = int(sum(count_disagreements(s, m, p) for s, m, p in zip(seqs, masks, preds)))
+        if relabel:
+            seqs, masks, feats, cut, dropped = cut_at_disagreements(seqs, masks, preds, feats)
+            self.last.update(sequences_cut=cut, generated_tokens_dropped=dropped)
+        if self.capture:
+            # the last position of a sequence has no features (the other engines' layout)
+            feats = [None if sum(m) == 0 else f[: len(s) - 1] for s, m, f in zip(seqs, masks, feats)]
+        else:
+            feats = [None] * len(seqs)
+        return seqs, masks, feats
