@@ -136,6 +136,8 @@ class DraftProposal:
 
 
 class DLiteDrafter(TargetBoundMixin, nn.Module):
+    config_class = DLiteConfig
+
     def __init__(self, config: DLiteConfig):
         super().__init__()
         config.validate()
@@ -381,10 +383,6 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         return DraftProposal(torch.stack(toks, 1), torch.stack(probs_all, 1) if probs_all else None,
                              confidence=torch.stack(confs, 1) if confs and return_confidence else None)
 
-    # ------------------------------------------------------------------ checkpoints
-    @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu") -> "DLiteDrafter":
-        return cls.from_config_and_state(*load_checkpoint(path), dtype=dtype, device=device, source=path)
 
 
 def load_checkpoint(path: str):

@@ -16,7 +16,10 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 class TargetBoundMixin:
-    """For an ``nn.Module`` with ``self.config`` (vocab_size, target_hidden_size, check_target)."""
+    """The one target binding of every drafter here (DLite and the baselines): for an ``nn.Module``
+    with ``self.config`` (vocab_size, target_hidden_size, check_target) and a ``config_class``."""
+
+    config_class = None  # the drafter's config class (its model_type names its checkpoints)
 
     def _init_target_buffers(self) -> None:
         self.register_buffer("embed_weight", torch.empty(0), persistent=False)
@@ -62,6 +65,12 @@ class TargetBoundMixin:
                 f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(unexpected)[:5]})."
             )
         return model.to(device=device, dtype=dtype).eval()
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu"):
+        """A drafter of this class from a checkpoint folder (config.json + model.safetensors)."""
+        config, state = load_checkpoint(path, cls.config_class)
+        return cls.from_config_and_state(config, state, dtype=dtype, device=device, source=path)
 
     def save_pretrained(self, path: str, dtype: Optional[torch.dtype] = None) -> None:
         from safetensors.torch import save_file

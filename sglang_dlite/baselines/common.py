@@ -1,124 +1,44 @@
-"""Pieces the KV-cache baselines share: config base, a Llama-style layer, a growable KV cache,
-checkpoints, sampling, and the incremental-cache bookkeeping of the engine adapters.
+"""Pieces the KV-cache baselines share: their config (on the drafter config base), a Llama-style
+layer, a growable KV cache, the model base, sampling, and the engine adapters' cache bookkeeping.
 
 Everything here is pure torch and imports no sglang.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import PretrainedConfig
 
+from ..drafter_config import DrafterConfig
 from ..drafters import DraftRequest
-from ..errors import DLiteConfigError, DLiteInputError
-from ..model import DraftProposal, logits_to_probs
+from ..errors import DLiteInputError
+from ..model import DraftProposal, RMSNorm, logits_to_probs
 from ..ops.reference import apply_rope, rope_cos_sin
-from ..target_binding import TargetBoundMixin, load_checkpoint
+from ..target_binding import TargetBoundMixin
 
 
 # ---------------------------------------------------------------------------- config
-class BaselineConfig(PretrainedConfig):
-    """Shapes shared by the EAGLE-3 / DFlash / DSpark baselines (defaults: SmolLM2-135M)."""
+class BaselineConfig(DrafterConfig):
+    """The EAGLE-3 / DFlash / DSpark baselines' config: the drafter config base's fields and checks
+    (``drafter_config.py``, shared with DLite), plus how many capture layers a baseline fuses."""
 
     model_type = "dlite-baseline"
-    num_capture_layers_expected: Optional[int] = None  # EAGLE-3: exactly 3
+    num_capture_layers_expected = None  # EAGLE-3: exactly 3 (no annotation: not a config field)
+    retrain_hint = "Train one for this target (`make train-baselines`)."
 
-    def __init__(
-        self,
-        target_hidden_size: int = 576,
-        vocab_size: int = 49152,
-        target_num_layers: int = 30,
-        target_layer_ids: Optional[Sequence[int]] = None,
-        block_size: int = 7,
-        num_layers: int = 1,
-        num_heads: int = 9,
-        num_kv_heads: int = 3,
-        head_dim: int = 64,
-        intermediate_size: int = 1536,
-        rope_theta: float = 10000.0,
-        rms_norm_eps: float = 1e-5,
-        target_model_type: Optional[str] = None,
-        **kwargs,
-    ):
-        self.target_hidden_size = int(target_hidden_size)
-        self.vocab_size = int(vocab_size)
-        self.target_num_layers = int(target_num_layers)
-        self.target_layer_ids = (list(target_layer_ids) if target_layer_ids is not None
-                                 else self.default_layer_ids(self.target_num_layers))
-        self.block_size = int(block_size)
-        self.num_layers = int(num_layers)
-        self.num_heads = int(num_heads)
-        self.num_kv_heads = int(num_kv_heads)
-        self.head_dim = int(head_dim)
-        self.intermediate_size = int(intermediate_size)
-        self.rope_theta = float(rope_theta)
-        self.rms_norm_eps = float(rms_norm_eps)
-        self.target_model_type = target_model_type
-        kwargs.setdefault("hidden_size", self.target_hidden_size)
-        kwargs.setdefault("num_hidden_layers", self.num_layers)
-        kwargs.setdefault("num_attention_heads", self.num_heads)
+    def __init__(self, **kwargs):  # explicit: transformers would generate a dataclass __init__
         super().__init__(**kwargs)
-        self.validate()
-
-    @staticmethod
-    def default_layer_ids(num_target_layers: int) -> list:
-        raise NotImplementedError
 
     def validate(self) -> None:
-        def bad(msg):
-            raise DLiteConfigError(f"invalid {self.model_type} config: {msg}")
-
-        if not 1 <= self.block_size <= 16:
-            bad(f"block_size K={self.block_size} must be in [1, 16].")
-        if self.num_layers < 1:
-            bad(f"num_layers={self.num_layers} must be >= 1.")
+        super().validate()
         ids = self.target_layer_ids
-        if not ids or len(set(ids)) != len(ids):
-            bad(f"target_layer_ids={ids} must be non-empty and without duplicates.")
         if self.num_capture_layers_expected and len(ids) != self.num_capture_layers_expected:
-            bad(f"target_layer_ids={ids}: this drafter fuses exactly {self.num_capture_layers_expected} layers.")
-        for i in ids:
-            if not 0 <= i < self.target_num_layers:
-                bad(f"target layer id {i} is out of range for a {self.target_num_layers}-layer target.")
-        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
-            bad(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}.")
-        if self.head_dim % 2:
-            bad(f"head_dim={self.head_dim} must be even (RoPE).")
-
-    @property
-    def num_capture_layers(self) -> int:
-        return len(self.target_layer_ids)
-
-    def check_target(self, *, hidden_size: int, vocab_size: int, num_layers: int) -> None:
-        problems = []
-        if hidden_size != self.target_hidden_size:
-            problems.append(f"hidden size: drafter expects {self.target_hidden_size}, target has {hidden_size}")
-        if vocab_size != self.vocab_size:
-            problems.append(f"vocabulary: drafter expects {self.vocab_size}, target has {vocab_size}")
-        bad_ids = [i for i in self.target_layer_ids if not 0 <= i < num_layers]
-        if bad_ids:
-            problems.append(f"layer ids {bad_ids} out of range for a {num_layers}-layer target")
-        if problems:
-            raise DLiteConfigError(
-                f"this {self.model_type} drafter does not match the target model (" + "; ".join(problems)
-                + "). Train one for this target (`make train-baselines`)."
-            )
-
-    @classmethod
-    def for_target(cls, target_config, **overrides) -> "BaselineConfig":
-        """Default config for a transformers target config (hidden size, vocab, depth)."""
-        kw = dict(target_hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
-                  target_num_layers=target_config.num_hidden_layers,
-                  target_model_type=getattr(target_config, "model_type", None))
-        kw.update(overrides)
-        return cls(**kw)
+            self.invalid(f"target_layer_ids={ids}: this drafter fuses exactly {self.num_capture_layers_expected} layers.")
 
 
-# ---------------------------------------------------------------------------- layers
 class MLP(nn.Module):
     def __init__(self, dim: int, inter: int):
         super().__init__()
@@ -221,8 +141,20 @@ class KVCache:
 
 
 # ---------------------------------------------------------------------------- binding / checkpoints
-class BoundTargetMixin(TargetBoundMixin):
-    """The shared target binding and checkpoint saving, plus the baselines' embed/lm_logits."""
+class BaselineDrafter(TargetBoundMixin, nn.Module):
+    """What the baseline models share beyond the target binding (``TargetBoundMixin``, DLite's too):
+    ``fc`` fusing the captured target layers, the final norm before the target's LM head, the token
+    embedding in the drafter's dtype and the LM head over the training vocabulary subset. Subclasses
+    add their layers, then call ``init_weights``."""
+
+    def __init__(self, config: BaselineConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        H = config.target_hidden_size
+        self.fc = nn.Linear(config.num_capture_layers * H, H, bias=False)
+        self.final_norm = RMSNorm(H, config.rms_norm_eps)
+        self._init_target_buffers()
 
     def embed(self, ids):
         return F.embedding(ids, self.embed_weight).to(self.fc.weight.dtype)
@@ -234,11 +166,6 @@ class BoundTargetMixin(TargetBoundMixin):
     def lm_logits(self, h):
         w = self.lm_head_weight if self.train_vocab is None else self.lm_head_weight[self.train_vocab]
         return F.linear(self.final_norm(h), w.to(h.dtype))
-
-    @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu"):
-        config, state = load_checkpoint(path, cls.config_class)
-        return cls.from_config_and_state(config, state, dtype=dtype, device=device, source=path)
 
 
 # ---------------------------------------------------------------------------- training helpers

@@ -35,7 +35,7 @@ from ..drafters import DraftRequest
 from ..errors import DLiteInputError
 from ..model import RMSNorm  # the same norm layer as DLite's
 from .common import (
-    MLP, Attention, BaselineConfig, BoundTargetMixin, CacheState, KVCacheEngineDrafter, attend,
+    MLP, Attention, BaselineConfig, BaselineDrafter, CacheState, KVCacheEngineDrafter, attend,
     check_training_inputs, init_weights, mark_synced, proposal, sample, valid_cached_prefix,
 )
 
@@ -70,8 +70,7 @@ class DSparkConfig(DFlashConfig):
     def validate(self):
         super().validate()
         if self.markov_rank < 1:
-            from ..errors import DLiteConfigError
-            raise DLiteConfigError(f"invalid dlite-dspark config: markov_rank={self.markov_rank} must be >= 1.")
+            self.invalid(f"markov_rank={self.markov_rank} must be >= 1.")
 
 
 class DFlashLayer(nn.Module):
@@ -105,21 +104,16 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_norm(x))
 
 
-class DFlashDrafter(BoundTargetMixin, nn.Module):
+class DFlashDrafter(BaselineDrafter):
     config_class = DFlashConfig
 
     def __init__(self, config: DFlashConfig):
-        super().__init__()
-        config.validate()
-        self.config = cfg = config
-        H = cfg.target_hidden_size
-        self.fc = nn.Linear(cfg.num_capture_layers * H, H, bias=False)
+        super().__init__(config)
+        cfg, H = config, config.target_hidden_size
         self.ctx_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.mask_embed = nn.Parameter(torch.randn(H) * 0.02)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_layers))
-        self.final_norm = RMSNorm(H, cfg.rms_norm_eps)
         init_weights(self, cfg.num_layers)
-        self._init_target_buffers()
 
     # ------------------------------------------------------------------ building blocks
     def context(self, hidden: torch.Tensor) -> torch.Tensor:

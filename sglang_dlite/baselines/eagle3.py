@@ -30,7 +30,7 @@ from ..drafters import DraftRequest
 from ..errors import DLiteInputError
 from ..model import RMSNorm  # the same norm layer as DLite's
 from .common import (
-    MLP, Attention, BaselineConfig, BoundTargetMixin, CacheState, KVCacheEngineDrafter,
+    MLP, Attention, BaselineConfig, BaselineDrafter, CacheState, KVCacheEngineDrafter,
     attend, check_training_inputs, init_weights, mark_synced, proposal, sample, valid_cached_prefix,
 )
 
@@ -53,31 +53,25 @@ class Eagle3Config(BaselineConfig):
     def validate(self):
         super().validate()
         if self.num_layers != 1:
-            from ..errors import DLiteConfigError
-            raise DLiteConfigError("the EAGLE-3 baseline has exactly one decoder layer (num_layers=1).")
+            self.invalid("the EAGLE-3 baseline has exactly one decoder layer (num_layers=1).")
 
     @staticmethod
     def default_layer_ids(num_target_layers: int) -> list:
         return eagle3_layer_ids(num_target_layers)
 
 
-class Eagle3Drafter(BoundTargetMixin, nn.Module):
+class Eagle3Drafter(BaselineDrafter):
     config_class = Eagle3Config
 
     def __init__(self, config: Eagle3Config):
-        super().__init__()
-        config.validate()
-        self.config = cfg = config
-        H = cfg.target_hidden_size
-        self.fc = nn.Linear(cfg.num_capture_layers * H, H, bias=False)
+        super().__init__(config)
+        cfg, H = config, config.target_hidden_size
         self.embed_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.feat_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.attn = Attention(2 * H, H, cfg)
         self.post_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(H, cfg.intermediate_size)
-        self.final_norm = RMSNorm(H, cfg.rms_norm_eps)
         init_weights(self, 1)
-        self._init_target_buffers()
 
     # ------------------------------------------------------------------ building blocks
     def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
