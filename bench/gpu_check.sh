@@ -2,8 +2,9 @@
 # One script a CUDA machine runs (<= 8 minutes on an H100/H200): builds the extension with the
 # CUDA ops, compiles every .cu standalone (make cuda-check), runs the CPU + CUDA kernel tests and
 # the draft-latency microbenchmark (torch vs CUDA kernels, with the verify-round fraction), then,
-# where a CUDA sglang is installed, bench/gpu_check_sglang.py (DLITE in a CUDA sglang engine), and
-# writes ${OUT:-artifacts}/gpu_check.json (+ the benchmark's own JSON/PNG and logs beside it).
+# where a CUDA sglang is installed, bench/gpu_check_sglang.py (DLITE in a CUDA sglang engine), a short
+# drafter training run on the GPU (tiny random target: steps/s, anchors/s), and writes
+# ${OUT:-artifacts}/gpu_check.json (+ the benchmark's own JSON/PNG and logs beside it).
 #
 #   OUT=/tmp/out bash bench/gpu_check.sh        # PYTHON=... to pick the interpreter (CUDA torch)
 set -uo pipefail
@@ -64,10 +65,20 @@ else
   log "$ngpu GPU(s) or no sglang: step 6 skipped"
 fi
 
-"$PY" - "$OUT" "$build_rc" "$build_s" "$cuda_check_rc" "$tests_rc" "$bench_rc" "$(( $(date +%s) - t_start ))" "$sglang_rc" "$tp2_rc" <<'PYEOF'
+log "7 drafter training on the GPU (tiny random target; gen-data on the CPU, ${TRAIN_STEPS:-300} training steps on cuda)"
+train_rc=skipped
+if "$PY" -c 'import torch; assert torch.cuda.is_available()' > /dev/null 2>&1; then
+  timeout 300 "$PY" -m sglang_dlite.training.smoke --out "$OUT/train_gpu" --procs 1 --device cuda \
+    --steps "${TRAIN_STEPS:-300}" --hidden 512 --layers 8 > "$OUT/train_gpu.log" 2>&1; train_rc=$?
+  grep -E '^training on|^train-smoke:.*tau' "$OUT/train_gpu.log" | tail -2
+else
+  log "no CUDA device: step 7 skipped"
+fi
+
+"$PY" - "$OUT" "$build_rc" "$build_s" "$cuda_check_rc" "$tests_rc" "$bench_rc" "$(( $(date +%s) - t_start ))" "$sglang_rc" "$tp2_rc" "$train_rc" <<'PYEOF'
 import json, os, sys, xml.etree.ElementTree as ET
 out, build_rc, build_s, cc_rc, tests_rc, bench_rc, total_s = sys.argv[1], *map(int, sys.argv[2:8])
-sglang_rc, tp2_rc = sys.argv[8], sys.argv[9]
+sglang_rc, tp2_rc, train_rc = sys.argv[8], sys.argv[9], sys.argv[10]
 def read(p):
     try:
         return open(os.path.join(out, p)).read()
@@ -88,10 +99,14 @@ res = {
     "bench": {"rc": bench_rc, **(json.loads(bench) if bench else {})},
     "sglang": {"rc": sglang_rc, **(json.loads(read("gpu_check_sglang.json")) if read("gpu_check_sglang.json") else {})},
     "tp2": {"rc": tp2_rc, **({"table": json.loads(read("e2e_tp2.json")).get("table")} if read("e2e_tp2.json") else {})},
+    # steps/s and anchors/s of the GPU training run: res["train"]["training"]
+    "train": {"rc": train_rc, **(json.loads(read("train_gpu/smoke.json")) if read("train_gpu/smoke.json") else {})},
     "total_seconds": total_s,
 }
 json.dump(res, open(os.path.join(out, "gpu_check.json"), "w"), indent=2)
 print(f"wrote {os.path.join(out, 'gpu_check.json')}: build rc={build_rc} ({build_s}s), cuda-check rc={cc_rc}, "
-      f"tests rc={tests_rc} {tests}, bench rc={bench_rc}, sglang rc={sglang_rc}, tp2 rc={tp2_rc}, total {total_s}s")
+      f"tests rc={tests_rc} {tests}, bench rc={bench_rc}, sglang rc={sglang_rc}, tp2 rc={tp2_rc}, "
+      f"train rc={train_rc} {res['train'].get('training')}, total {total_s}s")
 PYEOF
-[ "$build_rc$tests_rc$bench_rc" = "000" ] && { [ "$sglang_rc" = 0 ] || [ "$sglang_rc" = skipped ]; } && { [ "$tp2_rc" = 0 ] || [ "$tp2_rc" = skipped ]; }
+[ "$build_rc$tests_rc$bench_rc" = "000" ] && { [ "$sglang_rc" = 0 ] || [ "$sglang_rc" = skipped ]; } && { [ "$tp2_rc" = 0 ] || [ "$tp2_rc" = skipped ]; } \
+  && { [ "$train_rc" = 0 ] || [ "$train_rc" = skipped ]; }

@@ -48,12 +48,30 @@ def gen_data_argv(target: str, prompts: str, out: str, max_new_tokens: int = 24,
             "--max-user-tokens", "128", "--max-len", "512", "--threads", "1", "--min-free-gb", "0"]
 
 
-def train_argv(target: str, data: str, out: str, steps: int = 40) -> list:
-    """A short single-stage run; batch sizes are per process."""
+def train_argv(target: str, data: str, out: str, steps: int = 40, device: str = None) -> list:
+    """A short single-stage run; batch sizes are per process. ``device``: the trainer's --device."""
     return ["train", "--target", target, "--data", data, "--out", out, "--single-stage",
             "--steps-stabilize", str(steps), "--batch-size", "16", "--seqs-per-batch", "2", "--lr", "3e-3",
             "--eval-every", str(steps), "--eval-anchors", "64", "--save-every", str(steps), "--threads", "1",
-            "--no-progress"]
+            "--no-progress"] + (["--device", device] if device else [])
+
+
+def training_throughput(run_dir: str, stage: str = "stabilize") -> dict:
+    """Steps/s (steps over the stage's training wall time, evaluations excluded) and anchors/s (the
+    median of the logged intervals after the first, which holds the warm-up) of a finished stage."""
+    import statistics
+
+    with open(os.path.join(run_dir, stage, "DONE.json")) as f:
+        done = json.load(f)
+    rates = []
+    mp = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.isfile(mp):
+        rates = [r["anchors_per_s"] for r in map(json.loads, filter(str.strip, open(mp)))
+                 if r.get("stage") == stage and "anchors_per_s" in r]
+    steady = rates[1:] or rates
+    return {"steps": done.get("steps"), "train_wall_s": done.get("wall_s"), "device": done.get("device", "cpu"),
+            "steps_per_s": round(done["steps"] / max(done.get("wall_s") or 0, 1e-9), 2),
+            "anchors_per_s": round(statistics.median(steady), 1) if steady else None}
 
 
 def trainer_uses_torchrun() -> bool:
@@ -144,7 +162,8 @@ def run(args) -> int:
 
     target = os.path.join(out, f"target-{args.arch}")
     data, run_dir, dest = os.path.join(out, "data"), os.path.join(out, "run"), os.path.join(out, "drafter")
-    step("target", lambda: save_tiny_target(target, args.arch, seed=args.seed))
+    step("target", lambda: save_tiny_target(target, args.arch, seed=args.seed, hidden=args.hidden, layers=args.layers,
+                                            heads=max(4, args.hidden // 64), kv_heads=max(2, args.hidden // 256)))
     prompts = write_prompts(os.path.join(out, "prompts.jsonl"), args.prompts)
 
     def gen():
@@ -153,7 +172,7 @@ def run(args) -> int:
             raise SystemExit(f"train-smoke: gen-data failed (exit {rc})")
 
     step("gen-data", gen)
-    cmd = train_command(train_argv(target, data, run_dir, args.steps), args.procs, launcher)
+    cmd = train_command(train_argv(target, data, run_dir, args.steps, args.device), args.procs, launcher)
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def train():
@@ -165,8 +184,9 @@ def run(args) -> int:
     step("export", lambda: export(model_dir, dest, f"# Smoke-test DLite drafter for a tiny random {args.arch} target\n"))
     check = step("reference engine", lambda: check_lossless(target, dest, max_new_tokens=args.max_new_tokens))
     total = round(sum(times.values()), 1)
-    rec = {"arch": args.arch, "launcher": launcher, "processes": args.procs, "steps": args.steps,
-           "times_s": times, "total_s": total, "lossless": check["identical"], "tau": round(check["tau"], 3),
+    rec = {"arch": args.arch, "hidden": args.hidden, "layers": args.layers, "launcher": launcher,
+           "processes": args.procs, "steps": args.steps, "times_s": times, "total_s": total,
+           "training": training_throughput(run_dir), "lossless": check["identical"], "tau": round(check["tau"], 3),
            "torch_threads_per_process": 1, "drafter": dest}
     with open(os.path.join(out, "smoke.json"), "w") as f:
         json.dump(rec, f, indent=1)
@@ -174,6 +194,9 @@ def run(args) -> int:
     for k, v in times.items():
         print(f"| {k} | {v:.1f} |")
     print(f"| **total** | **{total:.1f}** |")
+    tr = rec["training"]
+    print(f"\ntraining on {tr['device']}: {tr['steps']} steps in {tr['train_wall_s']} s = {tr['steps_per_s']} steps/s, "
+          f"{tr['anchors_per_s']} anchors/s")
     print(f"\ntrain-smoke: {args.arch} target, reference engine greedy == target greedy: {check['identical']}, "
           f"tau {check['tau']:.2f}; {os.path.join(out, 'smoke.json')}")
     if not check["identical"]:
@@ -192,6 +215,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hidden", type=int, default=64, help="tiny target's hidden size (heads: hidden/64, >= 4)")
+    ap.add_argument("--layers", type=int, default=6, help="tiny target's decoder layers")
+    ap.add_argument("--device", default=None, help="the trainer's --device (cuda | cpu; default: the trainer's)")
     ap.add_argument("--keep", action="store_true", help="keep OUT from an earlier run (resume)")
     return run(ap.parse_args(argv))
 

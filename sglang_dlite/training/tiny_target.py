@@ -22,7 +22,7 @@ ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),  # head_dim: hidden / heads (its config's default is 128)
 }
 assert {v[1] for v in ARCHS.values()} == set(SUPPORTED_TARGET_ARCHITECTURES)
 
@@ -68,6 +68,7 @@ def save_tiny_target(path, arch: str = "llama", seed: int = 0, hidden: int = 64,
     if arch not in ARCHS:
         raise DLiteInputError(f"unknown tiny target architecture {arch!r}; choose one of {sorted(ARCHS)}.")
     cfg_name, model_name, extra = ARCHS[arch]
+    extra = dict(extra, head_dim=hidden // heads) if arch == "qwen3" else extra
     tok = build_tokenizer(vocab_size)
     V = len(tok)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
