@@ -58,16 +58,13 @@ def _drafter_path(args, target_dir) -> str:
         print(f"drafter: {path}")
         return path
     import torch
-    from transformers import AutoConfig
 
-    from ..config import DLiteConfig
+    from ..config import drafter_config_for_target
     from ..model import DLiteDrafter
 
-    tc = AutoConfig.from_pretrained(target_dir)
     out = os.path.join(tempfile.mkdtemp(prefix="dlite-demo-"), "random-dlite")
     torch.manual_seed(0)
-    DLiteDrafter(DLiteConfig(target_hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
-                             target_num_layers=tc.num_hidden_layers)).save_pretrained(out)
+    DLiteDrafter(drafter_config_for_target(str(target_dir))).save_pretrained(out)
     print("NOTE: no trained DLite drafter is shipped in this build yet: using a RANDOMLY "
           f"initialized one ({out}). Outputs stay identical (lossless), but tau is ~1 and "
           "DLITE is slower than no speculation until a trained drafter is used (--draft PATH).")
