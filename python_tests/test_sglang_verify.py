@@ -80,12 +80,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(target, draft, tmp):
+def _start(target, draft, tmp, tp_size=1):
     port = _free_port()
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", target, *SERVER_CPU_ARGS,
            "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", "8192",
            "--max-running-requests", "32", "--skip-server-warmup", "--log-level", "warning",
            "--random-seed", "0", "--sleep-on-idle", "--enable-custom-logit-processor"]
+    env = dict(os.environ, **F.cpu_environ())
+    if tp_size > 1:
+        # Issue 15: the same cases under tensor parallelism. Each rank gets one core; every
+        # round's drafts, accept lengths and bonus tokens are all-gathered and compared across
+        # the ranks (SGLANG_DLITE_TP_CHECK): a difference raises in the scheduler.
+        cmd += ["--tp-size", str(tp_size)]
+        env.update(SGLANG_CPU_OMP_THREADS_BIND="0|1", SGLANG_DLITE_TP_CHECK="1")
     if draft:
         cmd += ["--speculative-algorithm", "DLITE", "--speculative-draft-model-path", draft,
                 "--enable-return-hidden-states"]  # so that the request reaches DLITE's refusal
@@ -94,8 +101,8 @@ def _start(target, draft, tmp):
         # prepares step n+1 before step n's token is processed), so without speculation the
         # exact penalty semantics are those of the non-overlap scheduler. DLITE keeps overlap on.
         cmd += ["--disable-overlap-schedule"]
-    log = open(tmp / f"server_{'dlite' if draft else 'nospec'}.log", "w+")
-    proc = subprocess.Popen(cmd, env=dict(os.environ, **F.cpu_environ()), stdout=log, stderr=subprocess.STDOUT,
+    log = open(tmp / f"server_{'dlite' if draft else 'nospec'}_tp{tp_size}.log", "w+")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     return types.SimpleNamespace(base=f"http://127.0.0.1:{port}", proc=proc, log=log)
 
@@ -166,8 +173,8 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verify_srv")
     reqs = _requests(prompts)
     out = {}
-    for mode, d in (("nospec", None), ("dlite", draft)):  # one at a time: 2 shared cores
-        srv = _start(target, d, tmp)
+    for mode, d, tp in (("nospec", None, 1), ("dlite", draft, 1), ("dlite_tp2", draft, 2)):  # one at a time
+        srv = _start(target, d, tmp, tp_size=tp)
         try:
             _wait(srv, time.time() + 900)
             out[mode] = _run_all(srv.base, reqs)
@@ -187,13 +194,17 @@ def _text(res, key):
     return body["choices"][0]["message"] if "choices" in body else body["text"]
 
 
+DLITE_MODES = ("dlite", "dlite_tp2")  # tp 1 and --tp-size 2 (issue 15)
+
+
+@pytest.mark.parametrize("mode", DLITE_MODES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_generate_case_identical_to_no_speculation(results, name):
+def test_generate_case_identical_to_no_speculation(results, name, mode):
     for i in range(len(MESSAGES)):
-        a, b = results["dlite"][(name, i)], results["nospec"][(name, i)]
-        assert a["output_ids"] == b["output_ids"], (name, i, a["text"], b["text"])
+        a, b = results[mode][(name, i)], results["nospec"][(name, i)]
+        assert a["output_ids"] == b["output_ids"], (name, mode, i, a["text"], b["text"])
     if name == "custom_processor":  # the processor ran on every row DLITE committed
-        assert all(not {198, 28, 30} & set(results["dlite"][(name, i)]["output_ids"]) for i in range(len(MESSAGES)))
+        assert all(not {198, 28, 30} & set(results[mode][(name, i)]["output_ids"]) for i in range(len(MESSAGES)))
     if name != "greedy":
         # the parameter changes the output, so a worker that ignored it would fail above
         changed = [results["nospec"][(name, i)]["output_ids"] != results["nospec"][("greedy", i)]["output_ids"]
@@ -203,7 +214,7 @@ def test_generate_case_identical_to_no_speculation(results, name):
 
 def test_grammar_outputs_are_valid(results):
     finished = []
-    for mode in ("dlite", "nospec"):
+    for mode in ("nospec",) + DLITE_MODES:
         for i in range(len(MESSAGES)):
             obj = json.loads(results[mode][("json_schema", i)]["text"])
             assert set(obj) == {"name", "age"} and isinstance(obj["age"], int)
@@ -216,14 +227,26 @@ def test_grammar_outputs_are_valid(results):
             assert re.fullmatch(REGEX, results[mode][("sampled_regex", i)]["text"])
             assert 30 not in results[mode][("sampled_penalties", i)]["output_ids"]  # logit_bias -100
             assert results[mode][("sampled_topk_topp_minp", i)]["output_ids"]
-    assert "dlite" in finished, "no sampled json_schema output of DLITE finished within max_new_tokens"
+    assert set(DLITE_MODES) <= set(finished), "a sampled json_schema output of DLITE did not finish in max_new_tokens"
     # min_new_tokens: EOS is suppressed until 30 tokens
-    assert all(len(results["dlite"][("min_new_tokens", i)]["output_ids"]) >= 30 for i in range(len(MESSAGES)))
+    assert all(len(results[m][("min_new_tokens", i)]["output_ids"]) >= 30 for m in DLITE_MODES
+               for i in range(len(MESSAGES)))
 
 
-def test_tool_choice_required_and_named_identical_and_valid(results):
+def test_tp2_accepts_drafts_like_tp1(results):
+    """--tp-size 2 takes the same verify rounds as tp 1 on the greedy cases (the drafts do not
+    depend on the sharding) and accepts drafts at all."""
+    for name in ("greedy", "regex", "json_schema"):
+        for i in range(len(MESSAGES)):
+            m1, m2 = (results[m][(name, i)]["meta_info"] for m in DLITE_MODES)
+            assert m2["spec_verify_ct"] == m1["spec_verify_ct"], (name, i)
+            assert m2["spec_verify_ct"] < len(results["dlite_tp2"][(name, i)]["output_ids"]), (name, i)
+
+
+@pytest.mark.parametrize("mode", DLITE_MODES)
+def test_tool_choice_required_and_named_identical_and_valid(results, mode):
     for i in range(2):
-        a, b = _text(results["dlite"], ("tool_call", i)), _text(results["nospec"], ("tool_call", i))
+        a, b = _text(results[mode], ("tool_call", i)), _text(results["nospec"], ("tool_call", i))
         assert a == b, (i, a, b)
         calls = a.get("tool_calls") or []
         if calls:  # parsed by a --tool-call-parser
