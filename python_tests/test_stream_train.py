@@ -123,7 +123,7 @@ def _opts(**kw):
               num_kv_heads=2, head_dim=16, intermediate_size=96, rnn_rank=8)
     base = dict(stages=["stabilize"], steps={"teacher": 0, "distill": 0, "stabilize": 16}, lr=3e-3, batch_size=32,
                 seqs_per_batch=2, eval_every=1000, eval_anchors=32, save_every=4, progress=False, config_overrides=ov,
-                stream_window=2, eval_shards=4)
+                stream_window=2, eval_shards=4, device="cpu")
     base.update(kw)
     return TrainOptions(**base)
 

@@ -97,7 +97,7 @@ def _opts(**kw):
     ov = dict(num_context_positions=c.num_context_positions, block_size=c.block_size, num_layers=2, num_heads=4,
               num_kv_heads=2, head_dim=16, intermediate_size=96, rnn_rank=8)
     base = dict(steps={"teacher": 30, "distill": 20, "stabilize": 30}, lr=3e-3, batch_size=32, seqs_per_batch=2,
-                eval_every=1000, eval_anchors=64, save_every=10, progress=False, config_overrides=ov)
+                eval_every=1000, eval_anchors=64, save_every=10, progress=False, config_overrides=ov, device="cpu")
     base.update(kw)
     return TrainOptions(**base)
 

@@ -169,11 +169,18 @@ def eval_groups(data: FeatureData, max_anchors: int, seed: int = 1234):
     return out
 
 
-def batch_vocab_subset(base_vocab: torch.Tensor, labels: list, valid: list, vocab_size: int):
+def batch_vocab_subset(base_vocab: torch.Tensor, labels: list, valid: list, vocab_size: int, union=None):
     """The training-time vocabulary subset of one batch: the frequent tokens ``base_vocab`` plus
     every valid label. Returns (sorted token ids, labels remapped to their index in the subset;
-    invalid positions get 0)."""
-    vocab = torch.unique(torch.cat([base_vocab] + [lab[v] for lab, v in zip(labels, valid)]))
+    invalid positions get 0). ``union``: a function OR-ing the membership mask over the
+    data-parallel ranks (distributed.union_mask), so every rank uses the global batch's subset."""
+    mask = torch.zeros(vocab_size, dtype=torch.uint8)
+    mask[base_vocab] = 1
+    for lab, v in zip(labels, valid):
+        mask[lab[v]] = 1
+    if union is not None:
+        mask = union(mask)
+    vocab = mask.nonzero().squeeze(1)
     lookup = torch.full((vocab_size,), -1, dtype=torch.long)
     lookup[vocab] = torch.arange(len(vocab))
     return vocab, [torch.where(v, lookup[lab], torch.zeros_like(lab)) for lab, v in zip(labels, valid)]
@@ -188,3 +195,21 @@ def concat_groups(batches: list) -> dict:
     return out
 
 
+def to_device(b: dict, device: torch.device) -> dict:
+    """A batch on ``device``: nothing to do on the CPU; on a GPU each tensor goes through pinned
+    host memory with a non-blocking copy (the host builds the next batch while the GPU computes)."""
+    if device.type == "cpu":
+        return b
+
+    def move(t):
+        return t.pin_memory().to(device, non_blocking=True)
+
+    out = {}
+    for k, v in b.items():
+        if isinstance(v, History):
+            out[k] = History(hidden=move(v.hidden), positions=move(v.positions), valid=move(v.valid))
+        elif torch.is_tensor(v):
+            out[k] = move(v)
+        else:
+            out[k] = v
+    return out

@@ -11,7 +11,7 @@ import torch
 
 from ..model import DLiteDrafter
 from ..spec.accept import greedy_accept_length
-from .dataset import FeatureData, _hist_mode, concat_groups
+from .dataset import FeatureData, _hist_mode, concat_groups, to_device
 
 
 def model_forward(model, b, vocab: Optional[torch.Tensor] = None):
@@ -26,11 +26,12 @@ def model_forward(model, b, vocab: Optional[torch.Tensor] = None):
 
 
 @torch.no_grad()
-def greedy_scores(model: DLiteDrafter, data: FeatureData, groups, autocast, chunk: int = 8):
+def greedy_scores(model: DLiteDrafter, data: FeatureData, groups, autocast, chunk: int = 8, device=None):
     """Per held-out anchor: the committed tokens of a greedy round there (1 + leading drafts equal
     to the target's greedy tokens; the data is greedy-regenerated, so labels are the target's
     continuation), and per draft position the accuracy. Returns (tau [N], acc per position).
-    History-free drafters run ``chunk`` sequences' anchors per forward, others one sequence."""
+    History-free drafters run ``chunk`` sequences' anchors per forward, others one sequence.
+    ``device``: where the model is (batches are moved there; None: the CPU)."""
     cfg = model.config
     C, K = cfg.num_context_positions, cfg.block_size
     hist = _hist_mode(cfg)
@@ -39,18 +40,19 @@ def greedy_scores(model: DLiteDrafter, data: FeatureData, groups, autocast, chun
     for i in range(0, len(groups), step):
         gs = [data.group(si, a, C, K, hist, False) for si, a in groups[i:i + step]]
         b = concat_groups(gs) if hist == 0 else gs[0]  # a history is per sequence
+        draft_in = b if device is None else to_device(b, torch.device(device))
         with autocast():
-            draft = model_forward(model, b).float().argmax(-1)
+            draft = model_forward(model, draft_in).float().argmax(-1).cpu()
         taus.append(greedy_accept_length(draft, b["labels"], b["valid"]))
         hits += ((draft == b["labels"]) & b["valid"]).float().sum(0)
         n_valid += b["valid"].float().sum(0)
     return torch.cat(taus), (hits / n_valid.clamp(min=1)).tolist()
 
 
-def evaluate(model: DLiteDrafter, data: FeatureData, groups, autocast) -> dict:
+def evaluate(model: DLiteDrafter, data: FeatureData, groups, autocast, device=None) -> dict:
     """Expected greedy tau on held-out anchors and per-position accuracy (``greedy_scores``)."""
     model.eval()
-    tau, acc = greedy_scores(model, data, groups, autocast)
+    tau, acc = greedy_scores(model, data, groups, autocast, device=device)
     model.train()
     half = 1.96 * float(tau.std()) / math.sqrt(len(tau)) if len(tau) > 1 else 0.0
     m = float(tau.mean())
@@ -69,7 +71,8 @@ def make_engine_eval(target, tokenizer, workloads: list, max_convs: int, max_new
     convs = {w: load_workload(w, max_convs=max_convs) for w in workloads}
 
     def fn(model, stage, step):
-        model.eval()
+        dev = model.mask_embed.device
+        model.eval().to("cpu")  # beside the target (the reference engine runs on the CPU)
         out = {}
         eng = ReferenceEngine(target, DLiteEngineDrafter(model), eos_token_ids=eos_token_ids(tokenizer, target))
         try:
@@ -80,7 +83,7 @@ def make_engine_eval(target, tokenizer, workloads: list, max_convs: int, max_new
             out["engine_eval_error"] = f"{type(exc).__name__}: {exc}"
         finally:
             eng.close()
-            model.train()
+            model.to(dev).train()
         print(f"train[{stage}] step {step}: reference-engine tau {out}")
         return out
 

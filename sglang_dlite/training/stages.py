@@ -1,0 +1,196 @@
+"""The DLite recipe's stages on cached target features (see train.py for the recipe):
+teacher -> distill -> stabilize, each a ``loop.run_stage``; the data (sampled or streamed), the
+drafter configs and the optional initialization from target layers."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from ..config import DLiteConfig
+from ..errors import DLiteConfigError, DLiteInputError
+from ..model import DLiteDrafter
+from . import distributed as dist
+from .checkpoint import plot_curves
+from .data import DataError, read_manifest
+from .dataset import FeatureData
+from .loop import Paused, run_stage
+from .options import STAGES, StageSpec, TrainOptions
+
+
+def bind(model: DLiteDrafter, embed_w, head_w) -> DLiteDrafter:
+    return model.bind_target(embed_w, head_w)
+
+
+def make_config(target_cfg, history: str, overrides: dict) -> DLiteConfig:
+    kw = dict(target_hidden_size=target_cfg.hidden_size, vocab_size=target_cfg.vocab_size,
+              target_num_layers=target_cfg.num_hidden_layers, target_model_type=getattr(target_cfg, "model_type", None))
+    kw.update(overrides)
+    kw["history"] = history
+    return DLiteConfig(**kw)
+
+
+def init_from_target_layers(model: DLiteDrafter, target, layer_ids) -> DLiteDrafter:
+    """Copy the target's decoder layers ``layer_ids`` (attention, MLP and norms) into the drafter's
+    backbone layers, one for one: a drafter that reads layer-12 states starts as the target's own
+    next layers instead of from noise. Needs the drafter's layer shapes to equal the target's."""
+    inner = getattr(target, "model", target)
+    tl = inner.layers
+    if len(layer_ids) != len(model.layers):
+        raise DLiteConfigError(f"--init-from-target-layers names {len(layer_ids)} layers but the drafter has "
+                               f"{len(model.layers)} backbone layers.")
+    names = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm",
+             "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+             "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+             "down_proj": "mlp.down_proj"}
+    with torch.no_grad():
+        for mine, lid in zip(model.layers, layer_ids):
+            if not 0 <= lid < len(tl):
+                raise DLiteConfigError(f"--init-from-target-layers: layer {lid} is out of range for a target "
+                                       f"with {len(tl)} layers (valid: 0..{len(tl) - 1}).")
+            src = tl[lid]
+            for a, b in names.items():
+                w_dst = getattr(mine, a).weight
+                w_src = src.get_submodule(b).weight
+                if w_dst.shape != w_src.shape:
+                    raise DLiteConfigError(
+                        f"--init-from-target-layers: drafter {a} {tuple(w_dst.shape)} != target layer {lid} "
+                        f"{b} {tuple(w_src.shape)}; the drafter's heads/head_dim/intermediate size must equal the target's.")
+                w_dst.copy_(w_src.to(w_dst.dtype))
+    return model
+
+
+def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> dict:
+    """Run the stages; returns {stage: model folder}. ``target``: a HF causal LM (frozen, on the
+    CPU). Runs on ``opts.device``; under torchrun, as one rank of the data-parallel group."""
+    dist.setup(opts.device)
+    main = dist.is_main()
+    if main:
+        os.makedirs(out_dir, exist_ok=True)
+    dist.barrier()
+    torch.manual_seed(opts.seed)
+    opts.started_at = opts.started_at or time.time()
+    tc = target.config
+    student_cfg = make_config(tc, opts.student_history, opts.config_overrides)
+    layer_ids = student_cfg.target_layer_ids
+    stream_info = None
+    if opts.stream_window:
+        data, stream_info = _streaming_data(target, data_dir, layer_ids, opts)
+    else:
+        if main:  # missing features are computed once, by rank 0
+            data = FeatureData(data_dir, layer_ids, model_loader=lambda: target, progress=opts.progress,
+                               anchor_tokens=opts.anchor_tokens)
+        dist.barrier()
+        if not main:
+            data = FeatureData(data_dir, layer_ids, anchor_tokens=opts.anchor_tokens)
+    embed_w = target.get_input_embeddings().weight.detach()
+    head_w = target.get_output_embeddings().weight.detach()
+    stages = list(opts.stages)
+    for s in stages:
+        if s not in STAGES:
+            raise DLiteInputError(f"unknown stage {s!r}; stages are {','.join(STAGES)}.")
+    if "distill" in stages and "teacher" not in stages and not os.path.isfile(os.path.join(out_dir, "teacher", "DONE.json")):
+        raise DLiteInputError("the distill stage needs a trained teacher: include 'teacher' in --stages (or train it first into the same --out).")
+    st = dist.STATE
+    info = {"data": data_dir, "train_sequences": len(data.train_idx), "eval_sequences": len(data.eval_idx),
+            "train_anchors": data.num_train_anchors,
+            "options": {k: v for k, v in opts.__dict__.items() if k != "engine_eval"},
+            "processes": st.world, "device": str(st.device),
+            "global_batch": {"anchors": opts.batch_size * st.world, "sequences": opts.seqs_per_batch * st.world}}
+    if stream_info is not None:  # FeatureData is only the held-out view here
+        info.update(stream_info, train_sequences=stream_info["streaming"]["sequences"], train_anchors=None)
+    if main:
+        with open(os.path.join(out_dir, "train_info.json"), "w") as f:
+            json.dump(info, f, indent=1, default=str)
+        if stream_info is not None:
+            sd = stream_info["streaming"]
+            print(f"train: streaming {sd['shards']} shards ({sd['sequences']} sequences, {sd['generated_tokens']} generated "
+                  f"tokens), window {sd['window']}; held-out: {len(data.eval_idx)} sequences of {sd['eval_shards']} shards")
+        else:
+            print(f"train: {len(data.train_idx)} train / {len(data.eval_idx)} held-out sequences, "
+                  f"{data.num_train_anchors} training anchors")
+        if st.world > 1 or st.device.type != "cpu":
+            print(f"train: {st.world} process(es) on {st.device.type}, global batch {opts.batch_size * st.world} anchors "
+                  f"({opts.seqs_per_batch * st.world} sequences) per step")
+    done = {}
+
+    def finished(name):
+        return os.path.isfile(os.path.join(out_dir, name, "DONE.json"))
+
+    def load_done(name):
+        return bind(DLiteDrafter.from_pretrained(os.path.join(out_dir, name, "model")), embed_w, head_w).train()
+
+    try:
+        _run_stages(stages, opts, target, tc, student_cfg, data, out_dir, embed_w, head_w, finished, load_done, done)
+    except Paused as p:
+        done["paused"] = str(p)
+    if main:
+        plot_curves(out_dir)
+    return done
+
+
+def _streaming_data(target, data_dir: str, layer_ids, opts):
+    """(held-out FeatureData over ``opts.eval_shards`` evenly spaced shards, with ``.stream`` the
+    training ShardStream over every finished shard; info for train_info.json). Every rank builds
+    the same stream and trains on its slice of each global batch."""
+    from .features import ensure_features
+    from .stream import ShardStream
+
+    shards = read_manifest(data_dir).get("shards", [])
+    if not shards:
+        raise DataError(f"{data_dir!r} lists no finished shards; run `sglang-dlite gen-data` first.")
+    if dist.is_main():
+        ensure_features(data_dir, shards, lambda: target, layer_ids, progress=opts.progress)
+    dist.barrier()
+    files = sorted(sh["file"] for sh in shards)
+    step = max(1, len(files) // max(1, opts.eval_shards))
+    data = FeatureData(data_dir, layer_ids, anchor_tokens=opts.anchor_tokens, shard_files=files[::step][:opts.eval_shards])
+    data.stream = ShardStream(data_dir, layer_ids, files, window=opts.stream_window,
+                              per=max(1, opts.batch_size // opts.seqs_per_batch), anchor_tokens=opts.anchor_tokens)
+    gen = sum(sh["num_loss_tokens"] for sh in shards)
+    info = {"streaming": {"window": opts.stream_window, "shards": len(files), "eval_shards": len(files[::step][:opts.eval_shards]),
+                          "sequences": sum(sh["num_seqs"] for sh in shards), "tokens": sum(sh["num_tokens"] for sh in shards),
+                          "generated_tokens": gen}}
+    return data, info
+
+
+def _run_stages(stages, opts, target, tc, student_cfg, data, out_dir, embed_w, head_w, finished, load_done, done):
+    teacher = None
+    student = None
+    if "teacher" in stages or "distill" in stages:
+        if finished("teacher"):
+            teacher = load_done("teacher")
+        else:
+            teacher = bind(DLiteDrafter(make_config(tc, "full", opts.config_overrides)), embed_w, head_w)
+            if opts.init_layers:
+                init_from_target_layers(teacher, target, opts.init_layers)
+            teacher = run_stage(StageSpec("teacher", opts.steps["teacher"], opts.lr, "ce", "full"), teacher, data,
+                                out_dir, opts, embed_w, head_w)
+        done["teacher"] = os.path.join(out_dir, "teacher", "model")
+    if "distill" in stages:
+        if finished("distill"):
+            student = load_done("distill")
+        else:
+            student = bind(DLiteDrafter(student_cfg), embed_w, head_w)
+            if opts.distill_init == "teacher" and teacher is not None:
+                student.load_state_dict(teacher.state_dict(), strict=False)
+            for p in teacher.parameters():
+                p.requires_grad_(False)
+            student = run_stage(StageSpec("distill", opts.steps["distill"], opts.lr, "kl", opts.student_history),
+                                student, data, out_dir, opts, embed_w, head_w, teacher=teacher)
+        done["distill"] = os.path.join(out_dir, "distill", "model")
+    if "stabilize" in stages:
+        if finished("stabilize"):
+            student = load_done("stabilize")
+        else:
+            if student is None:
+                student = bind(DLiteDrafter(student_cfg), embed_w, head_w)
+                if opts.init_layers:
+                    init_from_target_layers(student, target, opts.init_layers)
+            lr = opts.lr if "distill" not in stages else opts.lr * 0.5
+            student = run_stage(StageSpec("stabilize", opts.steps["stabilize"], lr, "ce+tv", opts.student_history),
+                                student, data, out_dir, opts, embed_w, head_w)
+        done["stabilize"] = os.path.join(out_dir, "stabilize", "model")
