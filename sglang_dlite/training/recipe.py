@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-budget-min", default="15,15,25",
                    help="wall-time caps (minutes) of the teacher, distill and stabilize stages")
     p.add_argument("--threads", type=int, default=2, help="torch threads per training process")
-    p.add_argument("--ddp", type=int, default=1, help="data-parallel training processes (batch 32 anchors each)")
+    p.add_argument("--device", default="auto", help="training device: auto (CUDA when available) | cuda | cpu "
+                   "(several GPUs: gen-data, then `torchrun --nproc-per-node N -m sglang_dlite train ...`)")
     p.add_argument("--single-stage", action="store_true", help="the single-stage ablation instead")
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB,
                    help="export with a drafting vocabulary of the data's N most frequent tokens (0: none; "
@@ -111,7 +112,7 @@ def train_args(args, out):
                target_layer_ids=getattr(args, "layer_ids", None) or t["target_layer_ids"],
                stage_budget_min=args.stage_budget_min, no_progress=args.no_progress,
                engine_eval_convs=1, engine_eval_workloads="sharegpt-heldout,agent-stdlib", engine_eval_max_new_tokens=32,
-               engine_eval_stages="stabilize", ddp=args.ddp)
+               engine_eval_stages="stabilize", device=args.device)
 
 
 def export(model_dir: str, dest: str, card: str, data_dir: Optional[str] = None, draft_vocab: int = 0) -> str:
