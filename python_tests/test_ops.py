@@ -226,6 +226,37 @@ def test_forced_and_auto_cpp_path(monkeypatch, mode):
     assert ops.last_impl("lowrank_rnn_scan") == "torch" and g.grad is not None
 
 
+def test_auto_takes_torch_where_it_measured_faster(monkeypatch):
+    """bf16 lm_head_argmax: the reference below CPU_TORCH_FASTER_BELOW rows, the C++ kernel from
+    there on; fp32 (and the other ops) always the C++ kernel; forced cpp is never overridden."""
+    limit = ops.CPU_TORCH_FASTER_BELOW[("lm_head_argmax", torch.bfloat16)]
+    assert ops.torch_faster_on_cpu("lm_head_argmax", torch.bfloat16, limit - 1)
+    assert not ops.torch_faster_on_cpu("lm_head_argmax", torch.bfloat16, limit)
+    assert not ops.torch_faster_on_cpu("lm_head_argmax", torch.float32, 1)
+    assert not ops.torch_faster_on_cpu("round_attention", torch.bfloat16, 1)
+    monkeypatch.setattr(_ext, "has_cpu", lambda: True)
+    monkeypatch.setenv(ops.ENV, "auto")
+    cpu = torch.device("cpu")
+    bf, f32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
+    assert ops._pick("lm_head_argmax", (bf,), cpu, rows=7) == "torch"
+    assert ops._pick("lm_head_argmax", (bf,), cpu, rows=limit) == "cpp"
+    assert ops._pick("lm_head_argmax", (f32,), cpu, rows=7) == "cpp"
+    monkeypatch.setenv(ops.ENV, "cpp")
+    assert ops._pick("lm_head_argmax", (bf,), cpu, rows=7) == "cpp"
+
+
+@needs_cpp
+def test_lm_head_argmax_dispatch_by_rows(monkeypatch):
+    monkeypatch.setenv(ops.ENV, "auto")
+    limit = ops.CPU_TORCH_FASTER_BELOW[("lm_head_argmax", torch.bfloat16)]
+    torch.manual_seed(0)
+    w, nw = torch.randn(50, 16, dtype=torch.bfloat16), torch.ones(16, dtype=torch.bfloat16)
+    for rows, want in ((1, "torch"), (limit, "cpp")):
+        h = torch.randn(rows, 16, dtype=torch.bfloat16)
+        assert torch.equal(ops.lm_head_argmax(h, nw, 1e-5, w), R.lm_head_argmax(h, nw, 1e-5, w))
+        assert ops.last_impl("lm_head_argmax") == want
+
+
 def test_unavailable_paths_error_clearly(monkeypatch):
     g, u = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
     monkeypatch.setenv(ops.ENV, "cuda")

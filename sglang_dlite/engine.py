@@ -144,9 +144,10 @@ class Session:
             self._append_hidden(eng.capture.take(), start)
         return out.logits[0].float()
 
-    def prefill(self, prompt: list) -> torch.Tensor:
+    def prefill(self, prompt: list) -> tuple[torch.Tensor, int]:
         """Bring the cache to cover ``prompt`` (reusing the longest common prefix with what the
-        cache already holds); returns the logits of the last prompt position."""
+        cache already holds); returns (the logits [V] of the last prompt position, how many
+        leading prompt tokens were reused from the cache)."""
         if not prompt:
             raise DLiteInputError("empty prompt: give at least one token.")
         eng = self.engine

@@ -4,7 +4,8 @@ Each op has a torch reference in ``reference.py`` (the spec); compiled kernels f
 (C++ for the CPU, CUDA for Ampere/Hopper; built by ``make build-ext``) replace it when available.
 
 ``SGLANG_DLITE_OPS`` picks the path:
-    auto   (default) CUDA kernel for CUDA tensors, C++ kernel for CPU tensors, else the reference
+    auto   (default) CUDA kernel for CUDA tensors, C++ kernel for CPU tensors (except where the
+           reference measured faster: ``CPU_TORCH_FASTER_BELOW``), else the reference
     torch  always the torch reference
     cpp    the C++ CPU kernels (error if not built, or if the tensors are not on the CPU)
     cuda   the CUDA kernels (error if not built with CUDA, or if the tensors are not on a GPU)
@@ -37,6 +38,13 @@ MODES = ("auto", "torch", "cpp", "cuda")
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _last_impl: dict = {}
 
+# Where torch's own kernels beat the C++ CPU kernel, ``auto`` takes the reference: (op, dtype) ->
+# the row count below which torch is faster. bf16 lm_head_argmax at SmolLM2's shapes (V=49152,
+# H=576), 1 thread, C++/torch time over four runs of bench/lm_head_dispatch.py: 7 rows (batch 1,
+# K=7) 1.15/1.03/0.98/1.03x (torch's bf16 GEMM ahead), 14-28 rows 0.91-1.07x (even), 56-112 rows
+# 0.77-0.96x (the fused kernel ahead). fp32: the C++ kernel at every row count (0.55-1.0x).
+CPU_TORCH_FASTER_BELOW = {("lm_head_argmax", torch.bfloat16): 14}
+
 
 def ops_mode() -> str:
     mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
@@ -65,7 +73,12 @@ def build_status() -> str:
     return _ext.status()
 
 
-def _pick(op: str, floats, device: torch.device) -> str:
+def torch_faster_on_cpu(op: str, dtype: torch.dtype, rows: int) -> bool:
+    """Whether ``auto`` runs the torch reference instead of the C++ CPU kernel for this call."""
+    return rows < CPU_TORCH_FASTER_BELOW.get((op, dtype), 0)
+
+
+def _pick(op: str, floats, device: torch.device, rows: int = 0) -> str:
     mode = ops_mode()
     if mode == "torch":
         return "torch"
@@ -78,7 +91,7 @@ def _pick(op: str, floats, device: torch.device) -> str:
         if device.type == "cuda" and _ext.has_cuda():
             return "cuda"
         if device.type == "cpu" and _ext.has_cpu():
-            return "cpp"
+            return "torch" if torch_faster_on_cpu(op, dt, rows) else "cpp"
         return "torch"
     if mode == "cpp":
         if not _ext.has_cpu():
@@ -105,8 +118,8 @@ def _pick(op: str, floats, device: torch.device) -> str:
     return "cuda"
 
 
-def _run(op: str, floats, ref_fn, args):
-    impl = _pick(op, floats, floats[0].device)
+def _run(op: str, floats, ref_fn, args, rows: int = 0):
+    impl = _pick(op, floats, floats[0].device, rows)
     _last_impl[op] = impl
     if impl == "torch":
         return ref_fn(*args)
@@ -131,7 +144,8 @@ def lowrank_rnn_scan(gate_logits, inputs):
 def lm_head_argmax(hidden, norm_weight, eps: float, lm_head_weight):
     """Greedy drafting's final norm + vocabulary projection + argmax (fused in C++/CUDA)."""
     args = (hidden, norm_weight, float(eps), lm_head_weight)
-    return _run("lm_head_argmax", (hidden, norm_weight, lm_head_weight), _ref.lm_head_argmax, args)
+    rows = hidden.numel() // max(hidden.shape[-1], 1)
+    return _run("lm_head_argmax", (hidden, norm_weight, lm_head_weight), _ref.lm_head_argmax, args, rows)
 
 
 def nvtx_range(name: str):
