@@ -163,6 +163,23 @@ def test_reference_engine_is_lossless_with_the_trained_drafter(pipeline):
     assert r["tau"] > 1.2, r["tau"]  # the trained drafter is accepted (the target cycles)
 
 
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_reference_engine_is_lossless_on_the_other_architectures(arch, tmp_path):
+    """Mistral and Qwen2 (attention biases) targets: the derived random drafter in the reference
+    engine gives the target's own greedy output (hidden-state capture works for them)."""
+    import torch
+
+    from sglang_dlite.model import DLiteDrafter
+    from sglang_dlite.training.smoke import check_lossless
+    from sglang_dlite.training.tiny_target import save_tiny_target
+
+    target = save_tiny_target(tmp_path / arch, arch)
+    torch.manual_seed(0)
+    DLiteDrafter(drafter_config_for_target(target)).save_pretrained(str(tmp_path / "drafter"))
+    r = check_lossless(target, str(tmp_path / "drafter"), n_prompts=2, max_new_tokens=24)
+    assert r["identical"], (r["outputs"], r["target"])
+
+
 def test_sglang_dlite_serves_the_trained_drafter_losslessly(pipeline):
     """The exported drafter in a real sglang engine on the CPU stack (DLITE, greedy, fp32): output
     == the target's own greedy output, with drafts accepted."""
