@@ -63,6 +63,23 @@ def test_every_supported_architecture_sizes_the_drafter_from_the_target(arch):
     assert c.history == "none"
 
 
+@pytest.mark.parametrize("name", ["eagle3", "dflash", "dspark", "dlite-window128"])
+def test_baselines_are_sized_by_the_same_derivation(name):
+    """The baselines' configs come from the same DrafterConfig.for_target: the target's width,
+    each drafter's own default layers; an unsupported target is refused the same way."""
+    import transformers
+
+    from sglang_dlite.baselines.registry import new_model
+
+    cfg = _hf_config("qwen3", hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                     intermediate_size=512, num_hidden_layers=12)
+    c = new_model(name, cfg).config
+    assert (c.target_hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size) == (256, 8, 2, 32, 512)
+    assert c.target_layer_ids == type(c).default_layer_ids(12) and max(c.target_layer_ids) <= 10
+    with pytest.raises(DLiteConfigError, match="Qwen3ForCausalLM"):
+        new_model(name, transformers.GemmaConfig(architectures=["GemmaForCausalLM"]))
+
+
 def test_overrides_win_and_history_is_passed():
     c = drafter_config_for_target(SMOLLM2, history="full", target_layer_ids=[2, 15, 27], rnn_rank=16, num_layers=None)
     assert (c.history, c.target_layer_ids, c.rnn_rank, c.num_layers) == ("full", [2, 15, 27], 16, 2)

@@ -6,13 +6,13 @@ draft-model path with ``AutoConfig``, can read a DLite checkpoint once the plugi
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Optional
 
 from .drafter_config import MAX_BLOCK_SIZE, DrafterConfig  # noqa: F401  (MAX_BLOCK_SIZE: re-exported)
 from .errors import DLiteConfigError
+from .target_spec import (  # noqa: F401  (re-exported: the supported targets and their shape)
+    SUPPORTED_TARGET_ARCHITECTURES, TargetInfo, supported_targets_text, target_info,
+)
 
 MAX_CONTEXT_POSITIONS = 64
 BLOCK_ATTENTION_MODES = ("bidirectional", "causal")
@@ -63,6 +63,11 @@ class DLiteConfig(DrafterConfig):
     display_name = "DLite"
     default_layer_ids = staticmethod(default_layer_ids)
 
+    @staticmethod
+    def derived_from_target(t) -> dict:
+        """DLite's own target-derived field (``for_target``): the RNN rank, hidden / 8."""
+        return {"rnn_rank": max(1, round(t.hidden_size / 8))}
+
     def __init__(
         self,
         num_context_positions: int = 4,
@@ -112,100 +117,10 @@ class DLiteConfig(DrafterConfig):
         return parse_history(self.history)
 
 
-# ---------------------------------------------------------------------------- any target
-# Architectures every part of the pipeline handles: HF capture (``model.model.layers`` outputs and
-# ``model.model.norm``) for gen-data, training features and the reference engine, and sglang's
-# DLITE worker (the sglang model sets its aux hidden-state capture layers; attention-only, so a
-# rejected draft leaves no recurrent state behind). Tested end to end on tiny random Llama and
-# Qwen3 targets (python_tests/test_any_target.py); Qwen2 / Mistral share those code paths.
-SUPPORTED_TARGET_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-
-
-def supported_targets_text() -> str:
-    return ", ".join(SUPPORTED_TARGET_ARCHITECTURES)
-
-
-@dataclass(frozen=True)
-class TargetInfo:
-    """What a drafter needs to know about its target, read from the target's HF config."""
-
-    architecture: str
-    model_type: str
-    hidden_size: int
-    vocab_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-
-
-def _hf_config(target):
-    """A transformers config from a checkpoint folder, a config, a model or a config dict."""
-    if isinstance(target, (str, os.PathLike)):
-        path = os.fspath(target)
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise DLiteConfigError(f"target {path!r} is not a HF checkpoint folder (no config.json).")
-        from transformers import AutoConfig
-
-        try:
-            return AutoConfig.from_pretrained(path)
-        except (ValueError, KeyError, OSError) as exc:
-            raise DLiteConfigError(
-                f"transformers cannot read the target config {path!r} ({exc}); supported target "
-                f"architectures: {supported_targets_text()}."
-            ) from exc
-    if isinstance(target, dict):
-        return SimpleNamespace(**target)
-    return getattr(target, "config", target) if not hasattr(target, "hidden_size") else target
-
-
-def target_info(target) -> TargetInfo:
-    """Read and check a target: a HF checkpoint folder, config, model or config dict. Raises a
-    DLiteConfigError naming the supported architectures for any other architecture."""
-    cfg = _hf_config(target)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    archs = list(getattr(cfg, "architectures", None) or getattr(text, "architectures", None) or [])
-    mtype = str(getattr(text, "model_type", "") or "")
-    known = [a for a in archs if a in SUPPORTED_TARGET_ARCHITECTURES]
-    if known:
-        arch = known[0]
-    elif not archs and mtype in SUPPORTED_TARGET_ARCHITECTURES.values():
-        arch = next(a for a, t in SUPPORTED_TARGET_ARCHITECTURES.items() if t == mtype)
-    else:
-        what = "/".join(archs) if archs else (f"model_type {mtype!r}" if mtype else "an unknown architecture")
-        raise DLiteConfigError(
-            f"unsupported target architecture {what}: DLite drafters are built, trained and served "
-            f"for {supported_targets_text()} (dense, attention-only decoders whose layer outputs both "
-            "transformers and sglang's DLITE worker capture). Use one of these, or serve this model "
-            "without --speculative-algorithm DLITE."
-        )
-    try:
-        H, V, N = int(text.hidden_size), int(text.vocab_size), int(text.num_hidden_layers)
-        nh = int(text.num_attention_heads)
-        kvh = int(getattr(text, "num_key_value_heads", None) or nh)
-        hd = int(getattr(text, "head_dim", None) or H // nh)
-        inter = int(text.intermediate_size)
-    except (AttributeError, TypeError, ValueError) as exc:
-        raise DLiteConfigError(f"the {arch} target config lacks a field a drafter is sized from ({exc}).") from exc
-    if N < 2:
-        raise DLiteConfigError(
-            f"the target has {N} decoder layer(s): DLite reads a layer's output below the last one, "
-            "so it needs a target with at least 2 layers."
-        )
-    return TargetInfo(arch, mtype or SUPPORTED_TARGET_ARCHITECTURES[arch], H, V, N, nh, kvh, hd, inter)
-
-
 def drafter_config_for_target(target, history: str = "none", **overrides) -> DLiteConfig:
-    """THE derivation of a DLite drafter's config from its target (every command uses it).
-
-    From the target (a HF checkpoint folder, config, model or config dict; unsupported
-    architectures are refused, see ``target_info``):
+    """THE derivation of a DLite drafter's config from its target (every command uses it):
+    ``DLiteConfig.for_target``. From the target (a HF checkpoint folder, config, model or config
+    dict; unsupported architectures are refused, see ``target_spec.target_info``):
       - hidden size and vocabulary: the target's (the drafter reads its hidden states and uses
         its frozen embedding and LM head);
       - captured layers: the proportional choice to 12 / 14 of 36 (``default_layer_ids``);
@@ -213,14 +128,6 @@ def drafter_config_for_target(target, history: str = "none", **overrides) -> DLi
         size (as the method's peers; ``--init-from-target-layers`` can then copy target layers);
       - RNN rank hidden / 8 (the method: 320 for hidden 2560, 512 for 4096).
     For SmolLM2-135M (576 hidden, 9 / 3 heads, 1536 MLP, 30 layers) this is exactly the
-    DLiteConfig defaults. ``overrides`` (any DLiteConfig field) win.
+    DLiteConfig defaults. ``overrides`` (any DLiteConfig field; None = derived) win.
     """
-    t = target_info(target)
-    kw = dict(
-        target_hidden_size=t.hidden_size, vocab_size=t.vocab_size, target_num_layers=t.num_layers,
-        target_layer_ids=default_layer_ids(t.num_layers), target_model_type=t.model_type,
-        num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
-        intermediate_size=t.intermediate_size, rnn_rank=max(1, round(t.hidden_size / 8)), history=history,
-    )
-    kw.update({k: v for k, v in overrides.items() if v is not None})
-    return DLiteConfig(**kw)
+    return DLiteConfig.for_target(target, history=history, **overrides)

@@ -117,10 +117,26 @@ class DrafterConfig(PretrainedConfig):
                                    + "; ".join(problems) + f"). {self.retrain_hint}")
 
     @classmethod
-    def for_target(cls, target_config, **overrides) -> "DrafterConfig":
-        """Default config for a transformers target config (hidden size, vocab, depth)."""
-        kw = dict(target_hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
-                  target_num_layers=target_config.num_hidden_layers,
-                  target_model_type=getattr(target_config, "model_type", None))
-        kw.update(overrides)
+    def for_target(cls, target, **overrides) -> "DrafterConfig":
+        """The one derivation of a drafter config from its target (a HF checkpoint folder, config,
+        model or config dict; unsupported architectures are refused: ``target_spec.target_info``):
+        the target's hidden size, vocabulary and depth, the class's default capture layers for that
+        depth, drafter layers at the target's width (attention heads, KV heads, head dim, MLP
+        size), plus the class's own ``derived_from_target`` fields. ``overrides`` win (None:
+        derived). For SmolLM2-135M this gives the class defaults."""
+        from .target_spec import target_info
+
+        t = target_info(target)
+        kw = dict(target_hidden_size=t.hidden_size, vocab_size=t.vocab_size, target_num_layers=t.num_layers,
+                  target_model_type=t.model_type)
+        width = dict(num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
+                     intermediate_size=t.intermediate_size)
+        kw.update({k: v for k, v in width.items() if v is not None})
+        kw.update(cls.derived_from_target(t))
+        kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
+
+    @staticmethod
+    def derived_from_target(t) -> dict:
+        """Fields a drafter class derives from the target beyond the shared ones (``for_target``)."""
+        return {}

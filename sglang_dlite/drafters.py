@@ -136,11 +136,7 @@ def load_dlite(path: Optional[str], target, **config_overrides) -> DLiteDrafter:
             "no trained DLite checkpoint is shipped in this build: using a randomly initialized "
             "drafter (acceptance length ~1). Train one with `sglang-dlite train`.", stacklevel=2,
         )
-        tc = target.config
         torch.manual_seed(0)
-        model = DLiteDrafter(DLiteConfig(
-            target_hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
-            target_num_layers=tc.num_hidden_layers, **config_overrides,
-        )).eval()
+        model = DLiteDrafter(DLiteConfig.for_target(target, **config_overrides)).eval()
     return model.bind_hf_target(target)
 

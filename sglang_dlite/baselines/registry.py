@@ -61,11 +61,8 @@ def new_model(name: str, target_config, seed: Optional[int] = 0, **overrides):
         from ..config import DLiteConfig
         from ..model import DLiteDrafter
 
-        kw = dict(target_hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
-                  target_num_layers=target_config.num_hidden_layers,
-                  history=DLITE_ABLATIONS.get(name, "none"))
-        kw.update(overrides)
-        return DLiteDrafter(DLiteConfig(**kw))
+        overrides.setdefault("history", DLITE_ABLATIONS.get(name, "none"))
+        return DLiteDrafter(DLiteConfig.for_target(target_config, **overrides))
     model_cls, cfg_cls = model_classes(name)
     return model_cls(cfg_cls.for_target(target_config, **overrides))
 
