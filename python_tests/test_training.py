@@ -157,18 +157,27 @@ def test_tiny_end_to_end_lowers_loss(tmp_path, tiny_target):
     assert done2 == done
 
 
-def test_resume_mid_stage(tmp_path, tiny_target):
+def test_resume_mid_stage_and_extend(tmp_path, tiny_target):
+    """A paused stage resumes at its step (not 0); a finished one, asked for more steps with
+    --resume, is extended from its checkpoint. Every step is logged exactly once."""
     from sglang_dlite.training.train import train_pipeline
 
     data = _tiny_data(tmp_path, tiny_target, n_seqs=3)
     out = str(tmp_path / "run")
-    train_pipeline(tiny_target, data, out, _opts(stages=["stabilize"], steps={"stabilize": 10}, vocab_subset=48))
-    ck = torch.load(os.path.join(out, "stabilize", "ckpt.pt"), weights_only=False)
-    assert ck["step"] == 10
-    os.remove(os.path.join(out, "stabilize", "DONE.json"))
-    # extend: a resumed run continues from step 10, not from 0
-    train_pipeline(tiny_target, data, out, _opts(stages=["stabilize"], steps={"stabilize": 10}, resume=True))
-    assert torch.load(os.path.join(out, "stabilize", "ckpt.pt"), weights_only=False)["step"] == 10
+
+    def run(steps, **kw):
+        return train_pipeline(tiny_target, data, out, _opts(stages=["stabilize"], steps={"stabilize": steps},
+                                                            vocab_subset=48, log_every=1, **kw))
+
+    assert run(10, stop_after_steps=4).get("paused") == "stabilize"
+    assert torch.load(os.path.join(out, "stabilize", "ckpt.pt"), weights_only=False)["step"] == 4
+    assert "stabilize" in run(10, resume=True)
+    assert run(10, resume=True) == {"stabilize": os.path.join(out, "stabilize", "model")}  # done: skipped
+    run(16, resume=True)  # extend the finished stage
+    assert torch.load(os.path.join(out, "stabilize", "ckpt.pt"), weights_only=False)["step"] == 16
+    assert json.load(open(os.path.join(out, "stabilize", "DONE.json")))["steps"] == 16
+    logged = [json.loads(x)["step"] for x in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in x]
+    assert logged == list(range(1, 17)), logged
 
 
 # ---------------------------------------------------------------------------- bad input

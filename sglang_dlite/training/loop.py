@@ -117,7 +117,11 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
         st = load_checkpoint(ckpt)
         model.load_state_dict(st["model"], strict=False)
         optim.load_state_dict(st["optim"])  # its state follows the parameters' device
-        step, total, wall_used = st["step"], st.get("total", total), st.get("wall", 0.0)
+        step, wall_used = st["step"], st.get("wall", 0.0)
+        # the schedule as saved (re-planned for a time budget), unless this run asks for another
+        # number of steps than the saved run did: then the run is extended (or shortened) to it
+        extended = st.get("requested", spec.steps) != spec.steps
+        total = max(spec.steps, step) if extended else st.get("total", spec.steps)
         rng.bit_generator.state = st["rng"]
         torch.set_rng_state(st["torch_rng"])
         if stream is not None:
@@ -130,6 +134,8 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
             if st.get("global_batch", opts.batch_size * world) != opts.batch_size * world:
                 note = (f" (global batch {st.get('global_batch')} -> {opts.batch_size * world} anchors: "
                         f"{was} -> {world} processes x --batch-size {opts.batch_size})")
+            if extended:
+                note += f" (extended: {st.get('requested')} -> {spec.steps} steps requested)"
             print(f"train[{spec.name}]: resumed at step {step}/{total}, written by {was} process(es){note}")
     bf16 = use_bf16(opts, dev)
 
@@ -140,6 +146,7 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
         extra = {"stream": stream.state_dict()} if stream is not None else {}
         save_checkpoint(ckpt, {"model": model.state_dict(), "optim": optim.state_dict(), "step": step, "total": total,
                                "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "wall": wall_used,
+                               "requested": spec.steps,
                                "world_size": world, "global_batch": opts.batch_size * world,
                                "global_seqs_per_batch": S * world, **extra})
 
@@ -274,7 +281,8 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
         model.save_pretrained(os.path.join(sdir, "model"))
         with open(os.path.join(sdir, "DONE.json"), "w") as f:
             json.dump({"steps": step, "wall_s": round(wall_used, 1), "loss": spec.loss, "lr": spec.lr,
-                       "history": cfg.history, "processes": world, "device": dev.type}, f)
+                       "history": cfg.history, "processes": world, "device": dev.type,
+                       "requested": spec.steps}, f)
         if getattr(data, "data_dir", None):  # training.json beside the model's config.json
             from .run_summary import summarize, training_record, write_training_json
 

@@ -118,7 +118,13 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
     done = {}
 
     def finished(name):
-        return os.path.isfile(os.path.join(out_dir, name, "DONE.json"))
+        """The stage is done, for the number of steps this run asks (asking for another number
+        with --resume extends it from its checkpoint)."""
+        path = os.path.join(out_dir, name, "DONE.json")
+        if not os.path.isfile(path):
+            return False
+        with open(path) as f:
+            return json.load(f).get("requested", opts.steps.get(name)) == opts.steps.get(name) or not opts.resume
 
     def load_done(name):
         return bind(DLiteDrafter.from_pretrained(os.path.join(out_dir, name, "model")), embed_w, head_w).train()
