@@ -23,9 +23,9 @@ def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor
 
 def _weighted_mean(per_pos: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     w = weights.to(per_pos.dtype)[None, :] * valid.to(per_pos.dtype)
-    denom = w.sum()
-    if denom <= 0:
-        return per_pos.sum() * 0.0
+    # No `if denom <= 0` branch: it would sync the GPU every loss. With no valid position the
+    # numerator is 0 and the clamped denominator gives 0 (with the same autograd graph).
+    denom = w.sum().clamp_min(torch.finfo(per_pos.dtype).tiny)
     return (per_pos * w).sum() / denom
 
 
