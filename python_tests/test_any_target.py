@@ -180,6 +180,25 @@ def test_reference_engine_is_lossless_with_the_trained_drafter(pipeline):
     assert r["tau"] > 1.2, r["tau"]  # the trained drafter is accepted (the target cycles)
 
 
+@pytest.mark.parametrize("pipeline", ["qwen3"], indirect=True)
+def test_train_default_recipe_runs_on_any_target(pipeline, tmp_path):
+    """`train-default` on a Qwen3 target (on the pipeline's data, a few seconds of training): the
+    recipe's low/mid/high layers for its depth, an export named after the target, a model card
+    rendered from the drafter's own config."""
+    from sglang_dlite.cli import main
+
+    arch, target, _, data = pipeline
+    out = tmp_path / "run"
+    assert main(["train-default", "--target", target, "--data", data, "--out", str(out), "--skip-gen", "--single-stage",
+                 "--stage-budget-min", "0.05", "--draft-vocab", "64", "--threads", "1", "--no-progress"]) == 0
+    dest = tmp_path / "run-single-stage" / "dlite-target"
+    cfg = DLiteConfig.from_pretrained(str(dest))
+    assert cfg.target_layer_ids == low_mid_high_layer_ids(6) == [2, 3] and cfg.draft_vocab_size == 64
+    card = (dest / "README.md").read_text()
+    assert card.startswith("# DLite drafter for target (`dlite-target`)")
+    assert f"K = {cfg.block_size} draft positions" in card and f"r = {cfg.rnn_rank})" in card and "layers 2, 3" in card
+
+
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])
 def test_reference_engine_is_lossless_on_the_other_architectures(arch, tmp_path):
     """Mistral and Qwen2 (attention biases) targets: the derived random drafter in the reference
