@@ -152,7 +152,7 @@ def check_capture_layers(layer_ids, num_layers: int) -> None:
             f"this DLite drafter reads target layers {list(layer_ids)}, but sglang can capture only "
             f"layers 0..{num_layers - 2} of this {num_layers}-layer target (layer ids {bad} are out of "
             "range; the last layer's output is never captured). Use a drafter trained with "
-            f"--target-layers inside 0..{num_layers - 2} (the default recipe's are)."
+            f"--target-layer-ids inside 0..{num_layers - 2} (the default recipe's are)."
         )
 
 
