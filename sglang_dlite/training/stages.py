@@ -26,11 +26,9 @@ def bind(model: DLiteDrafter, embed_w, head_w) -> DLiteDrafter:
 
 
 def make_config(target_cfg, history: str, overrides: dict) -> DLiteConfig:
-    kw = dict(target_hidden_size=target_cfg.hidden_size, vocab_size=target_cfg.vocab_size,
-              target_num_layers=target_cfg.num_hidden_layers, target_model_type=getattr(target_cfg, "model_type", None))
-    kw.update(overrides)
-    kw["history"] = history
-    return DLiteConfig(**kw)
+    """The drafter's config for this target: the one derivation (``DLiteConfig.for_target``: the
+    target's widths, vocabulary, proportional capture layers, rank), then the trainer's options."""
+    return DLiteConfig.for_target(target_cfg, **{**overrides, "history": history})
 
 
 def init_from_target_layers(model: DLiteDrafter, target, layer_ids) -> DLiteDrafter:
