@@ -110,6 +110,11 @@ def main(argv=None) -> int:
             gen.close()
         n_gen = int(sum(sum(m) for m in masks))
         results[name] = {"seqs": seqs, "masks": masks, "feats": feats, "wall_s": wall, "cpu_s": cpu, "generated_tokens": n_gen}
+        results[name]["prompt_tokens"] = int(sum(len(m) - sum(m) for m in masks))
+        if hasattr(gen, "prefill_cpu_s"):
+            results[name]["prefill"] = {"cpu_s": round(gen.prefill_cpu_s, 2), "tokens": gen.prefill_tokens,
+                                        "share_of_cpu": round(gen.prefill_cpu_s / cpu, 3)}
+            print(f"  {name}: prefill {results[name]['prefill']}")
         if hasattr(gen, "summary"):
             results[name]["spec"] = gen.summary()
             print(f"  {name}: {results[name]['spec']}")
@@ -154,7 +159,7 @@ def main(argv=None) -> int:
             "tokens_dropped_by_cut": int(dropped), "sequences_identical_to_" + base: same_as_base,
             "feature_max_abs_diff": round(fdiff, 4), "feature_max_rel_diff": round(frel, 5),
         }
-        for k in ("spec", "engine_info"):
+        for k in ("spec", "engine_info", "prefill", "prompt_tokens"):
             if k in r:
                 row[k] = r[k]
         rows.append(row)

@@ -187,10 +187,12 @@ class FastLlama:
             q, k = self._rot(q, cos, sin), self._rot(k, cos, sin)
             self.k[li, rows, :, pos] = k
             self.v[li, rows, :, pos] = v
-            qb = q[:, :, None]  # [B, nh, 1, hd]
+            # the g query heads of a KV head as g queries of that head: no K/V expansion for GQA
+            # (HF's repeat_kv: KV head i serves query heads i*g .. i*g+g-1); 1.5x faster here
+            qb = q.view(B, self.kvh, self.g, self.hd)
             o = torch.cat([  # K, V: views [rows, kvh, S, hd] (active rows are slots 0..B-1)
                 F.scaled_dot_product_attention(qb[c0:c1], self.k[li, c0:c1, :, :S], self.v[li, c0:c1, :, :S],
-                                               attn_mask=valid, scale=self.scale, enable_gqa=True)
+                                               attn_mask=valid, scale=self.scale)
                 for c0, c1, S, valid in chunks], 0)
             o = o.reshape(B, self.nh * self.hd)
             x = x + o @ p["wo"].T
@@ -236,7 +238,8 @@ class FastLlama:
             # query t of row b (position st_b + t) sees keys 0..st_b + t; padded queries (t >= len_b)
             # see key 0 only (their output is dropped)
             lim = torch.where(t[None] < ln[:, None], st[:, None] + t[None], torch.zeros_like(t[None]))
-            valid = (torch.arange(S)[None, None, :] <= lim[:, :, None])[:, None]  # [c, 1, Tm, S]
+            valid = (torch.arange(S)[None, None, :] <= lim[:, :, None])[:, None, None]  # [c, 1, 1, Tm, S]
+            valid = valid.expand(-1, -1, self.g, -1, -1).reshape(c1 - c0, 1, self.g * Tm, S)  # per query group
             # flat token index -> (row in chunk, query) of the padded layout
             sel_r = rows[offs[c0]:offs[c1]] - c0
             sel_t = qi[offs[c0]:offs[c1]]
@@ -258,11 +261,15 @@ class FastLlama:
             self.v[li, rows, :, pos] = v
             outs = []
             for c0, c1, S, Tm, valid, sel_r, sel_t in chunks:
-                qp = q.new_zeros(c1 - c0, Tm, self.nh, self.hd)
+                c = c1 - c0
+                qp = q.new_zeros(c, Tm, self.nh, self.hd)
                 qp[sel_r, sel_t] = q[offs[c0]:offs[c1]]
-                o = F.scaled_dot_product_attention(qp.transpose(1, 2), self.k[li, c0:c1, :, :S], self.v[li, c0:c1, :, :S],
-                                                   attn_mask=valid, scale=self.scale, enable_gqa=True)
-                outs.append(o.transpose(1, 2)[sel_r, sel_t])  # [n_chunk, nh, hd]
+                # grouped queries as in decode: [c, kvh, g * Tm, hd], the mask repeated per group
+                qg = qp.view(c, Tm, self.kvh, self.g, self.hd).permute(0, 2, 3, 1, 4).reshape(c, self.kvh, self.g * Tm, self.hd)
+                o = F.scaled_dot_product_attention(qg, self.k[li, c0:c1, :, :S], self.v[li, c0:c1, :, :S],
+                                                   attn_mask=valid, scale=self.scale)
+                o = o.view(c, self.kvh, self.g, Tm, self.hd).permute(0, 3, 1, 2, 4).reshape(c, Tm, self.nh, self.hd)
+                outs.append(o[sel_r, sel_t])  # [n_chunk, nh, hd]
             o = torch.cat(outs, 0).reshape(N, self.nh * self.hd)
             x = x + o @ p["wo"].T
             x = x + self._mlp(self._rms(x, p["ln2"]), p)
@@ -322,6 +329,17 @@ class FastRegenerator:
         top = torch.topk(lg, 2, dim=-1)
         return top.indices[..., 0], top.values[..., 0] - top.values[..., 1]
 
+    def _extend(self, slot, ids, start):
+        """Prefill (first prompt or a new user turn); its CPU time and tokens are counted apart
+        (``prefill_cpu_s``, ``prefill_tokens``): decoding speed-ups cannot shorten it."""
+        import time
+
+        c0 = time.process_time()
+        out = self.engine.extend(slot, ids, start, bool(self.capture))
+        self.prefill_cpu_s = getattr(self, "prefill_cpu_s", 0.0) + time.process_time() - c0
+        self.prefill_tokens = getattr(self, "prefill_tokens", 0) + len(ids)
+        return out
+
     def _begin_turn(self, row: _Row) -> bool:
         """Set the room of the current turn; False if the conversation cannot continue."""
         row.room = min(self.max_new, self.max_len - len(row.seq))
@@ -357,7 +375,7 @@ class FastRegenerator:
         row.mask += [0] * len(suf)
         if not self._begin_turn(row):
             return False
-        normed, f = self.engine.extend(slot, row.seq[start:], start, bool(self.capture))
+        normed, f = self._extend(slot, row.seq[start:], start)
         if f is not None:
             row.feats.append(f)
         tok, m = self._argmax(normed[None])
@@ -369,7 +387,7 @@ class FastRegenerator:
         row = _Row(key, conv, list(seq))
         if not (len(seq) + 16 < self.max_len) or not self._begin_turn(row):
             return row, False
-        normed, f = self.engine.extend(slot, row.seq, 0, bool(self.capture))
+        normed, f = self._extend(slot, row.seq, 0)
         if f is not None:
             row.feats.append(f)
         tok, m = self._argmax(normed[None])

@@ -59,13 +59,22 @@ class SglangRegenerator:
         self.stats = {"requests": 0, "resumed_turns": 0, "gen_s": 0.0, "feature_pass_s": 0.0}
         self._owns_engine = engine is None
         if engine is None:
-            from ..cpu_launch import start_engine
+            import torch
 
-            os.environ["OMP_NUM_THREADS"] = str(threads)  # the scheduler subprocess's torch threads
-            kw = dict(dtype=dtype, max_running_requests=batch_size, skip_tokenizer_init=True,
-                      max_total_tokens=min(batch_size * max_len, 1 << 17))
-            kw.update(engine_kw)
-            engine = start_engine(target_path, **kw)
+            kw = dict(dtype=dtype, max_running_requests=batch_size, skip_tokenizer_init=True)
+            if torch.cuda.is_available():  # sglang's own GPU defaults (CUDA graphs, its attention backend)
+                import sglang as sgl
+
+                kw.update(model_path=str(target_path), log_level="error", random_seed=0)
+                kw.update(engine_kw)
+                engine = sgl.Engine(**kw)
+            else:  # the project's CPU stack
+                from ..cpu_launch import start_engine
+
+                os.environ["OMP_NUM_THREADS"] = str(threads)  # the scheduler subprocess's torch threads
+                kw.update(max_total_tokens=min(batch_size * max_len, 1 << 17))
+                kw.update(engine_kw)
+                engine = start_engine(target_path, **kw)
         self.engine = engine
 
     def close(self):
