@@ -12,7 +12,11 @@ import os
 import numpy as np
 import pytest
 
-from test_fast_regen import _args, tiny_ckpt  # noqa: F401  (fixture)
+import test_fast_regen
+from test_fast_regen import _args
+
+if hasattr(test_fast_regen, "tiny_ckpt"):  # the fixture lives in conftest.py once it is shared
+    tiny_ckpt = test_fast_regen.tiny_ckpt
 
 pytest.importorskip("sglang")
 
