@@ -32,9 +32,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="lm_head_argmax: torch reference vs C++ kernel (see module doc).")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--rows", default="7,14,28,56,112", help="rows per call (batch x K)")
-    ap.add_argument("--vocab", type=int, default=49152)
-    ap.add_argument("--hidden", type=int, default=576)
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--shape", default="49152,576", help="V,H of the LM head (default: SmolLM2-135M)")
+    ap.add_argument("--reps", type=int, default=30, help="timed runs per path (the minimum is reported)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (pinned, reported)")
     ap.add_argument("--out", default="artifacts/results/lm_head_dispatch.json")
@@ -42,6 +41,7 @@ def main(argv=None) -> int:
     if "cpp" not in ops.available_impls():
         ap.error(f"the C++ ops are not available here: {ops.build_status()}")
     torch.set_num_threads(args.threads)
+    V, H = (int(x) for x in args.shape.split(","))
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     rows_list = [int(r) for r in args.rows.split(",")]
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
@@ -51,10 +51,10 @@ def main(argv=None) -> int:
     results = []
     for dtype in dtypes:
         g = torch.Generator().manual_seed(0)
-        w = (torch.randn(args.vocab, args.hidden, generator=g) * 0.02).to(dtype)
-        nw = torch.ones(args.hidden, dtype=dtype)
+        w = (torch.randn(V, H, generator=g) * 0.02).to(dtype)
+        nw = torch.ones(H, dtype=dtype)
         for rows in tqdm(rows_list, desc=str(dtype).replace("torch.", ""), leave=False):
-            h = torch.randn(rows, args.hidden, generator=g).to(dtype)
+            h = torch.randn(rows, H, generator=g).to(dtype)
             paths = {"torch": lambda: reference.lm_head_argmax(h, nw, 1e-5, w),
                      "cpp": lambda: torch.ops.sglang_dlite.lm_head_argmax(h, nw, 1e-5, w)}
             times = {k: [] for k in paths}

@@ -14,19 +14,10 @@ TINY_VOCAB = 96
 
 
 def make_tiny_llama(seed: int = 0, vocab: int = TINY_VOCAB, hidden: int = 64, layers: int = 6):
-    """A random-weight Llama small enough to decode in milliseconds (fp32, CPU)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random-weight Llama small enough to decode in milliseconds (fp32, CPU, tied embeddings)."""
+    from sglang_dlite.benchmarking.random_models import tiny_llama
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    # Sharper logits than the default init, so greedy outputs vary instead of looping at once.
-    with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(0, 1.0)
+    model = tiny_llama(seed, vocab, hidden, layers, tied=True, max_positions=512)
     for p in model.parameters():
         p.requires_grad_(False)
     return model
@@ -45,9 +36,59 @@ def tiny_dlite_config(target, **overrides):
     return DLiteConfig(**kw)
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models: one torch thread is much faster than two on a loaded CPU; restored after each
+    test (benchmark mains called by tests set their own)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """A random-weight Llama with SmolLM2's vocabulary and chat template, saved as a HF folder."""
+    from transformers import AutoTokenizer
+
+    from sglang_dlite.target import resolve_target
+
+    tok = AutoTokenizer.from_pretrained(resolve_target("default"))
+    model = make_tiny_llama(seed=3, vocab=len(tok), hidden=64, layers=6)
+    model.config.eos_token_id = tok.eos_token_id
+    d = tmp_path_factory.mktemp("tiny_target")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     return make_tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def sticky_llama_and_copy_dlite(tmp_path_factory):
+    """(tiny "sticky" Llama target folder, a copy-trained DLite folder for it): the sglang engine
+    tests' pair (test_sglang_lossless, test_sglang_parallel), saved and trained once per session."""
+    import sglang_fixtures as F
+
+    d = tmp_path_factory.mktemp("sticky_llama")
+    target = F.save_tiny_llama(d / "target")
+    return target, F.train_copy_dlite(d / "drafter", target)
+
+
+@pytest.fixture(scope="session")
+def dlite_http_server(tmp_path_factory):
+    """One real DLITE HTTP server (SmolLM2, CPU, metrics on, sleep on idle) for the whole session,
+    shared by test_sglang_guards and test_sglang_server (one start-up instead of two)."""
+    pytest.importorskip("requests")
+    import sglang_fixtures as F
+
+    srv = F.start_dlite_http_server(str(tmp_path_factory.mktemp("dlite_http_server")),
+                                    extra_args=("--sleep-on-idle", "--enable-metrics"))
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="session")

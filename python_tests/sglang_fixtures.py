@@ -6,6 +6,13 @@ package's public ``sglang_dlite.cpu_launch`` and the random-weight models are
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
 from sglang_dlite.cpu_launch import (  # noqa: F401  (the CPU launch environment lives in the package)
     CPU_STANDINS, REPO, activate_cpu_standins, cpu_environ, engine_kwargs, start_engine,
 )
@@ -82,3 +89,80 @@ def default_target_chat_prompts(messages: list) -> tuple:
     tok = AutoTokenizer.from_pretrained(target)
     return target, [list(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
                                                  tokenize=True, return_dict=True)["input_ids"]) for m in messages]
+
+
+# ----------------------------------------------------------------------------- one real HTTP server
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class HttpServer:
+    """One ``python -m sglang.launch_server`` on 127.0.0.1 in its own process group."""
+
+    base: str  # http://127.0.0.1:PORT
+    proc: subprocess.Popen
+    log: object  # the server's log file (open, w+)
+
+    @classmethod
+    def launch(cls, args, log_path, env=None) -> "HttpServer":
+        """Start the server with ``args`` (no --host/--port: a free port is chosen); returns at once."""
+        port = free_port()
+        log = open(log_path, "w+")
+        cmd = [sys.executable, "-m", "sglang.launch_server", *args, "--host", "127.0.0.1", "--port", str(port)]
+        proc = subprocess.Popen(cmd, env=env or dict(os.environ, **cpu_environ()), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # stop() ends the group
+        return cls(f"http://127.0.0.1:{port}", proc, log)
+
+    def wait_ready(self, deadline: float) -> "HttpServer":
+        """Until ``/health`` answers; fails the test (server stopped, log tail) if it exits or by ``deadline``."""
+        import pytest
+        import requests
+
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                pytest.fail("server exited:\n" + self.log_tail())
+            try:
+                if requests.get(self.base + "/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.stop()
+        pytest.fail("server did not come up in time:\n" + self.log_tail())
+
+    def stop(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def log_tail(self, n: int = 4000) -> str:
+        self.log.seek(0)
+        return self.log.read()[-n:]
+
+
+def start_dlite_http_server(workdir, extra_args=(), timeout: float = 600) -> HttpServer:
+    """The DLITE server on the real default target (SmolLM2-135M-Instruct, fp32, CPU) with the
+    shipped drafter (a random one where none is shipped); returns once ``/health`` answers
+    (start-up is ~30 s alone, minutes on a shared 2-core machine)."""
+    from sglang_dlite.drafters import shipped_drafter_path
+    from sglang_dlite.target import prepare_default_target
+
+    target = str(prepare_default_target(verbose=False))
+    draft = shipped_drafter_path() or save_random_dlite(os.path.join(workdir, "d"), target)
+    args = ["--model-path", target, "--speculative-algorithm", "DLITE", "--speculative-draft-model-path", draft,
+            "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+            "--dtype", "float32", "--disable-cuda-graph", "--max-total-tokens", "8192",
+            "--max-running-requests", "8", "--skip-server-warmup", "--log-level", "warning", *extra_args]
+    srv = HttpServer.launch(args, os.path.join(workdir, "server.log"))
+    return srv.wait_ready(time.time() + timeout)

@@ -9,7 +9,6 @@ import os
 
 import pytest
 
-from conftest import make_tiny_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED_KEYS = {
@@ -31,22 +30,6 @@ CONVS = [
                   {"role": "assistant", "content": None},
                   {"role": "user", "content": "Now one about mountains."}]},
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    """A random-weight Llama with SmolLM2's vocabulary and chat template, saved as a HF folder."""
-    from transformers import AutoTokenizer
-
-    from sglang_dlite.target import resolve_target
-
-    tok = AutoTokenizer.from_pretrained(resolve_target("default"))
-    model = make_tiny_llama(seed=3, vocab=len(tok), hidden=64, layers=6)
-    model.config.eos_token_id = tok.eos_token_id
-    d = tmp_path_factory.mktemp("tiny_target")
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return str(d)
 
 
 @pytest.fixture(scope="module")

@@ -28,15 +28,6 @@ KV_NAMES = ["eagle3", "dflash", "dspark"]
 TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96, block_size=4)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread is faster, and much faster on a shared, loaded CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_baseline(name, target, seed=0):
     m = new_model(name, target.config, seed=seed, **TINY)
     if name == "dspark":  # the Markov head starts at zero: give it weight so the tests see it

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_tiny_llama
 
 from sglang_dlite.training.fast_regen import (FastLlama, FastRegenerator, count_disagreements, first_disagreement,
                                               reference_greedy, relabel)
@@ -215,23 +214,7 @@ def test_max_len_and_long_prompt_rules(tiny):
     assert sum(masks[-1]) == 0 and feats[-1] is None
 
 
-# ---------------------------------------------------------------------------- gen-data CLI
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    """A random-weight Llama with SmolLM2's vocabulary and chat template, saved as a HF folder."""
-    from transformers import AutoTokenizer
-
-    from sglang_dlite.target import resolve_target
-
-    tok = AutoTokenizer.from_pretrained(resolve_target("default"))
-    model = make_tiny_llama(seed=3, vocab=len(tok), hidden=64, layers=6)
-    model.config.eos_token_id = tok.eos_token_id
-    d = tmp_path_factory.mktemp("tiny_target")
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return str(d)
-
-
+# ---------------------------------------------------------------------------- gen-data CLI (tiny_ckpt: conftest)
 def _args(tiny_ckpt, prompts, out, **kw):
     a = SimpleNamespace(target=tiny_ckpt, prompts=[f"jsonl:{prompts}"], out=str(out), shard_size=3, max_new_tokens=12,
                         max_len=256, max_turns=2, max_user_tokens=64, temperature=0.0, top_p=1.0, seed=0, threads=1,

@@ -8,16 +8,11 @@ started for the whole module; the pure checks below it need no server."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-import sglang_fixtures as F
 from sglang_dlite.benchmarking.bad_requests import BAD_REQUESTS, LEAK_RE, error_message, send
 
 requests = pytest.importorskip("requests")
@@ -175,62 +170,13 @@ def test_serve_cpu_fixes_the_malloc_mmap_threshold(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- one real server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from sglang_dlite.drafters import shipped_drafter_path
-    from sglang_dlite.target import prepare_default_target
-
-    target = str(prepare_default_target(verbose=False))
-    draft = shipped_drafter_path() or F.save_random_dlite(tmp_path_factory.mktemp("srv") / "d", target)
-    port = _free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", target,
-           "--speculative-algorithm", "DLITE", "--speculative-draft-model-path", draft,
-           "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-           "--dtype", "float32", "--disable-cuda-graph", "--host", "127.0.0.1", "--port", str(port),
-           "--max-total-tokens", "8192", "--max-running-requests", "8", "--skip-server-warmup",
-           "--sleep-on-idle", "--enable-metrics", "--log-level", "warning"]
-    log = open(tmp_path_factory.mktemp("srvlog") / "server.log", "w+")
-    proc = subprocess.Popen(cmd, env=dict(os.environ, **F.cpu_environ()), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-    def stop():
-        import signal
-
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            stop()
-            log.seek(0)
-            pytest.fail("server exited:\n" + log.read()[-4000:])
-        try:
-            if requests.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    else:
-        stop()
-        pytest.fail("server did not come up in 600 s")
-    r = requests.post(base + "/generate", json=GREEDY, timeout=300)
+def server(dlite_http_server):
+    """The session's DLITE server (conftest) and its greedy answer to GREEDY before any bad input."""
+    srv = dlite_http_server
+    r = requests.post(srv.base + "/generate", json=GREEDY, timeout=300)
     assert r.status_code == 200, r.text
-    yield base, proc, log, r.json()["text"]
-    stop()
+    return srv.base, srv.proc, srv.log, r.json()["text"]
 
 
 def _alive(base, proc, log):

@@ -31,10 +31,8 @@ def _sp(n):
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sglang_llama")
-    target = F.save_tiny_llama(d / "target")
-    drafter = F.train_copy_dlite(d / "drafter", target)
+def llama(sticky_llama_and_copy_dlite):
+    target, drafter = sticky_llama_and_copy_dlite
     ref = [F.reference_greedy(target, drafter, [p], n)[0] for p, n in zip(PROMPTS, MAX_NEW)]
     return target, drafter, ref
 

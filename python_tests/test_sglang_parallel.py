@@ -35,10 +35,8 @@ def _sp(n, **kw):
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sglang_parallel")
-    target = F.save_tiny_llama(d / "target")
-    drafter = F.train_copy_dlite(d / "drafter", target)
+def llama(sticky_llama_and_copy_dlite):
+    target, drafter = sticky_llama_and_copy_dlite
     ref = [F.reference_results(target, drafter, [p], n)[0] for p, n in zip(PROMPTS, MAX_NEW)]
     return target, drafter, ref
 
@@ -68,12 +66,15 @@ def _parallel_env(monkeypatch):
     monkeypatch.setenv("SGLANG_DLITE_TP_CHECK", "1")
 
 
-def test_tp2_equals_nospec_and_tp1_rounds(llama, monkeypatch):
+@pytest.mark.parametrize("parallel", [{"tp_size": 2}, {"dp_size": 2}], ids=["tp2", "dp2"])
+def test_parallel_equals_nospec_and_tp1_rounds(llama, monkeypatch, parallel):
     target, drafter, ref = llama
     _parallel_env(monkeypatch)
-    with F.engine(target, dlite=drafter, skip_tokenizer_init=True, tp_size=2) as e:
+    with F.engine(target, dlite=drafter, skip_tokenizer_init=True, **parallel) as e:
         outs = e.generate(input_ids=PROMPTS, sampling_params=[_sp(n) for n in MAX_NEW])
         _check_against_reference(outs, ref, K=4)
+        if "tp_size" not in parallel:
+            return
         # Sampled rounds (sglang's sampler per verify row, top-p / top-k / plain; no per-request
         # seeds on this CPU stack, see test_sglang_verify.py): the ranks' accept lengths and bonus
         # tokens are compared every round (SGLANG_DLITE_TP_CHECK) -- a difference raises.
@@ -82,14 +83,6 @@ def test_tp2_equals_nospec_and_tp1_rounds(llama, monkeypatch):
         s1 = e.generate(input_ids=PROMPTS, sampling_params=sp)
         assert all(len(o["output_ids"]) == 24 for o in s1)
         assert all(o["meta_info"]["spec_verify_ct"] < 24 for o in s1)  # drafts accepted while sampling
-
-
-def test_dp2_equals_nospec_and_tp1_rounds(llama, monkeypatch):
-    target, drafter, ref = llama
-    _parallel_env(monkeypatch)
-    with F.engine(target, dlite=drafter, skip_tokenizer_init=True, dp_size=2) as e:
-        outs = e.generate(input_ids=PROMPTS, sampling_params=[_sp(n) for n in MAX_NEW])
-        _check_against_reference(outs, ref, K=4)
 
 
 @pytest.mark.parametrize("field,flag", [("attn_dp_size", "--attn-dp-size"), ("attn_cp_size", "--attn-cp-size"),

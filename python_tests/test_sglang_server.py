@@ -5,73 +5,17 @@ SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1, so a leaked slot crashes it at the
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-import sglang_fixtures as F
-
 requests = pytest.importorskip("requests")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from sglang_dlite.drafters import shipped_drafter_path
-    from sglang_dlite.target import prepare_default_target
-
-    target = str(prepare_default_target(verbose=False))
-    draft = shipped_drafter_path() or F.save_random_dlite(tmp_path_factory.mktemp("srv") / "d", target)
-    port = _free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", target,
-           "--speculative-algorithm", "DLITE", "--speculative-draft-model-path", draft,
-           "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-           "--dtype", "float32", "--disable-cuda-graph", "--host", "127.0.0.1", "--port", str(port),
-           "--max-total-tokens", "8192", "--max-running-requests", "8", "--skip-server-warmup",
-           "--log-level", "warning"]
-    log = open(tmp_path_factory.mktemp("srvlog") / "server.log", "w+")
-    proc = subprocess.Popen(cmd, env=dict(os.environ, **F.cpu_environ()), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # its own process group: teardown ends all of it
-
-    def stop():
-        import signal
-
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600  # start-up is ~30 s alone, minutes on a shared 2-core machine
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            stop()
-            log.seek(0)
-            pytest.fail("server exited:\n" + log.read()[-4000:])
-        try:
-            if requests.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    else:
-        stop()
-        pytest.fail("server did not come up in 600 s")
-    yield base, proc, log
-    stop()
+def server(dlite_http_server):
+    """The session's DLITE server (conftest: shared with test_sglang_guards)."""
+    return dlite_http_server.base, dlite_http_server.proc, dlite_http_server.log
 
 
 def _alive(base, proc):

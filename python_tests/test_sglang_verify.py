@@ -20,10 +20,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -74,16 +70,8 @@ MESSAGES = ["List five fruits, one per line, and then list them again.",
             "Write a Python function that checks whether a string is a palindrome."]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(target, draft, tmp, tp_size=1):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", target, *SERVER_CPU_ARGS,
-           "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", "8192",
+    cmd = ["--model-path", target, *SERVER_CPU_ARGS, "--max-total-tokens", "8192",
            "--max-running-requests", "32", "--skip-server-warmup", "--log-level", "warning",
            "--random-seed", "0", "--sleep-on-idle", "--enable-custom-logit-processor"]
     env = dict(os.environ, **F.cpu_environ())
@@ -101,35 +89,7 @@ def _start(target, draft, tmp, tp_size=1):
         # prepares step n+1 before step n's token is processed), so without speculation the
         # exact penalty semantics are those of the non-overlap scheduler. DLITE keeps overlap on.
         cmd += ["--disable-overlap-schedule"]
-    log = open(tmp / f"server_{'dlite' if draft else 'nospec'}_tp{tp_size}.log", "w+")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    return types.SimpleNamespace(base=f"http://127.0.0.1:{port}", proc=proc, log=log)
-
-
-def _wait(srv, deadline):
-    while time.time() < deadline:
-        if srv.proc.poll() is not None:
-            srv.log.seek(0)
-            pytest.fail("server exited:\n" + srv.log.read()[-4000:])
-        try:
-            if requests.get(srv.base + "/health", timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    pytest.fail("server did not come up in time")
-
-
-def _stop(srv):
-    try:
-        os.killpg(srv.proc.pid, signal.SIGTERM)
-        srv.proc.wait(30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(srv.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    return F.HttpServer.launch(cmd, tmp / f"server_{'dlite' if draft else 'nospec'}_tp{tp_size}.log", env=env)
 
 
 def _requests(prompts):
@@ -176,7 +136,7 @@ def results(tmp_path_factory):
     for mode, d, tp in (("nospec", None, 1), ("dlite", draft, 1), ("dlite_tp2", draft, 2)):  # one at a time
         srv = _start(target, d, tmp, tp_size=tp)
         try:
-            _wait(srv, time.time() + 900)
+            srv.wait_ready(time.time() + 900)
             out[mode] = _run_all(srv.base, reqs)
             if mode == "dlite":
                 out["dlite_hidden_states"] = requests.post(srv.base + "/generate", timeout=300, json={
@@ -184,7 +144,7 @@ def results(tmp_path_factory):
                     "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
                 out["dlite_alive"] = requests.get(srv.base + "/health", timeout=60).status_code
         finally:
-            _stop(srv)
+            srv.stop()
     out["tokenizer"] = target
     return out
 

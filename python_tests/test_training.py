@@ -16,15 +16,6 @@ from sglang_dlite.training.data import DataError, load_shard, save_shard, write_
 from sglang_dlite.training.features import compute_features, save_features
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one torch thread is much faster than two on a loaded CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # ---------------------------------------------------------------------------- losses
 def test_position_weights_hand_computed():
     w = losses.position_weights(4, 2.0)

@@ -153,8 +153,12 @@ class BaselineDrafter(TargetBoundMixin, nn.Module):
         self.config = config
         H = config.target_hidden_size
         self.fc = nn.Linear(config.num_capture_layers * H, H, bias=False)
-        self.final_norm = RMSNorm(H, config.rms_norm_eps)
+        self.final_norm = self.hidden_norm()
         self._init_target_buffers()
+
+    def hidden_norm(self) -> RMSNorm:
+        """A new RMS-norm over the target's hidden size (DLite's norm layer)."""
+        return RMSNorm(self.config.target_hidden_size, self.config.rms_norm_eps)
 
     def embed(self, ids):
         return F.embedding(ids, self.embed_weight).to(self.fc.weight.dtype)

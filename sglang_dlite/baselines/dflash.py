@@ -109,11 +109,10 @@ class DFlashDrafter(BaselineDrafter):
 
     def __init__(self, config: DFlashConfig):
         super().__init__(config)
-        cfg, H = config, config.target_hidden_size
-        self.ctx_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.mask_embed = nn.Parameter(torch.randn(H) * 0.02)
-        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_layers))
-        init_weights(self, cfg.num_layers)
+        self.ctx_norm = self.hidden_norm()
+        self.mask_embed = nn.Parameter(torch.randn(config.target_hidden_size) * 0.02)
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
+        init_weights(self, config.num_layers)
 
     # ------------------------------------------------------------------ building blocks
     def context(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -24,11 +24,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn as nn
 
 from ..drafters import DraftRequest
 from ..errors import DLiteInputError
-from ..model import RMSNorm  # the same norm layer as DLite's
 from .common import (
     MLP, Attention, BaselineConfig, BaselineDrafter, CacheState, KVCacheEngineDrafter,
     attend, check_training_inputs, init_weights, mark_synced, proposal, sample, valid_cached_prefix,
@@ -65,12 +63,11 @@ class Eagle3Drafter(BaselineDrafter):
 
     def __init__(self, config: Eagle3Config):
         super().__init__(config)
-        cfg, H = config, config.target_hidden_size
-        self.embed_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.feat_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.attn = Attention(2 * H, H, cfg)
-        self.post_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.mlp = MLP(H, cfg.intermediate_size)
+        H = config.target_hidden_size
+        self.embed_norm, self.feat_norm = self.hidden_norm(), self.hidden_norm()
+        self.attn = Attention(2 * H, H, config)
+        self.post_norm = self.hidden_norm()
+        self.mlp = MLP(H, config.intermediate_size)
         init_weights(self, 1)
 
     # ------------------------------------------------------------------ building blocks

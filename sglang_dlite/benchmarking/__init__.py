@@ -7,5 +7,6 @@ only the installed package, never each other or the tests):
 - ``draft_cost_report``: the draft-cost table and plot (``bench/draft_cost.py``, ``bench/report.py``);
 - ``random_models``: random-weight tiny targets and DLite drafters for any target (the e2e / GPU
   checks without a trained checkpoint; the sglang tests);
-- ``bad_requests``: inputs a server must refuse with a readable 4xx (``bench/soak.py``, the tests).
+- ``bad_requests``: inputs a server must refuse with a readable 4xx (``bench/soak.py``, the tests);
+- ``soak_report``: the soak's /metrics counters, RSS slopes, request table and plot (``bench/soak.py``).
 """

