@@ -13,6 +13,8 @@ OUT="${OUT:-artifacts}"
 mkdir -p "$OUT"
 PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
 export SGLANG_DLITE_CACHE="${SGLANG_DLITE_CACHE:-$PWD/artifacts/cache}"
+# bench scripts import the package (no sys.path edits): the checkout, where it is not installed
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 BATCHES="${BATCHES:-1,8,32}"
 CONTEXTS="${CONTEXTS:-512,4096,32768}"
 t_start=$(date +%s)
