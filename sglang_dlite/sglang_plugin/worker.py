@@ -40,7 +40,9 @@ from ..model import DLiteDrafter
 from ..spec.context import last_rows_of_segments
 from . import metrics as dlite_metrics
 from . import verify_logits
+from .cuda_graphs import DrafterCudaGraphs
 from .info import DLiteDraftInput, DLiteVerifyInput
+from .tensor_parallel import check_gathered_embedding, gather_vocab_rows, same_on_all_ranks, tp_group
 
 logger = logging.getLogger(__name__)
 
@@ -55,45 +57,6 @@ def _target_parts(model):
     if lm_head is None or not hasattr(lm_head, "weight"):
         raise DLiteConfigError(f"DLITE: {type(model).__name__} exposes no lm_head.weight.")
     return embed.weight, lm_head.weight
-
-
-def _tp_group(model_runner):
-    """sglang's TP group coordinator when the target runs tensor-parallel, else None."""
-    from sglang.srt.distributed import get_tp_group
-
-    group = get_tp_group()
-    return group if group.world_size > 1 else None
-
-
-def _gather_vocab_rows(weight: torch.Tensor, vocab: int, group) -> torch.Tensor:
-    """A full [vocab, H] copy of a target embedding / LM head weight.
-
-    Under TP sglang's VocabParallelEmbedding / ParallelLMHead hold rows
-    [rank * n, (rank + 1) * n) of the vocabulary padded to tp * n rows: the shards are gathered in
-    rank order and the padding stripped. Without TP (all rows local) this is the unpadded view."""
-    if group is None:
-        return weight[:vocab]
-    parts = [torch.empty_like(weight) for _ in range(group.world_size)]
-    torch.distributed.all_gather(parts, weight.contiguous(), group=group.device_group)
-    full = torch.cat(parts, dim=0)
-    if full.shape[0] < vocab:
-        raise DLiteConfigError(
-            f"DLITE: the target's vocabulary-sharded weight gathers to {full.shape[0]} rows over "
-            f"{group.world_size} TP ranks, fewer than the vocabulary ({vocab}).")
-    return full[:vocab].contiguous()
-
-
-def _check_gathered_embedding(embed_module, full: torch.Tensor) -> None:
-    """The gathered embedding copy must equal what the target's own (sharded) embedding returns
-    for tokens of every shard: a wrong shard layout would silently ruin every draft."""
-    V = full.shape[0]
-    ids = torch.unique(torch.cat([torch.arange(0, V, max(1, V // 61)), torch.tensor([V - 1])]))
-    ids = ids.to(device=full.device)
-    got = embed_module(ids)
-    if not torch.equal(got.to(full.dtype), full[ids]):
-        raise DLiteConfigError(
-            "DLITE: the embedding gathered from the TP ranks does not match the target's sharded "
-            "embedding (an unexpected vocabulary shard layout); serve DLITE with --tp-size 1.")
 
 
 def _check_target_supported(model_runner, cfg, server_args) -> None:
@@ -120,62 +83,6 @@ def _check_target_supported(model_runner, cfg, server_args) -> None:
             "verify would leave that state advanced over rejected drafts. Serve this model without "
             "--speculative-algorithm, or with EAGLE / DFLASH / NGRAM, which commit the state after verify."
         )
-
-
-class DrafterCudaGraphs:
-    """CUDA only: the drafter's greedy propose captured once per batch-size bucket.
-
-    The drafter has no KV and no attention metadata, so a graph is a pure function of three
-    static input buffers (context, validity, anchor) and one output buffer (tokens).
-    """
-
-    def __init__(self, drafter: DLiteDrafter, max_bs: int, device, dtype, num_drafts: Optional[int] = None,
-                 with_confidence: bool = False):
-        cfg = drafter.config
-        self.with_confidence = with_confidence  # hybrid drafting also reads DLite's confidences
-        self.drafter = drafter
-        self.buckets = [b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256) if b <= max_bs]
-        if not self.buckets or self.buckets[-1] < max_bs:
-            self.buckets.append(max_bs)
-        L, C, H = cfg.num_capture_layers, cfg.num_context_positions, cfg.target_hidden_size
-        n = self.buckets[-1]
-        self.ctx = torch.zeros((n, L, C, H), dtype=dtype, device=device)
-        self.valid = torch.zeros((n, C), dtype=torch.bool, device=device)
-        self.anchor = torch.zeros((n,), dtype=torch.int64, device=device)
-        self.graphs, self.outs = {}, {}
-        pool = None
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for bs in reversed(self.buckets):
-                for _ in range(2):  # warm-up outside the graph
-                    drafter.propose(self.ctx[:bs], self.valid[:bs], self.anchor[:bs], num_drafts=num_drafts,
-                                    return_confidence=with_confidence)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
-                    prop = drafter.propose(self.ctx[:bs], self.valid[:bs], self.anchor[:bs], num_drafts=num_drafts,
-                                           return_confidence=with_confidence)
-                    out = (prop.tokens, prop.confidence) if with_confidence else prop.tokens
-                pool = g.pool()
-                self.graphs[bs], self.outs[bs] = g, out
-        torch.cuda.current_stream().wait_stream(stream)
-
-    def propose(self, ctx, valid, anchor) -> Optional[torch.Tensor]:
-        bs = ctx.shape[0]
-        bucket = next((b for b in self.buckets if b >= bs), None)
-        if bucket is None:
-            return None
-        self.ctx[:bs].copy_(ctx)
-        self.valid[:bs].copy_(valid)
-        self.anchor[:bs].copy_(anchor)
-        if bucket > bs:
-            self.valid[bs:bucket].fill_(False)
-            self.anchor[bs:bucket].fill_(0)
-        self.graphs[bucket].replay()
-        if self.with_confidence:
-            toks, conf = self.outs[bucket]
-            return toks[:bs], conf[:bs]
-        return self.outs[bucket][:bs]
 
 
 class DLiteWorker(BaseSpecWorker):
@@ -208,12 +115,12 @@ class DLiteWorker(BaseSpecWorker):
         # Under tensor parallelism both are vocabulary-sharded: every rank gathers a full copy once
         # (padding stripped), so drafting needs no collective; the copy is that rank's extra memory.
         V = cfg.vocab_size
-        self._tp = _tp_group(self.model_runner)
+        self._tp = tp_group(self.model_runner)
         self.tp_rank = 0 if self._tp is None else int(self._tp.rank_in_group)
-        embed_full = _gather_vocab_rows(embed_w, V, self._tp)
-        head_full = embed_full if head_w is embed_w else _gather_vocab_rows(head_w, V, self._tp)
+        embed_full = gather_vocab_rows(embed_w, V, self._tp)
+        head_full = embed_full if head_w is embed_w else gather_vocab_rows(head_w, V, self._tp)
         if self._tp is not None:
-            _check_gathered_embedding(getattr(model, "model", model).embed_tokens, embed_full)
+            check_gathered_embedding(getattr(model, "model", model).embed_tokens, embed_full)
         drafter.bind_target(embed_full, head_full)
         self._tp_sync = self._tp is not None and os.environ.get("SGLANG_DLITE_TP_SYNC", "1") != "0"
         self._tp_check = self._tp is not None and os.environ.get("SGLANG_DLITE_TP_CHECK", "0") == "1"
@@ -321,22 +228,8 @@ class DLiteWorker(BaseSpecWorker):
                 "width); this target's TP layout shards them. Serve it with --tp-size 1.")
 
     def _tp_same(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """Under TP: make t identical on every rank (broadcast from TP rank 0, unless
-        SGLANG_DLITE_TP_SYNC=0), after checking that the ranks computed the same (SGLANG_DLITE_TP_CHECK=1)."""
-        if self._tp is None or not (self._tp_sync or self._tp_check):
-            return t
-        t = t.contiguous()
-        if self._tp_check:
-            g = self._tp
-            parts = [torch.empty_like(t) for _ in range(g.world_size)]
-            torch.distributed.all_gather(parts, t, group=g.device_group)
-            bad = [r for r, p in enumerate(parts) if not torch.equal(p, parts[0])]
-            if bad:
-                raise RuntimeError(f"DLITE: {what} differ between TP rank 0 and ranks {bad} "
-                                   f"(rank 0: {parts[0].tolist()}, rank {bad[0]}: {parts[bad[0]].tolist()}).")
-        if self._tp_sync:
-            self._tp.broadcast(t, src=0)
-        return t
+        """Under TP: t identical on every rank (``tensor_parallel.same_on_all_ranks``)."""
+        return same_on_all_ranks(self._tp, t, what, sync=self._tp_sync, check=self._tp_check)
 
     def _draft(self, state: torch.Tensor, anchors: torch.Tensor, batch=None) -> torch.Tensor:
         if self.lookup is not None and batch is not None:
