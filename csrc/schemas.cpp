@@ -1,6 +1,7 @@
 // The one place where torch.ops.sglang_dlite.* are declared (schemas only).
 //
-//   csrc/cpu/dlite_cpu.cpp             CPU implementations   (TORCH_LIBRARY_IMPL ..., CPU)
+//   csrc/cpu/*.cpp                     CPU implementations, one kernel per file (registered in
+//                                      csrc/cpu/register.cpp: TORCH_LIBRARY_IMPL ..., CPU)
 //   csrc/cuda/dlite_cuda_bindings.cpp  CUDA implementations  (TORCH_LIBRARY_IMPL ..., CUDA)
 //   sglang_dlite/ops/fake.py           fake (meta) kernels: output shapes/dtypes for torch.compile
 //                                      and FakeTensor tracing (torch imports it on demand through

@@ -47,7 +47,7 @@ def build(verbose: bool = False, force: bool = False, cuda: bool | None = None) 
             if p.is_file():
                 p.unlink()
     with_cuda = want_cuda() if cuda is None else cuda
-    sources = [str(csrc / "schemas.cpp"), str(csrc / "cpu" / "dlite_cpu.cpp")]
+    sources = [str(csrc / "schemas.cpp")] + sorted(str(f) for f in (csrc / "cpu").glob("*.cpp"))
     arch = os.environ.get("SGLANG_DLITE_CPU_FLAGS", "-march=native").split()
     cflags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi", *arch]
     if with_cuda:
