@@ -1,7 +1,14 @@
 """Regeneration throughput: target-generated tokens/s of ``gen-data``'s engines, side by side.
 
-    nice .venv/bin/python bench/gen_throughput.py                       # hf vs fast fp32 vs fast bf16
+    nice .venv/bin/python bench/gen_throughput.py                       # hf vs fast fp32 vs fast+spec
+    nice .venv/bin/python bench/gen_throughput.py --engines hf fast-fp32 fast-spec sglang   # + sglang's engine
     nice .venv/bin/python bench/gen_throughput.py --engines hf fast-fp32 --prompts sharegpt:4 stdlib:4
+
+Engines: ``hf`` (gen-data --engine hf), ``fast-fp32`` / ``fast-bf16`` (the fast loop, one token per
+step), ``fast-spec`` (the fast loop verifying suffix-lookup drafts, gen-data's default), ``sglang``
+(sglang's offline engine + the float32 feature pass; its CPU time includes the engine's
+subprocesses, its start-up is reported apart). Per engine also the prompt tokens and, for the fast
+engines, the CPU share of prefill (which no decoding speed-up shortens).
 
 Every engine regenerates the same fixed conversations (``--prompts``, the gen-data prompt sources
 with ``--seed``; greedy, features of ``--capture-layers`` captured as gen-data does) on
