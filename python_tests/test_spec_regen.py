@@ -15,12 +15,12 @@ from sglang_dlite.training.spec_regen import SpecRegenerator
 
 
 def _spec(model, eos, batch_size, num_drafts=4, min_reach=0.0, max_new=24, max_len=256, layers=LAYERS,
-          continue_truncated=False, fixed_rows=24.0):
+          continue_truncated=False, fixed_rows=24.0, dtype=torch.float32):
     fr = SpecRegenerator.__new__(SpecRegenerator)  # the tokenizer helper replaced by FakeHelper
     fr.helper = FakeHelper(eos)
     fr.eos, fr.max_new, fr.max_len = eos, max_new, max_len
     fr.capture = list(layers)
-    fr.engine = FastLlama(model, batch_size, max_len, capture_layers=fr.capture)
+    fr.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=fr.capture)
     fr.engine.k.fill_(float("nan"))  # the cache is allocated unfilled: nothing unwritten may be read
     fr.engine.v.fill_(float("nan"))
     fr.batch_size, fr.sort_window, fr.new_tokens, fr.L1 = batch_size, 64, 0, len(layers) + 1
@@ -127,3 +127,17 @@ def test_select_draft_budget_vs_brute_force():
         assert value([len(g) for g in got]) >= best - 1e-9, (cands, fr.fixed_rows, got)
     fr.fixed_rows = None
     assert fr._select([[(1, 0.1), (2, 0.05)], []]) == [[1, 2], []]
+
+
+def test_spec_bf16_runs_and_relabel_makes_it_greedy(tiny):
+    """gen-data --dtype bfloat16 with --spec-drafts: runs; after the relabel cut every generated
+    token is the float32 target's greedy choice."""
+    from sglang_dlite.training.fast_regen import count_disagreements, reference_greedy, relabel
+
+    convs, eos = _convs(tiny, 4, seed=3)
+    fr = _spec(tiny, eos, 4, max_new=30, dtype=torch.bfloat16)
+    seqs, masks, _ = fr.run(convs)
+    assert fr.stats["accepted"] > 0
+    out_s, out_m, _, cut, dropped = relabel(tiny, seqs, masks)
+    preds, _ = reference_greedy(tiny, out_s)
+    assert all(count_disagreements(s, m, p) == 0 for s, m, p in zip(out_s, out_m, preds))
