@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -21,6 +19,35 @@ def make_tiny_llama(seed: int = 0, vocab: int = TINY_VOCAB, hidden: int = 64, la
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def write_greedy_feature_shards(target, out_dir, layers, *, shards: int, seqs_per_shard: int, new_tokens: int,
+                                prompt_len: int = 6) -> list[dict]:
+    """A training data folder from a tiny target: ``shards`` shards of ``seqs_per_shard`` random
+    prompts + ``new_tokens`` greedy tokens each (loss mask on the generated ones), their features
+    at ``layers``, and the manifest. Returns the shard infos."""
+    import numpy as np
+
+    from sglang_dlite.training.data import save_shard, write_manifest
+    from sglang_dlite.training.features import compute_features, save_features
+
+    infos = []
+    for k in range(shards):
+        seqs, masks = [], []
+        for _ in range(seqs_per_shard):
+            prompt = torch.randint(3, target.config.vocab_size, (1, prompt_len))
+            with torch.no_grad():
+                out = target.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                      max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                      pad_token_id=0)
+            seqs.append(out[0].tolist())
+            masks.append([0] * prompt_len + [1] * new_tokens)
+        f = str(out_dir / f"tiny_{k:05d}.npz")
+        infos.append(save_shard(f, seqs, masks))
+        off = np.cumsum([0] + [len(s) for s in seqs])
+        save_features(f, compute_features(target, seqs, layers), off, layers, target.config.hidden_size)
+    write_manifest(str(out_dir), {"recipe": {"target": "tiny"}, "shards": infos})
+    return infos
 
 
 def tiny_dlite_config(target, **overrides):

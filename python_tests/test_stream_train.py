@@ -11,10 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_tiny_llama, tiny_dlite_config
+from conftest import make_tiny_llama, tiny_dlite_config, write_greedy_feature_shards
 
-from sglang_dlite.training.data import save_shard, write_manifest
-from sglang_dlite.training.features import compute_features, save_features
 from sglang_dlite.training.stream import ShardStream, is_heldout
 
 
@@ -29,21 +27,7 @@ def shard_dir(tmp_path_factory, target):
     torch.manual_seed(5)
     d = tmp_path_factory.mktemp("stream_data")
     layers = tiny_dlite_config(target).target_layer_ids
-    infos = []
-    for k in range(8):
-        seqs, masks = [], []
-        for _ in range(2):
-            prompt = torch.randint(3, target.config.vocab_size, (1, 6))
-            with torch.no_grad():
-                out = target.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30,
-                                      min_new_tokens=30, do_sample=False, pad_token_id=0)
-            seqs.append(out[0].tolist())
-            masks.append([0] * 6 + [1] * 30)
-        f = str(d / f"tiny_{k:05d}.npz")
-        infos.append(save_shard(f, seqs, masks))
-        off = np.cumsum([0] + [len(s) for s in seqs])
-        save_features(f, compute_features(target, seqs, layers), off, layers, target.config.hidden_size)
-    write_manifest(str(d), {"recipe": {"target": "tiny"}, "shards": infos})
+    infos = write_greedy_feature_shards(target, d, layers, shards=8, seqs_per_shard=2, new_tokens=30)
     return str(d), layers, [i["file"] for i in infos]
 
 

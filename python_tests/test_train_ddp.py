@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_tiny_llama
-from sglang_dlite.training.data import save_shard, write_manifest
-from sglang_dlite.training.features import compute_features, save_features
+from conftest import make_tiny_llama, write_greedy_feature_shards
 
 LAYERS = [1, 3]
 # the tiny drafter, in `sglang-dlite train` spelling and as TrainOptions overrides
@@ -52,21 +50,7 @@ def setup(tmp_path_factory):
     torch.manual_seed(7)
     d = root / "data"
     d.mkdir()
-    infos = []
-    for k in range(2):
-        seqs, masks = [], []
-        for _ in range(5):
-            prompt = torch.randint(3, target.config.vocab_size, (1, 6))
-            with torch.no_grad():
-                out = target.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=26,
-                                      min_new_tokens=26, do_sample=False, pad_token_id=0)
-            seqs.append(out[0].tolist())
-            masks.append([0] * 6 + [1] * 26)
-        f = str(d / f"tiny_{k:05d}.npz")
-        infos.append(save_shard(f, seqs, masks))
-        off = np.cumsum([0] + [len(s) for s in seqs])
-        save_features(f, compute_features(target, seqs, LAYERS), off, LAYERS, target.config.hidden_size)
-    write_manifest(str(d), {"recipe": {"target": "tiny"}, "shards": infos})
+    write_greedy_feature_shards(target, d, LAYERS, shards=2, seqs_per_shard=5, new_tokens=26)
     return str(tdir), str(d)
 
 

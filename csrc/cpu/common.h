@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -36,6 +37,28 @@ inline void check_dim(const at::Tensor& t, int64_t dim, const char* op, const ch
                const char* layout) {
   TORCH_CHECK_VALUE(t.dim() == dim, "sglang_dlite::", op, ": ", name, " must be ", layout,
                     " (", dim, " dims), got shape ", t.sizes(), ".");
+}
+
+// One tensor argument of an op: its name, rank and layout (for the messages), and whether it
+// must be a float CPU tensor (a bool mask is checked for its rank only).
+struct TensorArg {
+  const at::Tensor& t;
+  const char* name;
+  int64_t dim;
+  const char* layout;
+  bool float_cpu = true;
+};
+
+// Every argument's device and dtype first, then every argument's rank (the order of the messages).
+inline void check_args(const char* op, std::initializer_list<TensorArg> args) {
+  for (const auto& a : args)
+    if (a.float_cpu) check_cpu_float(a.t, op, a.name);
+  for (const auto& a : args) check_dim(a.t, a.dim, op, a.name, a.layout);
+}
+
+// Every one of `others` has the dtype of `ref`.
+inline void check_same_dtypes(const char* op, const TensorArg& ref, std::initializer_list<TensorArg> others) {
+  for (const auto& a : others) check_same_dtype(ref.t, a.t, op, ref.name, a.name);
 }
 
 template <typename T>

@@ -22,19 +22,11 @@ at::Tensor round_attention_cpu(const at::Tensor& q_, const at::Tensor& k_, const
                                const at::Tensor& context_valid_, int64_t num_layers,
                                int64_t block_size, bool causal) {
   const char* op = "round_attention";
-  check_cpu_float(q_, op, "q");
-  check_cpu_float(k_, op, "k");
-  check_cpu_float(v_, op, "v");
-  check_cpu_float(cos_, op, "cos");
-  check_cpu_float(sin_, op, "sin");
-  check_dim(q_, 4, op, "q", "[B, S, Hq, D]");
-  check_dim(k_, 4, op, "k", "[B, S, Hkv, D]");
-  check_dim(v_, 4, op, "v", "[B, S, Hkv, D]");
-  check_dim(cos_, 2, op, "cos", "[S, D]");
-  check_dim(sin_, 2, op, "sin", "[S, D]");
-  check_dim(context_valid_, 2, op, "context_valid", "[B, C]");
-  check_same_dtype(q_, k_, op, "q", "k");
-  check_same_dtype(q_, v_, op, "q", "v");
+  const TensorArg a_q{q_, "q", 4, "[B, S, Hq, D]"}, a_k{k_, "k", 4, "[B, S, Hkv, D]"},
+      a_v{v_, "v", 4, "[B, S, Hkv, D]"};
+  check_args(op, {a_q, a_k, a_v, {cos_, "cos", 2, "[S, D]"}, {sin_, "sin", 2, "[S, D]"},
+                  {context_valid_, "context_valid", 2, "[B, C]", false}});
+  check_same_dtypes(op, a_q, {a_k, a_v});
   TORCH_CHECK_TYPE(context_valid_.scalar_type() == at::kBool, "sglang_dlite::", op,
                    ": context_valid must be a bool tensor, got ", context_valid_.scalar_type(), ".");
   TORCH_CHECK_VALUE(context_valid_.device().is_cpu(), "sglang_dlite::", op,

@@ -12,16 +12,10 @@ at::Tensor assemble_round_inputs_cpu(const at::Tensor& context_hidden_, const at
                                      const at::Tensor& depth_embed_, const at::Tensor& mask_embed_,
                                      int64_t block_size, double eps) {
   const char* op = "assemble_round_inputs";
-  check_cpu_float(context_hidden_, op, "context_hidden");
-  check_cpu_float(anchor_, op, "anchor_embeds");
-  check_cpu_float(ctx_norm_weight_, op, "ctx_norm_weight");
-  check_cpu_float(depth_embed_, op, "depth_embed");
-  check_cpu_float(mask_embed_, op, "mask_embed");
-  check_dim(context_hidden_, 4, op, "context_hidden", "[B, L, C, H]");
-  check_dim(anchor_, 2, op, "anchor_embeds", "[B, H]");
-  check_dim(ctx_norm_weight_, 2, op, "ctx_norm_weight", "[L, H]");
-  check_dim(depth_embed_, 2, op, "depth_embed", "[L+1, H]");
-  check_dim(mask_embed_, 1, op, "mask_embed", "[H]");
+  const TensorArg a_ctx{context_hidden_, "context_hidden", 4, "[B, L, C, H]"},
+      a_anchor{anchor_, "anchor_embeds", 2, "[B, H]"}, a_norm{ctx_norm_weight_, "ctx_norm_weight", 2, "[L, H]"},
+      a_depth{depth_embed_, "depth_embed", 2, "[L+1, H]"}, a_mask{mask_embed_, "mask_embed", 1, "[H]"};
+  check_args(op, {a_ctx, a_anchor, a_norm, a_depth, a_mask});
   const int64_t B = context_hidden_.size(0), L = context_hidden_.size(1),
                 C = context_hidden_.size(2), H = context_hidden_.size(3), K = block_size;
   TORCH_CHECK_VALUE(K >= 1, "sglang_dlite::", op, ": block_size must be >= 1, got ", K, ".");
@@ -35,10 +29,7 @@ at::Tensor assemble_round_inputs_cpu(const at::Tensor& context_hidden_, const at
                     ".");
   TORCH_CHECK_VALUE(mask_embed_.size(0) == H, "sglang_dlite::", op, ": mask_embed must be [", H,
                     "], got ", mask_embed_.sizes(), ".");
-  check_same_dtype(context_hidden_, anchor_, op, "context_hidden", "anchor_embeds");
-  check_same_dtype(context_hidden_, ctx_norm_weight_, op, "context_hidden", "ctx_norm_weight");
-  check_same_dtype(context_hidden_, depth_embed_, op, "context_hidden", "depth_embed");
-  check_same_dtype(context_hidden_, mask_embed_, op, "context_hidden", "mask_embed");
+  check_same_dtypes(op, a_ctx, {a_anchor, a_norm, a_depth, a_mask});
 
   auto ctx = context_hidden_.contiguous();
   auto anc = anchor_.contiguous();
