@@ -65,8 +65,9 @@ def hf_greedy_conv(model, conv, eos, max_new, max_len, continue_truncated=False)
     return seq, mask
 
 
-def _fast(model, eos, batch_size, max_new=24, max_len=256, dtype=torch.float32, layers=LAYERS, continue_truncated=False):
-    fr = FastRegenerator.__new__(FastRegenerator)  # the tokenizer helper replaced by FakeHelper
+def _fast(model, eos, batch_size, max_new=24, max_len=256, dtype=torch.float32, layers=LAYERS, continue_truncated=False,
+          cls=FastRegenerator):
+    fr = cls.__new__(cls)  # the tokenizer helper replaced by FakeHelper
     fr.helper = FakeHelper(eos)
     fr.eos, fr.max_new, fr.max_len = eos, max_new, max_len
     fr.capture = list(layers)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_fast_regen import LAYERS, FakeHelper, _convs, hf_greedy_conv, tiny  # noqa: F401  (fixture)
+from test_fast_regen import LAYERS, _convs, _fast, hf_greedy_conv, tiny  # noqa: F401  (fixture)
 
 from sglang_dlite.training.fast_regen import FastLlama
 from sglang_dlite.training.spec_regen import SpecRegenerator
@@ -16,15 +16,8 @@ from sglang_dlite.training.spec_regen import SpecRegenerator
 
 def _spec(model, eos, batch_size, num_drafts=4, min_reach=0.0, max_new=24, max_len=256, layers=LAYERS,
           continue_truncated=False, fixed_rows=24.0, dtype=torch.float32):
-    fr = SpecRegenerator.__new__(SpecRegenerator)  # the tokenizer helper replaced by FakeHelper
-    fr.helper = FakeHelper(eos)
-    fr.eos, fr.max_new, fr.max_len = eos, max_new, max_len
-    fr.capture = list(layers)
-    fr.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=fr.capture)
-    fr.engine.k.fill_(float("nan"))  # the cache is allocated unfilled: nothing unwritten may be read
-    fr.engine.v.fill_(float("nan"))
-    fr.batch_size, fr.sort_window, fr.new_tokens, fr.L1 = batch_size, 64, 0, len(layers) + 1
-    fr.continue_truncated = continue_truncated
+    fr = _fast(model, eos, batch_size, max_new=max_new, max_len=max_len, dtype=dtype, layers=layers,
+               continue_truncated=continue_truncated, cls=SpecRegenerator)
     fr._init_spec(num_drafts, min_reach, 32, fixed_rows)
     return fr
 

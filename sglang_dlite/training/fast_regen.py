@@ -154,6 +154,45 @@ class FastLlama:
             feats = torch.stack(caps, 1).to(torch.float16)
         return normed[-1], feats
 
+    def _clear_masked_tail(self, c0: int, c1: int, S: int) -> None:
+        """Slots c0..c1-1 attend over key positions [0, S) under a mask; the masked positions past
+        a slot's high-water mark are read too, so they must hold zeros, never garbage."""
+        for b in range(c0, c1):
+            if self.hw[b] < S:
+                self.k[:, b, :, self.hw[b]:S] = 0
+                self.v[:, b, :, self.hw[b]:S] = 0
+                self.hw[b] = S
+
+    def _attend_inputs(self, li, p, x, cos, sin, rows, pos):
+        """Layer li's queries [N, nh, hd] for the tokens x [N, H]; their rotated keys and values
+        are written into the cache at (slot rows, position pos)."""
+        n = x.shape[0]
+        qkv = self._rms(x, p["ln1"]) @ p["wqkv"].T
+        q = qkv[:, : self.nh * self.hd].view(n, self.nh, self.hd)
+        k = qkv[:, self.nh * self.hd:(self.nh + self.kvh) * self.hd].view(n, self.kvh, self.hd)
+        v = qkv[:, (self.nh + self.kvh) * self.hd:].view(n, self.kvh, self.hd)
+        q, k = self._rot(q, cos, sin), self._rot(k, cos, sin)
+        self.k[li, rows, :, pos] = k
+        self.v[li, rows, :, pos] = v
+        return q
+
+    def _layer_out(self, li, p, x, attn, caps):
+        """The rest of layer li after attention (output projection, MLP); records the layer's
+        output in caps when it is a captured layer."""
+        x = x + attn @ p["wo"].T
+        x = x + self._mlp(self._rms(x, p["ln2"]), p)
+        if caps is not None and li in self._cap_index:
+            caps[self._cap_index[li]] = x
+        return x
+
+    def _final(self, x, caps):
+        """(final-norm outputs, features [N, L+1, H] fp16 or None)."""
+        normed = self._rms(x, self.norm_w)
+        if caps is None:
+            return normed, None
+        caps[-1] = normed
+        return normed, torch.stack(caps, 1).to(torch.float16)
+
     @torch.no_grad()
     def decode(self, ids, pos, want_features: bool):
         """One token for each of the slots 0..B-1: ``ids`` [B] at positions ``pos`` [B] (slot b's
@@ -171,22 +210,11 @@ class FastLlama:
             c1 = min(B, c0 + self.ATT_CHUNK)
             S = max(plist[c0:c1]) + 1
             chunks.append((c0, c1, S, (torch.arange(S)[None, :] <= pos[c0:c1, None])[:, None, None, :]))
-            for b in range(c0, c1):  # the masked tail [pos_b + 1, S) of a shorter row is read too: never garbage
-                if self.hw[b] < S:
-                    self.k[:, b, :, self.hw[b]:S] = 0
-                    self.v[:, b, :, self.hw[b]:S] = 0
-                    self.hw[b] = S
+            self._clear_masked_tail(c0, c1, S)  # the masked tail [pos_b + 1, S) of a shorter row
         rows = torch.arange(B)
         caps = [None] * (len(self.capture) + 1)
         for li, p in enumerate(self.layers):
-            h = self._rms(x, p["ln1"])
-            qkv = h @ p["wqkv"].T
-            q = qkv[:, : self.nh * self.hd].view(B, self.nh, self.hd)
-            k = qkv[:, self.nh * self.hd:(self.nh + self.kvh) * self.hd].view(B, self.kvh, self.hd)
-            v = qkv[:, (self.nh + self.kvh) * self.hd:].view(B, self.kvh, self.hd)
-            q, k = self._rot(q, cos, sin), self._rot(k, cos, sin)
-            self.k[li, rows, :, pos] = k
-            self.v[li, rows, :, pos] = v
+            q = self._attend_inputs(li, p, x, cos, sin, rows, pos)
             # the g query heads of a KV head as g queries of that head: no K/V expansion for GQA
             # (HF's repeat_kv: KV head i serves query heads i*g .. i*g+g-1); 1.5x faster here
             qb = q.view(B, self.kvh, self.g, self.hd)
@@ -194,17 +222,8 @@ class FastLlama:
                 F.scaled_dot_product_attention(qb[c0:c1], self.k[li, c0:c1, :, :S], self.v[li, c0:c1, :, :S],
                                                attn_mask=valid, scale=self.scale)
                 for c0, c1, S, valid in chunks], 0)
-            o = o.reshape(B, self.nh * self.hd)
-            x = x + o @ p["wo"].T
-            x = x + self._mlp(self._rms(x, p["ln2"]), p)
-            if want_features and li in self._cap_index:
-                caps[self._cap_index[li]] = x
-        normed = self._rms(x, self.norm_w)
-        feats = None
-        if want_features:
-            caps[-1] = normed
-            feats = torch.stack(caps, 1).to(torch.float16)
-        return normed, feats
+            x = self._layer_out(li, p, x, o.reshape(B, self.nh * self.hd), caps if want_features else None)
+        return self._final(x, caps if want_features else None)
 
     @torch.no_grad()
     def verify(self, ids, starts, lens, want_features: bool):
@@ -244,21 +263,10 @@ class FastLlama:
             sel_r = rows[offs[c0]:offs[c1]] - c0
             sel_t = qi[offs[c0]:offs[c1]]
             chunks.append((c0, c1, S, Tm, valid, sel_r, sel_t))
-            for b in range(c0, c1):  # masked positions [starts_b + len_b, S) are read too: never garbage
-                if self.hw[b] < S:
-                    self.k[:, b, :, self.hw[b]:S] = 0
-                    self.v[:, b, :, self.hw[b]:S] = 0
-                    self.hw[b] = S
+            self._clear_masked_tail(c0, c1, S)  # masked positions [starts_b + len_b, S)
         caps = [None] * (len(self.capture) + 1)
         for li, p in enumerate(self.layers):
-            h = self._rms(x, p["ln1"])
-            qkv = h @ p["wqkv"].T
-            q = qkv[:, : self.nh * self.hd].view(N, self.nh, self.hd)
-            k = qkv[:, self.nh * self.hd:(self.nh + self.kvh) * self.hd].view(N, self.kvh, self.hd)
-            v = qkv[:, (self.nh + self.kvh) * self.hd:].view(N, self.kvh, self.hd)
-            q, k = self._rot(q, cos, sin), self._rot(k, cos, sin)
-            self.k[li, rows, :, pos] = k
-            self.v[li, rows, :, pos] = v
+            q = self._attend_inputs(li, p, x, cos, sin, rows, pos)
             outs = []
             for c0, c1, S, Tm, valid, sel_r, sel_t in chunks:
                 c = c1 - c0
@@ -270,17 +278,9 @@ class FastLlama:
                                                    attn_mask=valid, scale=self.scale)
                 o = o.view(c, self.kvh, self.g, Tm, self.hd).permute(0, 3, 1, 2, 4).reshape(c, Tm, self.nh, self.hd)
                 outs.append(o[sel_r, sel_t])  # [n_chunk, nh, hd]
-            o = torch.cat(outs, 0).reshape(N, self.nh * self.hd)
-            x = x + o @ p["wo"].T
-            x = x + self._mlp(self._rms(x, p["ln2"]), p)
-            if want_features and li in self._cap_index:
-                caps[self._cap_index[li]] = x
-        normed = self._rms(x, self.norm_w)
-        feats = None
-        if want_features:
-            caps[-1] = normed
-            feats = torch.stack(caps, 1).to(torch.float16)
-        return normed, feats
+            x = self._layer_out(li, p, x, torch.cat(outs, 0).reshape(N, self.nh * self.hd),
+                                caps if want_features else None)
+        return self._final(x, caps if want_features else None)
 
     def move_slot(self, src: int, dst: int, length: int):
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
@@ -478,37 +478,15 @@ def reference_greedy(model, seqs, layer_ids=None, batch_tokens: int = 4096):
     """One float32 HF forward per group of sequences (teacher-forced): per sequence, the target's
     greedy next token at every position ([len] int64; entry j = argmax after seq[:j+1]) and, with
     ``layer_ids``, its features [len, L+1, H] fp16."""
-    from .features import feature_modules
+    from .features import padded_forward_groups
 
-    mods = feature_modules(model, layer_ids) if layer_ids else []
-    buf = {}
-    hooks = [m.register_forward_hook(lambda mod, a, o, k=k: buf.__setitem__(k, (o[0] if isinstance(o, tuple) else o)))
-             for k, m in enumerate(mods)]
     preds, feats = [None] * len(seqs), [None] * len(seqs)
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    try:
-        i = 0
-        while i < len(order):
-            group = [order[i]]
-            while i + len(group) < len(order) and len(seqs[order[i + len(group)]]) * (len(group) + 1) <= batch_tokens:
-                group.append(order[i + len(group)])
-            i += len(group)
-            Lmax = max(len(seqs[g]) for g in group)
-            ids = torch.zeros(len(group), Lmax, dtype=torch.long)
-            att = torch.zeros(len(group), Lmax, dtype=torch.long)
-            for r, g in enumerate(group):
-                ids[r, :len(seqs[g])] = torch.as_tensor(seqs[g], dtype=torch.long)
-                att[r, :len(seqs[g])] = 1
-            out = model(input_ids=ids, attention_mask=att, use_cache=False)
-            am = out.logits.argmax(-1)
-            st = torch.stack([buf[k] for k in range(len(mods))], 2).to(torch.float16) if mods else None
-            for r, g in enumerate(group):
-                preds[g] = am[r, :len(seqs[g])]
-                if st is not None:
-                    feats[g] = st[r, :len(seqs[g])]
-    finally:
-        for h in hooks:
-            h.remove()
+    for group, st, logits in padded_forward_groups(model, seqs, layer_ids, batch_tokens, logits=True):
+        am = logits.argmax(-1).cpu()
+        for r, g in enumerate(group):
+            preds[g] = am[r, :len(seqs[g])]
+            if st is not None:
+                feats[g] = st[r, :len(seqs[g])]
     return preds, feats
 
 

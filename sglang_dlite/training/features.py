@@ -107,15 +107,18 @@ def load_features(shard_path: str, layer_ids, num_tokens: int):
     return arr
 
 
-def compute_features(model, seqs, layer_ids, batch_tokens: int = 4096):
-    """One batched (right-padded) target forward per group of sequences -> list of fp16 arrays."""
+def padded_forward_groups(model, seqs, layer_ids, batch_tokens: int = 4096, *, logits: bool = False):
+    """Teacher-forced target forwards over ``seqs`` in length-sorted groups of at most
+    ``batch_tokens`` (right-padded) tokens. Yields ``(group, stack, logits)`` per group: the
+    sequences' indices, their captured layers ``[len(group), T, L+1, H]`` fp16 (None without
+    ``layer_ids``; on the CPU), and the LM logits when ``logits`` (on the target's device; else
+    None: the LM head is skipped)."""
     import torch
 
-    mods = feature_modules(model, layer_ids)
+    mods = feature_modules(model, layer_ids) if layer_ids else []
     buf = {}
     hooks = [m.register_forward_hook(lambda mod, a, o, k=k: buf.__setitem__(k, (o[0] if isinstance(o, tuple) else o)))
              for k, m in enumerate(mods)]
-    out = [None] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     try:
         i = 0
@@ -130,15 +133,23 @@ def compute_features(model, seqs, layer_ids, batch_tokens: int = 4096):
             for r, g in enumerate(group):
                 ids[r, :len(seqs[g])] = torch.as_tensor(np.asarray(seqs[g], dtype=np.int64))
                 att[r, :len(seqs[g])] = 1
+            dev = next(model.parameters()).device  # a target on a GPU: inputs there, results back here
             with torch.no_grad():
-                inner = getattr(model, "model", model)
-                inner(input_ids=ids, attention_mask=att, use_cache=False)
-            stack = torch.stack([buf[k] for k in range(len(mods))], dim=2).to(torch.float16)  # [B, T, L+1, H]
-            for r, g in enumerate(group):
-                out[g] = stack[r, :len(seqs[g])].numpy()
+                runner = model if logits else getattr(model, "model", model)
+                out = runner(input_ids=ids.to(dev), attention_mask=att.to(dev), use_cache=False)
+            stack = torch.stack([buf[k] for k in range(len(mods))], dim=2).to(torch.float16).cpu() if mods else None
+            yield group, stack, (out.logits if logits else None)  # logits stay on the target's device
     finally:
         for h in hooks:
             h.remove()
+
+
+def compute_features(model, seqs, layer_ids, batch_tokens: int = 4096):
+    """One batched (right-padded) target forward per group of sequences -> list of fp16 arrays."""
+    out = [None] * len(seqs)
+    for group, stack, _ in padded_forward_groups(model, seqs, layer_ids, batch_tokens):
+        for r, g in enumerate(group):  # stack: [B, T, L+1, H]
+            out[g] = stack[r, :len(seqs[g])].numpy()
     return out
 
 

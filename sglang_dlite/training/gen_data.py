@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import time
+from typing import Optional
 
 from ..errors import DLiteInputError
 from .data import DataError, load_shard, read_manifest, save_shard, write_manifest, MANIFEST
@@ -80,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "them drops below this")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="fast/sglang engine compute dtype (bfloat16 is not the float32 target's greedy text: it implies --relabel)")
+    p.add_argument("--feature-device", default="cpu",
+                   help="sglang engine: device of the float32 HF target pass that gives the features and the exactness "
+                        "count (cpu, or cuda / cuda:N beside sglang on a GPU: the target in float32 needs 4 bytes per "
+                        "parameter there; sglang then gets mem_fraction_static 0.5)")
     p.add_argument("--relabel", action="store_true",
                    help="one float32 target pass over each finished shard: cut every sequence at its first generated "
                         "token that is not the float32 target's greedy choice; the features come from that pass")
@@ -98,6 +103,17 @@ def _locked_update(out, fn):
             return m
         finally:
             fcntl.flock(lk, fcntl.LOCK_UN)
+
+
+def _stop_reason(args, t0: float, budget_s) -> Optional[str]:
+    """Why no new shard may start (the --budget-min wall budget is spent, or the output disk is
+    below --min-free-gb), or None."""
+    if budget_s is not None and time.time() - t0 > budget_s:
+        return f"--budget-min {args.budget_min} reached"
+    free_gb = shutil.disk_usage(args.out).free / 1e9
+    if free_gb < getattr(args, "min_free_gb", 0.0):
+        return f"only {free_gb:.1f} GB free on {args.out!r} (< --min-free-gb {args.min_free_gb}: free space first)"
+    return None
 
 
 def _claim(out, fname) -> bool:
@@ -318,14 +334,10 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
 
     def items():
         for fname, src, convs in todo:
-            if budget_s is not None and time.time() - t0 > budget_s:
-                print(f"gen-data[{wi}/{wn}]: --budget-min {args.budget_min} reached; finishing the claimed shards "
-                      f"(rerun to continue)", flush=True)
-                return
-            free_gb = shutil.disk_usage(args.out).free / 1e9
-            if free_gb < getattr(args, "min_free_gb", 0.0):
-                print(f"gen-data[{wi}/{wn}]: only {free_gb:.1f} GB free on {args.out!r} (< --min-free-gb "
-                      f"{args.min_free_gb}); finishing the claimed shards and stopping (free space, then rerun)", flush=True)
+            stop = _stop_reason(args, t0, budget_s)
+            if stop:
+                print(f"gen-data[{wi}/{wn}]: {stop}; finishing the claimed shards and stopping (rerun to continue)",
+                      flush=True)
                 return
             if not _claim(args.out, fname):
                 bar.update(1)
@@ -389,22 +401,27 @@ def _run_sglang(args, target_path, model, tok, todo, layers, wi, wn) -> int:
     from .sglang_regen import SglangRegenerator
 
     do_relabel = args.relabel or args.dtype != "float32"
+    dev = getattr(args, "feature_device", "cpu") or "cpu"
+    if dev != "cpu":
+        import torch
+
+        if dev.startswith("cuda") and not torch.cuda.is_available():
+            raise DLiteInputError(f"--feature-device {dev}: torch sees no CUDA device here; use --feature-device cpu.")
+        model = model.to(dev)
+    # the float32 target beside sglang on the same GPU: sglang takes half of it, not its default ~0.9
+    engine_kw = {"mem_fraction_static": 0.5} if dev.startswith("cuda") else {}
     gen = SglangRegenerator(target_path, model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens,
                             capture_layers=layers, batch_size=args.batch_size, dtype=args.dtype, threads=args.threads,
-                            engine=getattr(args, "sglang_engine", None))
+                            engine=getattr(args, "sglang_engine", None), **engine_kw)
     t0 = time.time()
     budget_s = None if getattr(args, "budget_min", None) is None else args.budget_min * 60
     stats = {"shards": 0, "not_greedy": 0, "cut": 0, "dropped": 0}
     try:
         bar = tqdm(todo, desc="gen-data[sglang]", unit="shard")
         for fname, src, convs in bar:
-            if budget_s is not None and time.time() - t0 > budget_s:
-                print(f"gen-data[{wi}/{wn}]: --budget-min {args.budget_min} reached; stopping (rerun to continue)", flush=True)
-                break
-            free_gb = shutil.disk_usage(args.out).free / 1e9
-            if free_gb < getattr(args, "min_free_gb", 0.0):
-                print(f"gen-data[{wi}/{wn}]: only {free_gb:.1f} GB free on {args.out!r} (< --min-free-gb "
-                      f"{args.min_free_gb}); stopping (free space, then rerun)", flush=True)
+            stop = _stop_reason(args, t0, budget_s)
+            if stop:
+                print(f"gen-data[{wi}/{wn}]: {stop}; stopping (rerun to continue)", flush=True)
                 break
             if not _claim(args.out, fname):
                 continue
