@@ -27,12 +27,9 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ENGINES = ("hf", "fast-fp32", "fast-bf16", "fast-spec", "sglang")
 DEFAULT_ENGINES = ("hf", "fast-fp32", "fast-spec")
@@ -72,7 +69,7 @@ def main(argv=None) -> int:
     from sglang_dlite.training.hf_regen import Regenerator
     from sglang_dlite.training.prompts import load_prompts
     from sglang_dlite.target import resolve_target
-    from sglang_dlite.training.sglang_regen import SglangRegenerator, _tree_cpu_seconds
+    from sglang_dlite.training.sglang_regen import SglangRegenerator, process_tree_cpu_seconds
     from sglang_dlite.training.spec_regen import SpecRegenerator
 
     torch.set_num_threads(args.threads)
@@ -95,16 +92,16 @@ def main(argv=None) -> int:
                                   min_reach=args.min_reach,
                                   **({} if args.spec_fixed_rows is None else {"fixed_rows": args.spec_fixed_rows}))
         elif name == "sglang":
-            s0, sc0 = time.time(), _tree_cpu_seconds()
+            s0, sc0 = time.time(), process_tree_cpu_seconds()
             gen = SglangRegenerator(resolve_target(args.target), model, tok, args.max_new_tokens, args.max_len,
                                     capture_layers=layers, batch_size=args.sglang_batch_size or args.batch_size,
                                     dtype=args.sglang_dtype, threads=args.threads)
-            startup = {"startup_wall_s": round(time.time() - s0, 1), "startup_cpu_s": round(_tree_cpu_seconds() - sc0, 1)}
+            startup = {"startup_wall_s": round(time.time() - s0, 1), "startup_cpu_s": round(process_tree_cpu_seconds() - sc0, 1)}
         else:
             dt = torch.float32 if name == "fast-fp32" else torch.bfloat16
             gen = FastRegenerator(model, tok, args.max_new_tokens, args.max_len, capture_layers=layers,
                                   batch_size=args.batch_size, dtype=dt)
-        w0, c0 = time.time(), (time.process_time() if name != "sglang" else _tree_cpu_seconds())
+        w0, c0 = time.time(), (time.process_time() if name != "sglang" else process_tree_cpu_seconds())
         if name == "hf":  # gen-data's hf engine: one Regenerator.run per shard
             seqs, masks, feats = [], [], []
             for k in range(0, len(convs), args.shard_size):
@@ -112,7 +109,7 @@ def main(argv=None) -> int:
                 seqs, masks, feats = seqs + a, masks + b, feats + list(c)
         else:
             seqs, masks, feats = gen.run(convs)
-        wall, cpu = time.time() - w0, (time.process_time() if name != "sglang" else _tree_cpu_seconds()) - c0
+        wall, cpu = time.time() - w0, (time.process_time() if name != "sglang" else process_tree_cpu_seconds()) - c0
         if name in ("hf", "sglang"):
             gen.close()
         n_gen = int(sum(sum(m) for m in masks))

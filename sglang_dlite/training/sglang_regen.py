@@ -25,7 +25,7 @@ import time
 from ..errors import DLiteInputError
 
 
-def _tree_cpu_seconds() -> float:
+def process_tree_cpu_seconds() -> float:
     """CPU seconds of this process and its live children (sglang's scheduler and detokenizer)."""
     import psutil
 
