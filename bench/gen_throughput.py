@@ -64,8 +64,8 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
 
     from sglang_dlite.target import load_target
-    from sglang_dlite.training.fast_regen import (FastRegenerator, count_disagreements, first_disagreement,
-                                                  reference_greedy)
+    from sglang_dlite.training.exactness import count_disagreements, first_disagreement, reference_greedy
+    from sglang_dlite.training.fast_regen import FastRegenerator
     from sglang_dlite.training.hf_regen import Regenerator
     from sglang_dlite.training.prompts import load_prompts
     from sglang_dlite.target import resolve_target

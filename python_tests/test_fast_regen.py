@@ -14,8 +14,8 @@ import pytest
 import torch
 
 
-from sglang_dlite.training.fast_regen import (FastLlama, FastRegenerator, count_disagreements, first_disagreement,
-                                              reference_greedy, relabel)
+from sglang_dlite.training.exactness import count_disagreements, first_disagreement, reference_greedy, relabel
+from sglang_dlite.training.fast_regen import FastLlama, FastRegenerator
 
 LAYERS = [1, 2]  # (not the last layer: HF reports the final-norm output as hidden_states[-1])
 

@@ -125,7 +125,7 @@ def test_select_draft_budget_vs_brute_force():
 def test_spec_bf16_runs_and_relabel_makes_it_greedy(tiny):
     """gen-data --dtype bfloat16 with --spec-drafts: runs; after the relabel cut every generated
     token is the float32 target's greedy choice."""
-    from sglang_dlite.training.fast_regen import count_disagreements, reference_greedy, relabel
+    from sglang_dlite.training.exactness import count_disagreements, reference_greedy, relabel
 
     convs, eos = _convs(tiny, 4, seed=3)
     fr = _spec(tiny, eos, 4, max_new=30, dtype=torch.bfloat16)

@@ -14,7 +14,7 @@ HF Llama target with a preallocated static KV cache and continuous batching.
 * fp32 (default) or bf16 weights/activations (RMSNorm and softmax in fp32, as HF does).
 
 Exactness: the output is the target's greedy decoding, computed with other GEMM shapes than
-HF's batch-1 forward, so a near-tie can round the other way. ``relabel`` runs one float32 HF
+HF's batch-1 forward, so a near-tie can round the other way. ``exactness.relabel`` runs one float32 HF
 forward over finished sequences, counts the generated tokens that are not the float32 target's
 greedy choice, and cuts a sequence at its first such token (the target's own choice becomes the
 last token; later turns, which were conditioned on the other choice, are dropped); its features
@@ -24,7 +24,7 @@ replace the captured ones. ``bench/gen_throughput.py`` measures both.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -470,63 +470,3 @@ class FastRegenerator:
         masks = [out[i][1] for i in range(len(convs))]
         feats = [out[i][2] for i in range(len(convs))] if self.capture else [None] * len(convs)
         return seqs, masks, feats
-
-
-# ---------------------------------------------------------------------------- exactness check
-@torch.no_grad()
-def reference_greedy(model, seqs, layer_ids=None, batch_tokens: int = 4096):
-    """One float32 HF forward per group of sequences (teacher-forced): per sequence, the target's
-    greedy next token at every position ([len] int64; entry j = argmax after seq[:j+1]) and, with
-    ``layer_ids``, its features [len, L+1, H] fp16."""
-    from .features import padded_forward_groups
-
-    preds, feats = [None] * len(seqs), [None] * len(seqs)
-    for group, st, logits in padded_forward_groups(model, seqs, layer_ids, batch_tokens, logits=True):
-        am = logits.argmax(-1).cpu()
-        for r, g in enumerate(group):
-            preds[g] = am[r, :len(seqs[g])]
-            if st is not None:
-                feats[g] = st[r, :len(seqs[g])]
-    return preds, feats
-
-
-def first_disagreement(seq, mask, pred) -> Optional[int]:
-    """Index j of the first generated token (mask[j] == 1) that is not the target's greedy choice
-    after seq[:j] (pred[j - 1]); None if every generated token is."""
-    s = torch.as_tensor(seq[1:], dtype=torch.long)
-    m = torch.as_tensor(mask[1:], dtype=torch.bool)
-    bad = (s != pred[:-1].to(torch.long)) & m
-    nz = torch.nonzero(bad)
-    return int(nz[0, 0]) + 1 if len(nz) else None
-
-
-def count_disagreements(seq, mask, pred) -> int:
-    s = torch.as_tensor(seq[1:], dtype=torch.long)
-    m = torch.as_tensor(mask[1:], dtype=torch.bool)
-    return int(((s != pred[:-1].to(torch.long)) & m).sum())
-
-
-def relabel(model, seqs, masks, layer_ids=None):
-    """The cut rule: one float32 target pass over each finished sequence; a sequence whose
-    generated text leaves the target's greedy choice at position j is cut there: seq[:j] + [the
-    target's choice] (later text, conditioned on the other token, is dropped). Returns (seqs,
-    masks, feats or None, number of sequences cut, generated tokens dropped)."""
-    preds, feats = reference_greedy(model, seqs, layer_ids)
-    out_s, out_m, out_f, cut, dropped = cut_at_disagreements(seqs, masks, preds, feats)
-    return out_s, out_m, (out_f if layer_ids else None), cut, dropped
-
-
-def cut_at_disagreements(seqs, masks, preds, feats):
-    """``relabel``'s cut, given ``reference_greedy``'s (preds, feats): (seqs, masks, feats, cut, dropped)."""
-    out_s, out_m, out_f, cut, dropped = [], [], [], 0, 0
-    for s, m, p, f in zip(seqs, masks, preds, feats):
-        j = first_disagreement(s, m, p)
-        if j is not None:
-            cut += 1
-            dropped += int(sum(m[j:])) - 1
-            s = list(s[:j]) + [int(p[j - 1])]
-            m = list(m[:j]) + [1]
-        out_s.append(list(s))
-        out_m.append(list(m))
-        out_f.append(None if f is None else f[: len(s) - 1])
-    return out_s, out_m, out_f, cut, dropped

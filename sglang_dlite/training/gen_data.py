@@ -313,7 +313,8 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from .fast_regen import FastRegenerator, relabel
+    from .exactness import relabel
+    from .fast_regen import FastRegenerator
 
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     do_relabel = args.relabel or dtype != torch.float32

@@ -9,7 +9,7 @@ pass over the finished sequences gives the features.
   Greedy (temperature 0); a turn stops at the chat end-of-turn token (``stop_token_ids``) or at
   its room, the same rule as the fast and hf engines. sglang also stops at the model's other EOS
   ids; such a turn is resumed where it stopped, so only ``<|im_end|>`` ends a turn.
-* **Features and exactness**: ``fast_regen.reference_greedy``, one float32 HF forward per group
+* **Features and exactness**: ``exactness.reference_greedy``, one float32 HF forward per group
   of finished sequences with hooks on the capture layers (the same capture the relabel path
   uses), gives the features and the float32 target's greedy choice at every position; generated
   tokens that are not that choice are counted per shard (``tokens_not_fp32_greedy``), and with
@@ -135,7 +135,7 @@ class SglangRegenerator:
     def run(self, convs, relabel: bool = False):
         """(sequences, masks, features or [None]*n) as ``Regenerator.run``; per-call exactness
         counts in ``self.last`` (tokens_not_fp32_greedy, sequences_cut, generated_tokens_dropped)."""
-        from .fast_regen import count_disagreements, cut_at_disagreements, reference_greedy
+        from .exactness import count_disagreements, cut_at_disagreements, reference_greedy
 
         seqs, masks = self.generate(convs)
         self.last = {}
