@@ -105,10 +105,14 @@ def sticky_llama_and_copy_dlite(tmp_path_factory):
     return target, F.train_copy_dlite(d / "drafter", target)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def dlite_http_server(tmp_path_factory):
-    """One real DLITE HTTP server (SmolLM2, CPU, metrics on, sleep on idle) for the whole session,
-    shared by test_sglang_guards and test_sglang_server (one start-up instead of two)."""
+    """One real DLITE HTTP server (SmolLM2, CPU, metrics on, sleep on idle) per test module that
+    asks for it (test_sglang_guards, test_sglang_server: one fixture, one way to start it).
+
+    Module, not session scope: sglang's ``Engine.shutdown`` kills every child process of the
+    pytest process (``kill_process_tree(os.getpid(), include_parent=False)``), so a server
+    started before an in-process engine test module is gone after it."""
     pytest.importorskip("requests")
     import sglang_fixtures as F
 
