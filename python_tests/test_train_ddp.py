@@ -191,3 +191,6 @@ def test_device_option():
     if not torch.cuda.is_available():
         with pytest.raises(DLiteConfigError, match="sees no CUDA device"):
             resolve_device("cuda")
+        # gen-data --feature-device goes through the same check, naming its own flag
+        with pytest.raises(DLiteConfigError, match="--feature-device cuda: .*sees no CUDA device.*--feature-device cpu"):
+            resolve_device("cuda", flag="--feature-device")

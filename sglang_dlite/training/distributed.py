@@ -37,16 +37,17 @@ class DistState:
 STATE = DistState()
 
 
-def resolve_device(name: Optional[str]) -> torch.device:
-    """``auto``/None: CUDA when torch sees a GPU, else the CPU. ``cuda`` without a GPU is refused."""
+def resolve_device(name: Optional[str], flag: str = "--device") -> torch.device:
+    """``auto``/None: CUDA when torch sees a GPU, else the CPU. ``cuda`` without a GPU is refused
+    (``flag``: the option the messages name)."""
     name = (name or "auto").lower()
     if name not in DEVICES and not name.startswith("cuda:"):
-        raise DLiteConfigError(f"--device must be one of {', '.join(DEVICES)} (or cuda:N), not {name!r}.")
+        raise DLiteConfigError(f"{flag} must be one of {', '.join(DEVICES)} (or cuda:N), not {name!r}.")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise DLiteConfigError(f"--device {name}: torch {torch.__version__} sees no CUDA device here; "
-                               "use --device cpu (or install a CUDA build of torch on a GPU machine).")
+        raise DLiteConfigError(f"{flag} {name}: torch {torch.__version__} sees no CUDA device here; "
+                               f"use {flag} cpu (or install a CUDA build of torch on a GPU machine).")
     return torch.device(name)
 
 

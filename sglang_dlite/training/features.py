@@ -120,6 +120,8 @@ def padded_forward_groups(model, seqs, layer_ids, batch_tokens: int = 4096, *, l
     hooks = [m.register_forward_hook(lambda mod, a, o, k=k: buf.__setitem__(k, (o[0] if isinstance(o, tuple) else o)))
              for k, m in enumerate(mods)]
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    dev = next(model.parameters()).device  # a target on a GPU: inputs there, results back here
+    runner = model if logits else getattr(model, "model", model)  # no LM head without logits
     try:
         i = 0
         while i < len(order):
@@ -133,9 +135,7 @@ def padded_forward_groups(model, seqs, layer_ids, batch_tokens: int = 4096, *, l
             for r, g in enumerate(group):
                 ids[r, :len(seqs[g])] = torch.as_tensor(np.asarray(seqs[g], dtype=np.int64))
                 att[r, :len(seqs[g])] = 1
-            dev = next(model.parameters()).device  # a target on a GPU: inputs there, results back here
             with torch.no_grad():
-                runner = model if logits else getattr(model, "model", model)
                 out = runner(input_ids=ids.to(dev), attention_mask=att.to(dev), use_cache=False)
             stack = torch.stack([buf[k] for k in range(len(mods))], dim=2).to(torch.float16).cpu() if mods else None
             yield group, stack, (out.logits if logits else None)  # logits stay on the target's device

@@ -402,15 +402,13 @@ def _run_sglang(args, target_path, model, tok, todo, layers, wi, wn) -> int:
     from .sglang_regen import SglangRegenerator
 
     do_relabel = args.relabel or args.dtype != "float32"
-    dev = getattr(args, "feature_device", "cpu") or "cpu"
-    if dev != "cpu":
-        import torch
+    from .distributed import resolve_device
 
-        if dev.startswith("cuda") and not torch.cuda.is_available():
-            raise DLiteInputError(f"--feature-device {dev}: torch sees no CUDA device here; use --feature-device cpu.")
+    dev = resolve_device(getattr(args, "feature_device", "cpu") or "cpu", flag="--feature-device")
+    if dev.type != "cpu":
         model = model.to(dev)
     # the float32 target beside sglang on the same GPU: sglang takes half of it, not its default ~0.9
-    engine_kw = {"mem_fraction_static": 0.5} if dev.startswith("cuda") else {}
+    engine_kw = {"mem_fraction_static": 0.5} if dev.type == "cuda" else {}
     gen = SglangRegenerator(target_path, model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens,
                             capture_layers=layers, batch_size=args.batch_size, dtype=args.dtype, threads=args.threads,
                             engine=getattr(args, "sglang_engine", None), **engine_kw)
