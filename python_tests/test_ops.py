@@ -306,3 +306,30 @@ def test_drafter_same_with_cpp_and_torch(monkeypatch, tiny_target, block_attenti
         assert ops.last_impl("round_attention") == mode and ops.last_impl("lm_head_argmax") == mode
     close(out["cpp"][0], out["torch"][0], torch.float32)
     assert torch.equal(out["cpp"][1], out["torch"][1])
+
+
+# ---------------------------------------------------------------- packed bf16 CPU linears
+@pytest.mark.skipif(not ops.cpu_linear.available(), reason="torch built without oneDNN")
+def test_pack_cpu_linears_matches_f_linear_and_follows_weight_updates():
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 32, bias=False)).bfloat16()
+    fp = nn.Linear(8, 8)  # float32: left alone
+    m.append(nn.Sequential(fp))
+    assert ops.pack_cpu_linears(m) == 2
+    x = torch.randn(3, 5, 64).bfloat16()
+    with torch.no_grad():
+        want = F.linear(F.relu(F.linear(x, m[0].weight, m[0].bias)), m[2].weight)
+        got = m[2](m[1](m[0](x)))
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+        m[0].weight.mul_(-1.0)  # in-place update: the packed copy must follow it
+        torch.testing.assert_close(m[0](x).float(), F.linear(x, m[0].weight, m[0].bias).float(),
+                                   atol=3e-2, rtol=3e-2)
+    assert "forward" not in vars(fp)
+    # with gradients the layer is plain nn.Linear again (autograd through F.linear)
+    m[0].weight.requires_grad_(True)
+    y = m[0](x.requires_grad_(True))
+    y.float().sum().backward()
+    assert m[0].weight.grad is not None

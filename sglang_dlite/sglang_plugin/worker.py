@@ -34,6 +34,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from sglang.srt.runtime_context import get_schedule, get_spec
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
+from .. import ops
 from ..errors import DLiteConfigError
 from ..lookup.batch import ENV_LOOKUP, ENV_TRACE, BatchLookup, lookup_enabled
 from ..model import DLiteDrafter
@@ -133,6 +134,8 @@ class DLiteWorker(BaseSpecWorker):
                                "gathered_vocab_copies_mib": round(copies / mib, 1)}
         logger.info("DLITE drafter memory on TP rank %d: %.1f MiB weights (replicated) + %.1f MiB gathered "
                     "target embedding/LM head", self.tp_rank, own / mib, copies / mib)
+        if str(self.device).startswith("cpu") and ops.ops_mode() != "torch":  # bf16 GEMMs on prepacked weights
+            ops.pack_cpu_linears(drafter)
         self.drafter = drafter
         self.drafter_block_size = cfg.block_size  # K: drafts the drafter can make per round
         # Tokens verified per round (anchor + the first W-1 drafts): K+1 unless the server asked
