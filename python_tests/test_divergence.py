@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from sglang_dlite.divergence import Fp32LogitGap, classify_divergences, first_divergence
+from sglang_dlite.divergence import Fp32LogitGap, classify_divergences, first_divergence, is_mismatch
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -22,23 +22,26 @@ def test_first_divergence():
 
 
 def test_classify_divergences_ties_and_mismatches():
-    gaps = {(7, 8): 0.01, (4, 5): 3.0}
+    gaps = {(7, 8): -0.01, (4, 5): -3.0, (6, 9): 2.0}  # logit(output token) - logit(baseline token)
     seen = []
 
     def score(prefix, a, b):
         seen.append((list(prefix), a, b))
         return gaps[(a, b)]
 
-    prompts = [[1], [2], [3], [4]]
-    outs = [[10, 7, 1], [20, 4], [30], [40, 41]]
-    base = [[10, 8, 1], [20, 5], [30], [40]]
+    prompts = [[1], [2], [3], [4], [5]]
+    outs = [[10, 7, 1], [20, 4], [30], [40, 41], [6]]
+    base = [[10, 8, 1], [20, 5], [30], [40], [9]]
     recs = classify_divergences(prompts, outs, base, score, tie_margin=0.25)
-    assert [r["request"] for r in recs] == [0, 1, 3]
+    assert [r["request"] for r in recs] == [0, 1, 3, 4]
     assert recs[0]["tie"] and recs[0]["position"] == 1 and recs[0]["fp32_logit_gap"] == 0.01
     assert not recs[1]["tie"] and recs[1]["token"] == 4 and recs[1]["baseline_token"] == 5
     assert not recs[2]["tie"] and recs[2]["baseline_token"] is None and recs[2]["fp32_logit_gap"] is None
+    # beyond the margin, but the float32 target prefers the output's token: the baseline is off
+    assert recs[3]["baseline_off"] and not recs[3]["tie"] and recs[3]["fp32_logit_gap"] == 2.0
+    assert [is_mismatch(r) for r in recs] == [False, True, True, False]
     # scored after the prompt + the common prefix of the outputs
-    assert seen == [([1, 10], 7, 8), ([2, 20], 4, 5)]
+    assert seen == [([1, 10], 7, 8), ([2, 20], 4, 5), ([5], 6, 9)]
     with pytest.raises(ValueError, match="2 prompts, 1 outputs"):
         classify_divergences([[1], [2]], [[1]], [[1]], score, 0.25)
 
@@ -55,7 +58,8 @@ def test_fp32_logit_gap_is_the_targets_logit_difference(tmp_path):
     with torch.no_grad():
         lg = m(torch.tensor([prefix])).logits[0, -1]
     gap = Fp32LogitGap(str(tmp_path / "t"))
-    assert gap(prefix, 7, 9) == pytest.approx(abs(float(lg[7] - lg[9])), abs=1e-5)
+    assert gap(prefix, 7, 9) == pytest.approx(float(lg[7] - lg[9]), abs=1e-5)  # signed
+    assert gap(prefix, 9, 7) == pytest.approx(float(lg[9] - lg[7]), abs=1e-5)
     assert gap(prefix, 9, 9) == 0.0
 
 

@@ -9,7 +9,10 @@ fall either way. No speculation differs from itself between batch sizes for the 
 
 ``classify_divergences`` finds the first differing position of every differing request and
 re-scores it with the target in float32: if the two tokens' logits are within ``tie_margin``
-there, the divergence is a precision tie; otherwise it is a real mismatch (a bug).
+there, the divergence is a precision tie; if the output's token is the one the float32 target
+prefers (by more than the margin), the *baseline* left the exact greedy path there
+(``baseline_off``: e.g. no speculation's own bf16 prefill in a larger batch), not the output;
+otherwise it is a real mismatch (a bug): ``is_mismatch``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Callable, Optional, Sequence
 # at |logit| ~ 20 (where bf16 values are 0.125 apart)
 DEFAULT_TIE_MARGIN = 0.25
 
-Score = Callable[[list, int, int], float]  # (prefix ids, token a, token b) -> |logit a - logit b|
+Score = Callable[[list, int, int], float]  # (prefix ids, token a, token b) -> logit a - logit b (float32)
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
@@ -34,8 +37,9 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
 
 def classify_divergences(prompts, outs, base_outs, score: Score, tie_margin: float) -> list[dict]:
     """One record per request whose output (``outs``) differs from the baseline's: the position,
-    both tokens, the float32 logit gap between them there, and ``tie`` (gap < tie_margin). Where
-    one output stopped and the other went on, there is no second token: not a tie."""
+    both tokens, the float32 logit gap |a - b| between them there, ``tie`` (gap < tie_margin) and
+    ``baseline_off`` (not a tie, and the float32 target prefers the output's token). Where one
+    output stopped and the other went on, there is no second token: neither."""
     if not len(prompts) == len(outs) == len(base_outs):
         raise ValueError(f"{len(prompts)} prompts, {len(outs)} outputs, {len(base_outs)} baseline outputs")
     records = []
@@ -45,11 +49,19 @@ def classify_divergences(prompts, outs, base_outs, score: Score, tie_margin: flo
             continue
         ta = a[n] if n < len(a) else None
         tb = b[n] if n < len(b) else None
-        gap = None if ta is None or tb is None else float(score(list(p) + list(a[:n]), ta, tb))
+        diff = None if ta is None or tb is None else float(score(list(p) + list(a[:n]), ta, tb))
+        gap = None if diff is None else abs(diff)
+        tie = gap is not None and gap < tie_margin
         records.append({"request": i, "position": n, "token": ta, "baseline_token": tb,
-                        "fp32_logit_gap": None if gap is None else round(gap, 4),
-                        "tie": gap is not None and gap < tie_margin})
+                        "fp32_logit_gap": None if gap is None else round(gap, 4), "tie": tie,
+                        "baseline_off": diff is not None and not tie and diff > 0})
     return records
+
+
+def is_mismatch(record: dict) -> bool:
+    """A divergence the output is to blame for: not a precision tie, and the float32 target does
+    not prefer the output's token over the baseline's."""
+    return not record["tie"] and not record.get("baseline_off", False)
 
 
 class Fp32LogitGap:
@@ -91,7 +103,7 @@ class Fp32LogitGap:
 
 
 def logit_gap_server(target_path: str, inp, out) -> None:
-    """Read [prefix, a, b] JSON lines, write |logit a - logit b| of the float32 target per line."""
+    """Read [prefix, a, b] JSON lines, write logit a - logit b of the float32 target per line."""
     import json
 
     import torch
@@ -102,7 +114,7 @@ def logit_gap_server(target_path: str, inp, out) -> None:
         prefix, a, b = json.loads(line)
         with torch.no_grad():
             logits = model(torch.tensor([prefix])).logits[0, -1].float()
-        out.write(f"{abs(float(logits[a] - logits[b]))!r}\n")
+        out.write(f"{float(logits[a] - logits[b])!r}\n")
         out.flush()
 
 
