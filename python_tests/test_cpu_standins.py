@@ -5,8 +5,8 @@
   ``SGLANG_DLITE_CPU_DECODE_ATTN=1``, its DECODE forwards) on the ``torch_native`` backend: every
   case against brute-force softmax attention in float64, one query head and one request at a time.
   Contiguous and scattered KV slots, chain and tree verify, decode, grouped-query heads, bf16;
-- the packed-weight bf16 linear (``dlite_cpu_packed_linear.py``) against ``F.linear``, the float32
-  pass-through, and the repack after an in-place weight update."""
+- the packed-weight bf16 linear (``dlite_cpu_packed_linear.py`` over ``sglang_dlite.ops.cpu_linear``)
+  against ``F.linear``, the float32 pass-through, and the repack after an in-place weight update."""
 
 import importlib.util
 from pathlib import Path
@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+from sglang_dlite.ops import cpu_linear
 
 STANDINS = Path(__file__).resolve().parents[1] / "cpu_support" / "sglang_cpu"
 
@@ -166,13 +168,13 @@ def test_packed_linear_matches_f_linear(with_bias):
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
     b = torch.randn(96, generator=g).bfloat16() if with_bias else None
-    p = packed.pack(w)
+    p = cpu_linear.pack_weight(w)
     for shape in [(1, 64), (4, 64), (3, 5, 64)]:
         x = torch.randn(*shape, generator=g).bfloat16()
-        got = packed.packed_linear(x, p, b)
+        got = cpu_linear.packed_linear(x, p, b)
         assert got.shape == (*shape[:-1], 96)
         torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=2e-2, rtol=2e-2)
-    assert packed.pack(w.float()) is None  # float32 weights are not packed
+    assert cpu_linear.pack_weight(w.float()) is None  # float32 weights are not packed
 
 
 def test_packed_linear_patch_routes_bf16_only_and_repacks_after_update(monkeypatch):

@@ -65,7 +65,6 @@ class _Plan:
         import torch
 
         self.key = (fb, fb.seq_lens, fb.req_pool_indices, fb.out_cache_loc)
-        self.width = width
         prefixes = fb.seq_lens.tolist()
         rows = fb.req_pool_indices.tolist()
         self.kv, self.masks, self._folded = [], [], {}

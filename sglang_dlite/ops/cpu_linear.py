@@ -6,7 +6,9 @@ GEMM ~1.3-1.5x faster for the few rows a drafter or a verify step has (SmolLM2 s
 threads: M = 4 rows 24 -> 16 ms over the target's 30 layers). ``pack_cpu_linears(module)``
 switches every eligible layer of a module in place (the drafter in sglang's CPU serving path);
 the packed copy is rebuilt if the weight tensor changes (new storage or an in-place update), and
-anything else (float32, CUDA, gradients, no oneDNN) keeps ``nn.Linear``'s own forward.
+anything else (float32, CUDA, gradients, no oneDNN) keeps ``nn.Linear``'s own forward. The CPU
+stand-in for sglang's own linear layers (``cpu_support/sglang_cpu/dlite_cpu_packed_linear.py``)
+uses the same ``pack_weight`` / ``packed_for`` / ``packed_linear``.
 """
 
 from __future__ import annotations
@@ -28,18 +30,40 @@ def _eligible(w: torch.Tensor) -> bool:
     return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2
 
 
+def can_pack(w) -> bool:
+    """Whether ``pack_weight`` applies: a [out, in] bf16 CPU weight, and torch has oneDNN."""
+    return w is not None and available() and _eligible(w)
+
+
+def pack_weight(w: torch.Tensor):
+    """The oneDNN-packed copy of a [out, in] bf16 CPU weight, or None where packing does not apply."""
+    if not can_pack(w):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), BATCH_HINT)
+
+
+def packed_for(holder, w: torch.Tensor):
+    """``holder``'s packed copy of ``w`` (kept on it), repacked when ``w`` changed: new storage or
+    an in-place update (e.g. sglang's update_weights_from_disk)."""
+    key = (w.data_ptr(), w._version)
+    if getattr(holder, "_dlite_packed_key", None) != key:
+        holder._dlite_packed = pack_weight(w)
+        holder._dlite_packed_key = key
+    return holder._dlite_packed
+
+
+def packed_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through the packed weight; x [..., in] bf16."""
+    shape = x.shape
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]).contiguous(), packed, bias, "none", [], "")
+    return out.view(*shape[:-1], out.shape[-1])
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w = self.weight
     if (x.dtype != w.dtype or not _eligible(w) or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
         return F.linear(x, w, self.bias)
-    key = (w.data_ptr(), w._version)
-    if self._dlite_packed_key != key:
-        self._dlite_packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), BATCH_HINT)
-        self._dlite_packed_key = key
-    shape = x.shape
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]).contiguous(), self._dlite_packed,
-                                             self.bias, "none", [], "")
-    return out.view(*shape[:-1], out.shape[-1])
+    return packed_linear(x, packed_for(self, w), self.bias)
 
 
 def pack_cpu_linears(module: nn.Module) -> int:
@@ -49,7 +73,6 @@ def pack_cpu_linears(module: nn.Module) -> int:
     n = 0
     for lin in module.modules():
         if isinstance(lin, nn.Linear) and _eligible(lin.weight):
-            lin._dlite_packed, lin._dlite_packed_key = None, None
             lin.forward = types.MethodType(_packed_forward, lin)
             n += 1
     return n
