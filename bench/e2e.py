@@ -17,7 +17,10 @@ level replays the same requests, so only the FIRST level of an ngram mode is a c
 engine instead (concurrency 1 only).
 
 DLITE modes: ``dlite`` is DLITE's default drafting, which is hybrid (DLite + the per-request suffix
-lookup, chosen per request every round); ``hybrid`` says so explicitly; ``dlite-only`` turns the
+lookup, chosen per request every round); ``hybrid`` says so explicitly; ``hybrid-fixed`` verifies all W-1 drafts every round
+(``SGLANG_DLITE_VERIFY_WIDTH=fixed``; on a CPU the default picks each round's width from the
+chains' calibrated acceptance and the verify cost it has measured, ``spec/verify_width.py``);
+``dlite-only`` turns the
 lookup off (``SGLANG_DLITE_LOOKUP=0``: DLite alone, the previous release's drafting). The suffix
 lookup indexes only the request's own tokens (prompt + its output so far): a replayed request
 never sees its own recorded answer, and nothing carries over between requests or levels.
@@ -75,7 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="dlite,nospec",
                    help="dlite (DLITE default drafting = hybrid, verify all K drafts), dlite:W (verify the anchor + "
                         "the first W-1 drafts, = --speculative-num-draft-tokens W), hybrid[:W] (the same, lookup on "
-                        "explicitly), dlite-only[:W] (lookup off: DLite alone), ngram[:W] (sglang's NGRAM, default "
+                        "explicitly), hybrid-fixed[:W] (hybrid verifying all W-1 drafts every round: "
+                        "SGLANG_DLITE_VERIFY_WIDTH=fixed; the default picks the width per round on a CPU), "
+                        "dlite-only[:W] (lookup off: DLite alone), ngram[:W] (sglang's NGRAM, default "
                         "W=8), nospec")
     p.add_argument("--dtype", default="bfloat16",
                    help="target (and drafter) dtype, the same for every mode: bfloat16 (default; on a CPU with "
@@ -143,15 +148,17 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     base_mode, tp_size, dp_size = parse_parallel(mode, tp_size, dp_size)
     kw.update(tp_size=tp_size, dp_size=dp_size)
     spec, _, w = base_mode.partition(":")
-    if spec not in ("dlite", "hybrid", "dlite-only", "ngram", "nospec"):
-        raise SystemExit(f"unknown mode {mode!r}: dlite[:W], hybrid[:W], dlite-only[:W], ngram[:W] or nospec")
-    lookup = {"hybrid": "1", "dlite-only": "0"}.get(spec, os.environ.get("SGLANG_DLITE_LOOKUP", "1"))
-    is_dlite = spec in ("dlite", "hybrid", "dlite-only")
+    if spec not in ("dlite", "hybrid", "hybrid-fixed", "dlite-only", "ngram", "nospec"):
+        raise SystemExit(f"unknown mode {mode!r}: dlite[:W], hybrid[:W], hybrid-fixed[:W], dlite-only[:W], ngram[:W] "
+                         "or nospec")
+    lookup = {"hybrid": "1", "hybrid-fixed": "1", "dlite-only": "0"}.get(spec, os.environ.get("SGLANG_DLITE_LOOKUP", "1"))
+    width = "fixed" if spec == "hybrid-fixed" else os.environ.get("SGLANG_DLITE_VERIFY_WIDTH", "auto")
+    is_dlite = spec in ("dlite", "hybrid", "hybrid-fixed", "dlite-only")
     import tempfile
 
     trace = os.path.join(tempfile.mkdtemp(prefix="dlite_lookup_"), "trace.jsonl")
     saved_env = {k: os.environ.get(k) for k in ("SGLANG_DLITE_LOOKUP", "SGLANG_DLITE_LOOKUP_TRACE",
-                                                "SGLANG_CPU_OMP_THREADS_BIND")}
+                                                "SGLANG_DLITE_VERIFY_WIDTH", "SGLANG_CPU_OMP_THREADS_BIND")}
     ranks = tp_size * dp_size
     if device == "cpu" and ranks > 1 and not saved_env["SGLANG_CPU_OMP_THREADS_BIND"]:
         # sglang's CPU path needs each rank's cores when ranks outnumber NUMA nodes.
@@ -161,6 +168,7 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
             f"{(r * per) % ncpu}-{(r * per) % ncpu + per - 1}" if per > 1 else str(r % ncpu) for r in range(ranks))
     os.environ["SGLANG_DLITE_LOOKUP"] = lookup  # read by the scheduler subprocess at start-up
     os.environ["SGLANG_DLITE_LOOKUP_TRACE"] = trace
+    os.environ["SGLANG_DLITE_VERIFY_WIDTH"] = width  # per-round verify width: auto (CPU: adaptive) or fixed
     verify_kw = {"speculative_num_draft_tokens": int(w)} if spec != "nospec" and w else {}
     if spec == "ngram":
         verify_kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8, **verify_kw}
@@ -189,7 +197,7 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
             e.flush_cache()  # every level starts cold: same prefix-cache behaviour for both modes
             mark = os.path.getsize(trace) if os.path.exists(trace) else 0
             outs, lat, wall = e.loop.run_until_complete(_run_level(e, reqs, c, sp))
-            shares = _source_share(trace, mark)
+            shares, width = _trace_stats(trace, mark)
             toks = sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
             verify = sum(int(o["meta_info"].get("spec_verify_ct") or 0) for o in outs)
             rows.append({
@@ -201,6 +209,8 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
             })
             if shares:
                 rows[-1]["source_share"] = shares
+            if width:
+                rows[-1]["mean_verify_width"] = width
             outputs[c] = [list(o["output_ids"]) for o in outs]
             print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -208,11 +218,12 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     return rows, outputs
 
 
-def _source_share(trace, offset) -> dict:
-    """Share of decode rounds per drafting source in the worker's lookup trace after ``offset``."""
+def _trace_stats(trace, offset):
+    """(share of decode rounds per drafting source, mean verify width per round) in the worker's
+    lookup trace after ``offset``."""
     if not os.path.exists(trace):
-        return {}
-    cnt = {}
+        return {}, None
+    cnt, widths = {}, []
     with open(trace, encoding="utf-8") as f:
         f.seek(offset)
         for line in f:
@@ -222,8 +233,11 @@ def _source_share(trace, offset) -> dict:
                 continue
             for s in rec.get("sources") or []:
                 cnt[s] = cnt.get(s, 0) + 1
+            if rec.get("width"):
+                widths.append(int(rec["width"]))
     tot = sum(cnt.values())
-    return {k: round(v / tot, 3) for k, v in sorted(cnt.items())} if tot else {}
+    return ({k: round(v / tot, 3) for k, v in sorted(cnt.items())} if tot else {},
+            round(sum(widths) / len(widths), 2) if widths else None)
 
 
 def run_reference(mode, target, draft, reqs, max_new):
@@ -237,7 +251,7 @@ def run_reference(mode, target, draft, reqs, max_new):
     model, tok = load_target(str(target))
     d = DLiteDrafter.from_pretrained(draft).bind_hf_target(model)
     drafter = DLiteEngineDrafter(d)
-    if mode.split(":")[0] in ("dlite", "hybrid"):  # DLITE's default drafting: hybrid
+    if mode.split(":")[0] in ("dlite", "hybrid", "hybrid-fixed"):  # DLITE's default drafting: hybrid
         from sglang_dlite.lookup.drafters import HybridEngineDrafter
 
         drafter = HybridEngineDrafter(drafter)
@@ -247,7 +261,7 @@ def run_reference(mode, target, draft, reqs, max_new):
     with torch.no_grad():
         for r in reqs:
             t1 = time.perf_counter()
-            g = eng.generate(r, max_new, speculative=mode.split(":")[0] in ("dlite", "hybrid", "dlite-only"))
+            g = eng.generate(r, max_new, speculative=mode.split(":")[0] in ("dlite", "hybrid", "hybrid-fixed", "dlite-only"))
             lat.append(time.perf_counter() - t1)
             outs.append(g.output_ids)
             rounds += len(g.rounds)

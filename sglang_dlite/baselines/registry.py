@@ -1,7 +1,9 @@
 """``--drafter NAME[:PATH]`` for the baselines and DLite's ablations.
 
 Without a path a name loads ``artifacts/baselines/NAME/`` (written by ``make train-baselines``;
-git-ignored; ``$SGLANG_DLITE_BASELINES`` overrides the folder). ``ngram`` needs no checkpoint.
+git-ignored; ``$SGLANG_DLITE_BASELINES`` overrides the folder); where that is missing, the
+checkpoint shipped in the package (``SHIPPED_BASELINES``: EAGLE-3 for the default SmolLM2 target,
+so the side-by-side runs on a fresh clone). ``ngram`` needs no checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ DLITE_ABLATIONS = {  # name -> DLiteConfig.history the checkpoint must have
 KV_BASELINES = ("eagle3", "dflash", "dspark")
 BASELINE_NAMES = tuple(DLITE_ABLATIONS) + KV_BASELINES + ("ngram",)
 DRAFTER_NAMES = ("dlite",) + BASELINE_NAMES
+# name -> folder under sglang_dlite/checkpoints/ (bf16, trained on the default target's data)
+SHIPPED_BASELINES = {"eagle3": "eagle3-smollm2-135m"}
 
 
 def known_drafters_text() -> str:
@@ -34,7 +38,29 @@ def baselines_dir() -> str:
     return os.path.join(root, "artifacts", "baselines")
 
 
+def _is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "model.safetensors"))
+
+
+def shipped_checkpoint(name: str) -> Optional[str]:
+    """The package's own checkpoint for ``name`` (None if it ships none)."""
+    folder = SHIPPED_BASELINES.get(name)
+    if folder is None:
+        return None
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", folder)
+    return path if _is_checkpoint(path) else None
+
+
 def default_checkpoint(name: str) -> str:
+    """Where ``--drafter NAME`` loads from (and ``train --drafter-type NAME`` writes to): the
+    trained one in the baselines folder, else the shipped one."""
+    trained = os.path.join(baselines_dir(), name)
+    if _is_checkpoint(trained):
+        return trained
+    return shipped_checkpoint(name) or trained
+
+
+def training_output_dir(name: str) -> str:
     return os.path.join(baselines_dir(), name)
 
 
@@ -84,8 +110,8 @@ def _missing(name: str, path: str, explicit: bool) -> DLiteConfigError:
         return DLiteConfigError(f"--drafter {name}:{path}: no checkpoint there (it needs config.json and "
                                 f"model.safetensors, as written by `sglang-dlite train --drafter-type {name}`).")
     return DLiteConfigError(
-        f"--drafter {name}: no trained checkpoint at {path!r}. Baseline checkpoints are not committed; "
-        f"run `make train-baselines` (or `sglang-dlite train --drafter-type {name} --out {path}`), "
+        f"--drafter {name}: no trained checkpoint at {path!r} (the package ships one for "
+        f"{', '.join(SHIPPED_BASELINES) or 'none'} only); run `make train-baselines` (or `sglang-dlite train --drafter-type {name} --out {path}`), "
         f"or pass {name}:PATH."
     )
 
@@ -101,7 +127,7 @@ def make_baseline_drafter(name: str, path: Optional[str], target):
         return NGramDrafter()
     explicit = bool(path)
     path = path or default_checkpoint(name)
-    if not (os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "model.safetensors"))):
+    if not _is_checkpoint(path):
         raise _missing(name, path, explicit)
     if name in DLITE_ABLATIONS:
         from ..model import DLiteDrafter

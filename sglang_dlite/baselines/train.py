@@ -36,7 +36,7 @@ import torch
 from ..errors import DLiteInputError
 from ..spec.accept import greedy_accept_length
 from .common import anchor_targets
-from .registry import BASELINE_NAMES, DLITE_ABLATIONS, KV_BASELINES, default_checkpoint, new_model
+from .registry import BASELINE_NAMES, DLITE_ABLATIONS, KV_BASELINES, new_model, training_output_dir
 
 DLITE_TRAIN_ARGS = {  # extra `sglang-dlite train` options, and the stage whose model is the result
     "dlite-teacher": (["--stages", "teacher"], "teacher"),
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument("--anchor-tokens", choices=("generated", "all"), default="generated",
                     help="training anchors on the target's generated spans only, or every position (as DLite's)")
     args, extra = ap.parse_known_args(argv)
-    out = args.out or default_checkpoint(args.drafter_type)
+    out = args.out or training_output_dir(args.drafter_type)
     torch.set_num_threads(args.threads)
     if args.drafter_type in DLITE_ABLATIONS:
         # the shared options, in `sglang-dlite train` spelling (the budget covers all its stages)

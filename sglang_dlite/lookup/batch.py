@@ -104,19 +104,27 @@ class BatchLookup:
                dlite_conf: Optional[List[list]] = None):
         """Per request: K tokens to verify (a shorter chain is padded by repeating its last
         token; the verify is K wide anyway) and the source that made them."""
-        out, sources = [], []
+        drafts, sources, _ = self.choose_round(idxs, lookups, dlite_tokens, dlite_conf)
+        return drafts, sources
+
+    def choose_round(self, idxs, lookups, dlite_tokens: Optional[List[list]] = None,
+                     dlite_conf: Optional[List[list]] = None):
+        """``choose`` plus each chain's calibrated per-position acceptance probabilities (as long
+        as the real chain, before padding): what a per-round verify width is chosen from."""
+        out, sources, probs = [], [], []
         for i, (idx, lk) in enumerate(zip(idxs, lookups)):
             if dlite_tokens is None:
                 c = choose(idx, self.K, self.cal, lookup=lk)
             else:
                 c = choose(idx, self.K, self.cal, dlite_tokens[i], dlite_conf[i], lookup=lk)
             toks = list(c.tokens[: self.K])
+            probs.append(list(c.probs[: len(toks)]))
             if len(toks) < self.K:
                 fill = toks[-1] if toks else idx.tokens[-1]
                 toks += [fill] * (self.K - len(toks))
             out.append(toks)
             sources.append(c.source)
-        return out, sources
+        return out, sources, probs
 
     def commit(self, reqs, idxs, drafts: List[list], accepted: Sequence[int], sources=None) -> None:
         """After accept: the accepted drafts join the index (the bonus is the next anchor)."""
@@ -128,4 +136,5 @@ class BatchLookup:
                 self.source_accepted[s] = self.source_accepted.get(s, 0) + int(a)
         if self.trace_path:
             self._trace({"event": "decode", "rids": [r.rid for r in reqs], "live": sorted(self.states),
-                         "sources": sources, "accepted": [int(a) for a in accepted]})
+                         "sources": sources, "accepted": [int(a) for a in accepted],
+                         "width": 1 + max((len(d) for d in drafts), default=0)})

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Optional
 
 import torch
@@ -39,6 +40,7 @@ from ..errors import DLiteConfigError
 from ..lookup.batch import ENV_LOOKUP, ENV_TRACE, BatchLookup, lookup_enabled
 from ..model import DLiteDrafter
 from ..spec.context import last_rows_of_segments
+from ..spec.verify_width import VerifyWidthPolicy, adaptive_width_wanted
 from . import metrics as dlite_metrics
 from . import verify_logits
 from .cuda_graphs import DrafterCudaGraphs
@@ -174,8 +176,17 @@ class DLiteWorker(BaseSpecWorker):
         if lookup_enabled():
             self.lookup = BatchLookup(self.num_drafts, trace_path=os.environ.get(ENV_TRACE) or None)
         self._round_lookup = None
-        logger.info("DLITE drafting: %s", "hybrid (DLite + suffix lookup)" if self.lookup is not None
-                    else f"DLite alone ({ENV_LOOKUP}=0)")
+        # Per-round verify width (spec/verify_width.py): on a CPU a verify row is not free, so the
+        # hybrid verifies only as many drafts as pay for their cost (learned online); fixed W on
+        # GPUs (flat cost, one CUDA-graph shape). SGLANG_DLITE_VERIFY_WIDTH=fixed|adaptive|auto.
+        self.width_policy: Optional[VerifyWidthPolicy] = None
+        if self.lookup is not None and adaptive_width_wanted(
+                str(self.device), bool(getattr(server_args, "disable_cuda_graph", False)),
+                1 if self._tp is None else 2):
+            self.width_policy = VerifyWidthPolicy(self.W)
+        logger.info("DLITE drafting: %s; verify width %s", "hybrid (DLite + suffix lookup)" if self.lookup is not None
+                    else f"DLite alone ({ENV_LOOKUP}=0)",
+                    f"chosen per round, 2..{self.W}" if self.width_policy is not None else f"fixed at {self.W}")
         logger.info(
             "DLITE drafter %s: K=%d (verifying %d drafts per round), C=%d, target layers %s, dtype %s", path,
             self.drafter_block_size, self.num_drafts, self.C, cfg.target_layer_ids, dtype,
@@ -249,9 +260,13 @@ class DLiteWorker(BaseSpecWorker):
         if need_dlite:
             d, conf = self._draft_dlite(state, anchors, with_confidence=True)
             d_toks, d_conf = d.tolist(), conf.float().tolist()
-        drafts, sources = self.lookup.choose(idxs, lookups, d_toks, d_conf)
+        drafts, sources, probs = self.lookup.choose_round(idxs, lookups, d_toks, d_conf)
+        n = self.num_drafts
+        if self.width_policy is not None:
+            n = self.width_policy.choose(probs) - 1
+            drafts = [d[:n] for d in drafts]
         self._round_lookup = (idxs, drafts, sources)
-        return torch.tensor(drafts, dtype=torch.int64, device=self.device).view(len(drafts), self.num_drafts)
+        return torch.tensor(drafts, dtype=torch.int64, device=self.device).view(len(drafts), n)
 
     def _lookup_commit(self, batch, accepted: torch.Tensor) -> None:
         if self.lookup is None or self._round_lookup is None:
@@ -277,12 +292,13 @@ class DLiteWorker(BaseSpecWorker):
         return (prop.tokens, prop.confidence) if with_confidence else prop.tokens
 
     def _accept(self, drafts: torch.Tensor, logits: torch.Tensor, batch, prefix_lens):
-        """drafts [B, K], processed logits [B, W, V] -> (accepted count a [B], bonus [B]):
+        """drafts [B, W-1], processed logits [B, W, V] -> (accepted count a [B], bonus [B]):
         argmax, or sglang's own sampler per row (verify_logits.accept)."""
         info = batch.sampling_info
         sample_rows = None
         if not verify_logits.is_all_greedy(info):
-            sample_rows = verify_logits.sglang_row_sampler(self.model_runner.sampler, info, self.W, prefix_lens,
+            sample_rows = verify_logits.sglang_row_sampler(self.model_runner.sampler, info, logits.shape[1],
+                                                           prefix_lens,
                                                            inplace=not batch.return_logprob)
         return verify_logits.accept(drafts, logits, sample_rows)
 
@@ -342,7 +358,6 @@ class DLiteWorker(BaseSpecWorker):
         if not isinstance(draft_input, DLiteDraftInput):
             raise RuntimeError(f"DLITE expected DLiteDraftInput on the running batch, got {type(draft_input)}")
         bs = len(batch.reqs)
-        W, K = self.W, self.num_drafts
         device = self.device
         prefix_lens = batch.seq_lens
         state = draft_input.hidden_states
@@ -352,6 +367,8 @@ class DLiteWorker(BaseSpecWorker):
         # 1) draft
         drafts = self._draft(state, anchors, batch).to(torch.int64)  # [B, K] (the first K = W-1 of the chain)
         drafts = self._tp_same(drafts, "drafts")  # TP: every rank verifies the same block
+        K = drafts.shape[1]  # drafts verified this round (W - 1 unless the width policy cut it)
+        W = K + 1
         if rt is not None:
             rt.mark()
         block = torch.cat([anchors[:, None], drafts], dim=1)  # [B, W]
@@ -387,10 +404,13 @@ class DLiteWorker(BaseSpecWorker):
                 self.model_runner.decode_cuda_graph_runner.load_batch(fb)
         finally:
             batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu_backup, seq_lens_sum_backup
+        t_verify = time.perf_counter()
         target_out = self._target_worker.forward_batch_generation(
             batch=None, forward_batch=fb, is_verify=True,
         )
         logits_output = target_out.logits_output
+        if self.width_policy is not None:  # CPU: the forward has finished when it returns
+            self.width_policy.observe(bs * W, time.perf_counter() - t_verify)
         if rt is not None:
             rt.mark()
         logits = logits_output.next_token_logits.view(bs, W, -1)

@@ -1,0 +1,95 @@
+"""The per-round verify width (sglang_dlite/spec/verify_width.py): expected tokens, the cost
+model it learns, the choice it makes from both, and when the worker turns it on."""
+
+import pytest
+
+from sglang_dlite.errors import DLiteConfigError
+from sglang_dlite.spec.verify_width import VerifyWidthPolicy, adaptive_width_wanted, expected_committed
+
+
+def test_expected_committed_is_one_plus_sum_of_reach():
+    ps = [0.5, 0.4, 0.9]
+    assert expected_committed(ps, 0) == 1.0
+    assert expected_committed(ps, 1) == pytest.approx(1.5)
+    assert expected_committed(ps, 3) == pytest.approx(1 + 0.5 + 0.2 + 0.18)
+    assert expected_committed(ps, 7) == expected_committed(ps, 3)  # a chain gains nothing past its end
+
+
+def _brute_best(policy, chains, lo, hi):
+    vals = {w: sum(expected_committed(p, w - 1) for p in chains) / policy.cost(len(chains) * w) for w in range(lo, hi + 1)}
+    best = max(vals.values())
+    return min(w for w, v in vals.items() if v >= best - 1e-12)
+
+
+def _measured(policy, costs):
+    for rows, c in costs.items():
+        for _ in range(3):
+            policy.observe(rows, c)
+
+
+def test_flat_cost_takes_the_whole_chain():
+    pol = VerifyWidthPolicy(8)
+    _measured(pol, {w: 1.0 for w in range(2, 9)})
+    assert pol.choose([[0.3] * 7]) == 8
+    assert pol.choose([[0.9, 0.8]]) == 3  # a 2-draft chain: nothing past it is worth a row
+    assert pol.choose([[]]) == 2  # no draft at all: the narrowest verify
+
+
+def test_a_cost_step_cuts_an_unlikely_tail():
+    # the CPU shape: 1-6 rows cost the same, 7+ rows 30 % more
+    pol = VerifyWidthPolicy(8)
+    _measured(pol, {w: (1.0 if w <= 6 else 1.3) for w in range(2, 9)})
+    tail = [0.9, 0.9, 0.9, 0.1, 0.1, 0.1, 0.1]
+    w = pol.choose([tail])
+    assert w <= 6 and w == _brute_best(pol, [tail], 2, 8)
+    sure = [0.99] * 7
+    assert pol.choose([sure]) == _brute_best(pol, [sure], 2, 8) == 8
+    # a batch of 2: rows = 2 w, so the step at 7 rows is already at w = 4
+    pol2 = VerifyWidthPolicy(8)
+    _measured(pol2, {r: (1.0 if r <= 6 else 1.3) for r in range(4, 17, 2)})
+    chains = [[0.5] * 7, [0.2] * 7]
+    assert pol2.choose(chains) == _brute_best(pol2, chains, 2, 8) == 3
+
+
+def test_unmeasured_widths_are_tried_then_judged():
+    pol = VerifyWidthPolicy(8)
+    chains = [[0.6] * 7]
+    assert pol.cost(8) is None
+    assert pol.choose(chains) == 8  # nothing measured: the fixed-width behaviour
+    pol.observe(8, 0.10)
+    # below the only measurement the estimate is proportional: a narrow round looks cheap, gets tried
+    assert pol.cost(2) == pytest.approx(0.025)
+    w = pol.choose(chains)
+    assert w < 8
+    pol.observe(w, 0.095)  # ... and turns out to cost nearly as much: the wide round wins again
+    assert pol.choose(chains) == 8
+    # between measurements: linear; above the largest: flat
+    assert pol.cost((w + 8) / 2) == pytest.approx((0.095 + 0.10) / 2)
+    assert pol.cost(20) == pytest.approx(0.10)
+    assert pol.chosen[8] == 2
+
+
+def test_cost_is_robust_to_one_slow_round():
+    pol = VerifyWidthPolicy(4)
+    for s in (0.05, 0.05, 0.05, 0.05, 0.9):
+        pol.observe(4, s)
+    assert pol.cost(4) == pytest.approx(0.05)  # median of the recent rounds, not the mean
+
+
+def test_bad_widths_raise():
+    with pytest.raises(ValueError, match="min_width"):
+        VerifyWidthPolicy(1)
+    with pytest.raises(ValueError, match="min_width"):
+        VerifyWidthPolicy(4, min_width=5)
+
+
+def test_when_the_worker_adapts_the_width():
+    env = {}
+    assert adaptive_width_wanted("cpu", False, environ=env)
+    assert not adaptive_width_wanted("cuda:0", False, environ=env)  # auto: CPU only
+    assert not adaptive_width_wanted("cpu", False, tp_size=2, environ=env)
+    assert not adaptive_width_wanted("cpu", False, environ={"SGLANG_DLITE_VERIFY_WIDTH": "fixed"})
+    assert adaptive_width_wanted("cuda:0", True, environ={"SGLANG_DLITE_VERIFY_WIDTH": "adaptive"})
+    assert not adaptive_width_wanted("cuda:0", False, environ={"SGLANG_DLITE_VERIFY_WIDTH": "adaptive"})
+    with pytest.raises(DLiteConfigError, match="auto, adaptive or fixed"):
+        adaptive_width_wanted("cpu", False, environ={"SGLANG_DLITE_VERIFY_WIDTH": "sometimes"})

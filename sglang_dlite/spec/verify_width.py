@@ -1,0 +1,121 @@
+"""How many positions to verify this round: the width that maximises committed tokens per second.
+
+A verify round of width ``w`` (the anchor + ``w - 1`` drafts per request) commits, per request,
+``1 + E(w - 1)`` tokens in expectation, with ``E(n) = sum_{i<=n} prod_{j<=i} p_j`` from the
+per-position acceptance probabilities of the chain being verified (the hybrid chooser's calibrated
+``probs``). Its cost is the target's verify forward over ``rows = batch * w`` tokens. On a GPU that
+cost is flat in ``w`` (the verify is latency-bound) and the widest round always wins; on a CPU it
+is not: the target's GEMMs cost about the same for 1-6 rows and step up at 7-8 (oneDNN's
+register blocking, measured on SmolLM2-135M), so a chain whose tail is unlikely to be accepted
+is cheaper to leave out.
+
+``VerifyWidthPolicy`` learns that cost online from the rounds it picked (wall seconds of the
+verify forward by total rows; the median of the last few) and picks ``argmax_w sum_r (1 +
+E_r(w - 1)) / cost(batch * w)``. Rows it has not measured yet get an optimistic estimate
+(interpolated between measured neighbours, proportional below the smallest, flat above the
+largest), so every width is tried once and then judged by what it cost. Pure Python; the sglang
+DLITE worker uses it where the verify runs eagerly on a CPU (``SGLANG_DLITE_VERIFY_WIDTH``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+from collections import deque
+from statistics import median
+from typing import Dict, List, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+ENV_VERIFY_WIDTH = "SGLANG_DLITE_VERIFY_WIDTH"  # auto (default) | adaptive | fixed
+
+
+def expected_committed(probs: Sequence[float], n: int) -> float:
+    """1 + sum_{i<=n} prod_{j<=i} p_j: tokens one request commits when n drafts are verified."""
+    s, reach = 1.0, 1.0
+    for p in list(probs)[:n]:
+        reach *= float(p)
+        s += reach
+    return s
+
+
+def adaptive_width_wanted(device: str, disable_cuda_graph: bool, tp_size: int = 1, environ=None) -> bool:
+    """Whether the hybrid picks its verify width per round. ``auto`` (default): on a CPU only (a
+    GPU's verify cost is flat in the width and its CUDA graphs want one shape); ``adaptive``: also
+    on a GPU served with --disable-cuda-graph; ``fixed``: never. Never under tensor parallelism
+    (every rank would have to pick the same width from its own timings)."""
+    v = (environ if environ is not None else os.environ).get(ENV_VERIFY_WIDTH, "auto").strip().lower()
+    if v not in ("auto", "adaptive", "fixed"):
+        from ..errors import DLiteConfigError
+
+        raise DLiteConfigError(f"{ENV_VERIFY_WIDTH}={v!r}: use auto, adaptive or fixed.")
+    if v == "fixed" or tp_size > 1:
+        return False
+    on_cpu = str(device).startswith("cpu")
+    if v == "adaptive" and not on_cpu and not disable_cuda_graph:
+        logger.warning("%s=adaptive needs an eager verify on a GPU (--disable-cuda-graph); keeping the fixed "
+                       "width.", ENV_VERIFY_WIDTH)
+        return False
+    return on_cpu or v == "adaptive"
+
+
+class VerifyWidthPolicy:
+    def __init__(self, max_width: int, min_width: int = 2, samples: int = 8):
+        if not 2 <= min_width <= max_width:
+            raise ValueError(f"verify widths need 2 <= min_width ({min_width}) <= max_width ({max_width}).")
+        self.max_width, self.min_width = int(max_width), int(min_width)
+        self._samples = int(samples)
+        self._cost: Dict[int, deque] = {}  # total verify rows -> recent wall seconds
+        self._rows: List[int] = []  # sorted keys of _cost
+        self.chosen: Dict[int, int] = {}  # width -> rounds (reported by the worker's metrics)
+
+    # ------------------------------------------------------------------ cost model
+    def observe(self, rows: int, seconds: float) -> None:
+        """The verify forward over ``rows`` tokens took ``seconds``."""
+        rows = int(rows)
+        q = self._cost.get(rows)
+        if q is None:
+            q = self._cost[rows] = deque(maxlen=self._samples)
+            bisect.insort(self._rows, rows)
+        q.append(float(seconds))
+
+    def measured(self, rows: int) -> Optional[float]:
+        q = self._cost.get(int(rows))
+        if not q:
+            return None
+        return min(q) if len(q) < 3 else median(q)
+
+    def cost(self, rows: int) -> Optional[float]:
+        """Measured, or an optimistic estimate from the measured rows; None before any round."""
+        m = self.measured(rows)
+        if m is not None:
+            return m
+        if not self._rows:
+            return None
+        i = bisect.bisect_left(self._rows, rows)
+        if i == 0:  # below every measurement: proportional (optimistic: a smaller verify is cheaper)
+            r0 = self._rows[0]
+            return self.measured(r0) * rows / r0
+        if i == len(self._rows):  # above every measurement: flat (optimistic)
+            return self.measured(self._rows[-1])
+        lo, hi = self._rows[i - 1], self._rows[i]
+        c_lo, c_hi = self.measured(lo), self.measured(hi)
+        return c_lo + (c_hi - c_lo) * (rows - lo) / (hi - lo)
+
+    # ------------------------------------------------------------------ the choice
+    def choose(self, chain_probs: Sequence[Sequence[float]]) -> int:
+        """The width for this round; ``chain_probs[r]`` = request r's per-position acceptance
+        probabilities (its chain length caps what it can gain; an empty chain gains nothing)."""
+        bs = max(1, len(chain_probs))
+        best_w, best_v = self.max_width, -1.0
+        for w in range(self.min_width, self.max_width + 1):
+            c = self.cost(bs * w)
+            gain = sum(expected_committed(p, w - 1) for p in chain_probs) if chain_probs else float(bs)
+            v = gain if c is None else gain / max(c, 1e-9)
+            if c is None:  # nothing measured yet: the widest round (the fixed-width behaviour)
+                v = w
+            if v > best_v + 1e-12:
+                best_w, best_v = w, v
+        self.chosen[best_w] = self.chosen.get(best_w, 0) + 1
+        return best_w
