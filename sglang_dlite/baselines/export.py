@@ -91,8 +91,9 @@ def render_card(name: str, config: dict, rec: dict) -> str:
               f"- {run.get('steps')} steps in {run.get('wall_s')} s of step time ({run.get('anchors_seen')} anchors), "
               f"lr {o.get('lr')}, batch {o.get('batch_size')} anchors ({o.get('seqs_per_batch')} sequences per step), "
               f"anchors: {o.get('anchor_tokens')}, vocabulary subset {o.get('vocab_subset')}, bf16 autocast "
-              f"{o.get('bf16')}, wall-clock budget {o.get('budget_min')} min (the same as DLite v4's training, "
-              "for an equal-budget comparison)."]
+              f"{o.get('bf16')}, wall-clock budget {o.get('budget_min')} min (the cosine schedule is re-planned "
+              "from the measured step rate, so the run can end before the budget: compare the step time above "
+              "with the DLite run it is set against)."]
     if rec.get("acceptance"):
         lines += ["", "## Measured acceptance (reference engine, greedy)", "",
                   "| workload | tau | first draft accepted | lossless |", "|---|---|---|---|"]
@@ -117,6 +118,9 @@ def export(name: str, src: str, dst: str, data_dir: Optional[str] = None, accept
         config = json.load(f)
     with open(os.path.join(tmp, "README.md"), "w") as f:
         f.write(render_card(name, config, read_training_json(tmp)))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a shipped checkpoint is world-readable
+    for name_ in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, name_), 0o644)
     if os.path.isdir(dst):
         shutil.rmtree(dst)
     os.replace(tmp, dst)

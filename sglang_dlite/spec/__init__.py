@@ -7,7 +7,8 @@ One definition each, pure torch (imports no sglang), used by the reference engin
                 sampling (standard speculative sampling, deterministic or sampled drafts);
 - ``tau``:      the acceptance length τ = committed tokens per verify round, prefill excluded;
 - ``context``:  the drafter's context window: the last C committed positions' rows + validity;
-- ``sampling``: temperature / top-k / top-p filters that turn logits into the target's law.
+- ``sampling``: temperature / top-k / top-p filters that turn logits into the target's law;
+- ``verify_width``: how many drafts a round verifies where a verify row is not free (a CPU).
 """
 
 from .accept import chain_rejection_sample, greedy_accept, greedy_accept_length  # noqa: F401
