@@ -17,13 +17,12 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 from typing import List, Optional
 
 import torch
 
 from ..errors import DLiteConfigError
-from ..training.run_summary import read_training_json, summarize, write_training_json
+from ..training.run_summary import summarize, write_training_json
 from .registry import KV_BASELINES, model_classes
 
 DESCRIPTIONS = {
@@ -111,16 +110,13 @@ def export(name: str, src: str, dst: str, data_dir: Optional[str] = None, accept
     rec = baseline_record(name, src, data_dir, list(acceptance))
     model_cls, _ = model_classes(name)
     model = model_cls.from_pretrained(src)
-    tmp = tempfile.mkdtemp(prefix=".export_", dir=os.path.dirname(os.path.abspath(dst)) or ".")
+    tmp = dst.rstrip("/") + ".partial"  # staged beside dst, then swapped in (as training/recipe.export)
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
     model.save_pretrained(tmp, dtype=torch.bfloat16)
     write_training_json(tmp, rec)
-    with open(os.path.join(tmp, "config.json")) as f:
-        config = json.load(f)
     with open(os.path.join(tmp, "README.md"), "w") as f:
-        f.write(render_card(name, config, read_training_json(tmp)))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a shipped checkpoint is world-readable
-    for name_ in os.listdir(tmp):
-        os.chmod(os.path.join(tmp, name_), 0o644)
+        f.write(render_card(name, model.config.to_dict(), rec))
     if os.path.isdir(dst):
         shutil.rmtree(dst)
     os.replace(tmp, dst)
