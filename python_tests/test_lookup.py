@@ -113,6 +113,25 @@ def test_chooser_continues_dlite_with_the_lookup_when_prefixes_agree():
     assert c.tokens == [100] + quote[1:7]
 
 
+def test_chain_longer_than_dlite_is_continued_by_the_lookup():
+    """k > DLite's K (sglang's --speculative-num-draft-tokens above K + 1): the lookup alone runs
+    k long, DLite's K drafts are continued by the lookup where they re-enter a quote, and DLite
+    alone stays K long."""
+    cal = Calibration()
+    quote = list(range(100, 160))
+    idx = SuffixIndex([1, 2] + quote + [3, 4] + quote[:20])
+    c = choose(idx, 12, cal, dlite_tokens=[9] * 7, dlite_conf=[0.4] * 7)
+    assert c.source == "suffix" and c.tokens == quote[20:32]
+    # DLite's 7 drafts follow the quote: the lookup continues them to 12
+    c = choose(idx, 12, cal, dlite_tokens=quote[20:27], dlite_conf=[0.99] * 7)
+    assert c.tokens == quote[20:32] and c.source in ("suffix", "mixed")
+    assert c.scores["mixed"] is not None and c.scores["mixed"] > c.scores["dlite"]
+    # novel text: DLite alone, K long (nothing to continue it with)
+    idx = SuffixIndex(list(range(200, 260)))
+    c = choose(idx, 12, cal, dlite_tokens=[5, 6, 7, 8, 9, 10, 11], dlite_conf=[0.9] * 7)
+    assert c.source == "dlite" and c.tokens == [5, 6, 7, 8, 9, 10, 11]
+
+
 def test_min_reach_cuts_the_chain():
     cal = Calibration()
     idx = SuffixIndex(list(range(200, 260)))
@@ -152,15 +171,17 @@ def _repetitive_prompts(vocab, n=6, seed=0):
     return out
 
 
-@pytest.mark.parametrize("which", ["hybrid", "suffix", "hybrid-cut"])
+@pytest.mark.parametrize("which", ["hybrid", "suffix", "hybrid-cut", "hybrid-long"])
 def test_lookup_drafters_are_lossless_greedy(tiny_target, which):
+    cap = 12 if which == "hybrid-long" else 5  # hybrid-long: chains past DLite's K=5, lookup-continued
     if which == "suffix":
         dr = SuffixEngineDrafter(block_size=5)
     else:
-        dr = _hybrid(tiny_target, min_reach=0.3 if which == "hybrid-cut" else 0.0)
+        dr = _hybrid(tiny_target, min_reach=0.3 if which == "hybrid-cut" else 0.0,
+                     max_drafts=12 if which == "hybrid-long" else None)
     eng = ReferenceEngine(tiny_target, dr, [EOS])
     sess = eng.new_session()
-    sources, accepted = set(), 0
+    sources, accepted, longest = set(), 0, 0
     hist = []
     for p in _repetitive_prompts(tiny_target.config.vocab_size, n=4):
         ref = eng.generate(p, 40, speculative=False).output_ids
@@ -174,8 +195,11 @@ def test_lookup_drafters_are_lossless_greedy(tiny_target, which):
         for r in res.rounds + turn.rounds:
             sources.add(r.source)
             accepted += r.accepted
-            assert len(r.draft_tokens) <= 5
+            assert len(r.draft_tokens) <= cap
+            longest = max(longest, r.accepted)
     assert accepted > 0
+    if which == "hybrid-long":
+        assert longest > 5, longest  # a round accepted more drafts than DLite alone could make
     assert sources & {"suffix", "mixed"}  # the lookup drafted (the tiny target's output repeats)
     eng.close()
 

@@ -69,7 +69,10 @@ def test_hybrid_equals_nospec_and_frees_lookup_state(tmp_path, monkeypatch):
         assert "dlite" in sources  # and DLite drafted the others
         # the CPU default picks the verify width per round: several widths ran, output unchanged
         widths = {x["width"] for x in ev}
-        assert len(widths) > 1 and widths <= set(range(2, 9)), widths
+        assert len(widths) > 1 and widths <= set(range(2, 17)), widths
+        # the CPU default lets the lookup continue a chain past DLite's K = 7 drafts (W up to 16):
+        # the quoted function is accepted in rounds longer than DLite alone could draft
+        assert max(a for x in ev for a in x["accepted"]) > 7, ev[:5]
         verify = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
         assert verify < sum(len(b) for b in base) / 1.5, verify
 

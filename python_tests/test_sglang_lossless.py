@@ -38,7 +38,9 @@ def llama(sticky_llama_and_copy_dlite):
 
 
 def _accept_histogram(metas, n=5):
-    """Rounds per number of accepted drafts (0..n-1), summed over requests."""
+    """Rounds per number of accepted drafts (0..n-1, or longer where the suffix lookup continued
+    a chain past DLite's K drafts), summed over requests."""
+    n = max([n] + [len(m["spec_correct_drafts_histogram"]) for m in metas])
     hist = [0] * n
     for m in metas:
         for i, c in enumerate(m["spec_correct_drafts_histogram"]):
@@ -112,7 +114,7 @@ def test_dlite_verifies_a_prefix_of_the_drafts(llama):
         got, metas = _run_batch(e)
     assert got == ref
     hist = _accept_histogram(metas)
-    assert hist[2] > 0 and hist[3] == hist[4] == 0, hist  # 0..2 drafts accepted, never more
+    assert hist[2] > 0 and not any(hist[3:]), hist  # 0..2 drafts accepted, never more
 
 
 def test_dlite_qwen3_target(tmp_path_factory):

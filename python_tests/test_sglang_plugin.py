@@ -125,11 +125,21 @@ def test_drafter_for_another_target_fails(tiny, field, value, needle):
         _validate(_args(target, other))
 
 
-def test_k_inconsistent_with_num_draft_tokens_fails(tiny):
+def test_k_inconsistent_with_num_draft_tokens_fails(tiny, monkeypatch):
     from sglang_dlite.errors import DLiteConfigError
+    from sglang_dlite.sglang_plugin.spec import HYBRID_MAX_DRAFT_TOKENS as W_MAX
 
     _, target, drafter = tiny  # K = 4
-    with pytest.raises(DLiteConfigError, match=r"--speculative-num-draft-tokens 8 .*K=4.*between 2 and 5"):
+    # hybrid drafting (the default): the lookup may continue a chain past DLite's K drafts
+    monkeypatch.delenv("SGLANG_DLITE_LOOKUP", raising=False)
+    _validate(_args(target, drafter, speculative_num_draft_tokens=12))
+    with pytest.raises(DLiteConfigError, match=rf"--speculative-num-draft-tokens {W_MAX + 1} .*K=4.*between 2 and {W_MAX}"):
+        _validate(_args(target, drafter, speculative_num_draft_tokens=W_MAX + 1))
+    with pytest.raises(DLiteConfigError, match=rf"--speculative-num-draft-tokens 1 .*between 2 and {W_MAX}"):
+        _validate(_args(target, drafter, speculative_num_draft_tokens=1))
+    # DLite alone: at most K + 1
+    monkeypatch.setenv("SGLANG_DLITE_LOOKUP", "0")
+    with pytest.raises(DLiteConfigError, match=r"--speculative-num-draft-tokens 8 .*K=4.*between 2 and 5.*SGLANG_DLITE_LOOKUP=0"):
         _validate(_args(target, drafter, speculative_num_draft_tokens=8))
     with pytest.raises(DLiteConfigError, match=r"--speculative-num-draft-tokens 1 .*between 2 and 5"):
         _validate(_args(target, drafter, speculative_num_draft_tokens=1))

@@ -51,6 +51,36 @@ def test_a_cost_step_cuts_an_unlikely_tail():
     assert pol2.choose(chains) == _brute_best(pol2, chains, 2, 8) == 3
 
 
+def test_width_and_chain_are_chosen_together():
+    """A long lookup chain whose value lies in its tail (first token unlikely, then a sure quote)
+    beats DLite at full length but not when the verify is cut: the hybrid re-picks each request's
+    chain for every width (BatchLookup.expected_table), so a cut round verifies DLite's chain,
+    and the width is chosen on those per-width values."""
+    from sglang_dlite.lookup.batch import BatchLookup
+    from sglang_dlite.lookup.chooser import Calibration, Candidate
+
+    bl = BatchLookup(15, calibration=Calibration(margin=0.0))
+    lookup = Candidate(0, list(range(100, 115)), [0.3] + [0.99] * 14)
+    dlite = Candidate(7, list(range(7)), [0.8, 0.6, 0.3, 0.2, 0.1, 0.1, 0.1], alone=True)
+    table = bl.expected_table([[lookup, dlite]], 15)
+    assert table[0][1] == pytest.approx(0.8)  # one draft: DLite's
+    assert table[0][15] == pytest.approx(lookup.score())  # all 15: the lookup's
+    # the CPU shape: <= 6 rows flat, then 30 % more, then 60 % more from 12 rows
+    pol = VerifyWidthPolicy(16)
+    _measured(pol, {w: (1.0 if w <= 6 else 1.3 if w < 12 else 1.6) for w in range(2, 17)})
+    w = pol.choose_expected(table)
+    vals = {x: (1 + table[0][x - 1]) / pol.cost(x) for x in range(2, 17)}
+    assert vals[w] == pytest.approx(max(vals.values()))
+    # choosing from the full-length chain's probabilities instead would verify the lookup's chain
+    # at a width where DLite's is worth more
+    class _Idx:  # pick_round pads an empty chain with the anchor
+        tokens = [1]
+    drafts, sources, _ = bl.pick_round([_Idx()], [[lookup, dlite]], 2)
+    assert sources == ["dlite"] and drafts == [[0, 1]]
+    drafts, sources, _ = bl.pick_round([_Idx()], [[lookup, dlite]], 15)
+    assert sources == ["suffix"] and drafts == [list(range(100, 115))]
+
+
 def test_unmeasured_widths_are_tried_then_judged():
     pol = VerifyWidthPolicy(8)
     chains = [[0.6] * 7]

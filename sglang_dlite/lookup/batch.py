@@ -17,7 +17,7 @@ import json
 import os
 from typing import List, Optional, Sequence
 
-from .chooser import Calibration, choose, default_calibration, lookup_only
+from .chooser import Calibration, Candidate, candidates, default_calibration, lookup_only, pick
 from .suffix import DEFAULT_MAX_MATCH, SuffixIndex
 
 ENV_LOOKUP = "SGLANG_DLITE_LOOKUP"  # "0" / "off" / "false": DLite alone (no lookup)
@@ -110,18 +110,34 @@ class BatchLookup:
     def choose_round(self, idxs, lookups, dlite_tokens: Optional[List[list]] = None,
                      dlite_conf: Optional[List[list]] = None):
         """``choose`` plus each chain's calibrated per-position acceptance probabilities (as long
-        as the real chain, before padding): what a per-round verify width is chosen from."""
+        as the real chain, before padding)."""
+        return self.pick_round(idxs, self.round_candidates(idxs, lookups, dlite_tokens, dlite_conf), self.K)
+
+    def round_candidates(self, idxs, lookups, dlite_tokens: Optional[List[list]] = None,
+                         dlite_conf: Optional[List[list]] = None) -> List[List[Candidate]]:
+        """Per request, every chain it could verify this round (``chooser.candidates``)."""
+        if dlite_tokens is None:
+            return [candidates(idx, self.K, self.cal, lookup=lk) for idx, lk in zip(idxs, lookups)]
+        return [candidates(idx, self.K, self.cal, dlite_tokens[i], dlite_conf[i], lookup=lk)
+                for i, (idx, lk) in enumerate(zip(idxs, lookups))]
+
+    def expected_table(self, cands: List[List[Candidate]], max_drafts: int) -> List[List[float]]:
+        """table[r][n]: expected accepted drafts of request r's best chain when n of its tokens
+        are verified (n = 0 .. max_drafts): what a per-round verify width is chosen from."""
+        return [[pick(c, self.cal, n).score for n in range(max_drafts + 1)] for c in cands]
+
+    def pick_round(self, idxs, cands: List[List[Candidate]], n: int):
+        """Per request: the chain to verify with n drafts per request (a shorter chain is padded
+        by repeating its last token; the verify is n wide anyway), its source, and its calibrated
+        per-position probabilities (as long as the real chain)."""
         out, sources, probs = [], [], []
-        for i, (idx, lk) in enumerate(zip(idxs, lookups)):
-            if dlite_tokens is None:
-                c = choose(idx, self.K, self.cal, lookup=lk)
-            else:
-                c = choose(idx, self.K, self.cal, dlite_tokens[i], dlite_conf[i], lookup=lk)
-            toks = list(c.tokens[: self.K])
+        for idx, cs in zip(idxs, cands):
+            c = pick(cs, self.cal, n)
+            toks = list(c.tokens[:n])
             probs.append(list(c.probs[: len(toks)]))
-            if len(toks) < self.K:
+            if len(toks) < n:
                 fill = toks[-1] if toks else idx.tokens[-1]
-                toks += [fill] * (self.K - len(toks))
+                toks += [fill] * (n - len(toks))
             out.append(toks)
             sources.append(c.source)
         return out, sources, probs

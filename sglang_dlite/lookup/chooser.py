@@ -5,7 +5,10 @@ Every round, per request, the candidates are the chains
     chain_i = DLite's first i drafts + the lookup's continuation after them,   i = 0 .. K
 
 (i = 0: the lookup alone; i = K: DLite alone; in between: "mixed", the lookup continuing DLite's
-tokens where the index knows what follows them). Each position j of a chain gets a conditional
+tokens where the index knows what follows them). A chain may be longer than DLite's K drafts (the
+sglang worker's ``--speculative-num-draft-tokens`` above K + 1): then the lookup alone, and DLite's
+K drafts continued by the lookup, run up to that length; DLite alone stays K long. Each position j
+of a chain gets a conditional
 acceptance probability p_j from a calibration table, and a chain's score is its expected number
 of accepted drafts, sum_i prod_{j<=i} p_j. The chooser takes the best lookup-involving chain when
 its score beats DLite alone by ``margin`` (else DLite), and optionally cuts the chain where the
@@ -133,61 +136,103 @@ def lookup_only(index: SuffixIndex, k: int, cal: Calibration):
     return d, ps, expected_accepted(ps)
 
 
+class Candidate:
+    """One chain this round could verify: ``split`` DLite drafts at its head (``alone``: DLite's
+    drafts only), its tokens and their calibrated acceptance probabilities. ``score(n)`` is its
+    expected number of accepted drafts when only its first ``n`` tokens are verified."""
+
+    __slots__ = ("split", "tokens", "probs", "alone", "_cum")
+
+    def __init__(self, split: int, tokens: Sequence[int], probs: Sequence[float], alone: bool = False):
+        self.split, self.tokens, self.probs, self.alone = split, list(tokens), list(probs), alone
+        cum, s, reach = [0.0], 0.0, 1.0
+        for p in self.probs:
+            reach *= p
+            s += reach
+            cum.append(s)
+        self._cum = cum
+
+    def score(self, n: Optional[int] = None) -> float:
+        return self._cum[-1] if n is None else self._cum[min(max(n, 0), len(self.probs))]
+
+    @property
+    def source(self) -> str:
+        if self.alone:
+            return "dlite"
+        if not self.tokens:
+            return "none"
+        return "suffix" if self.split == 0 else "mixed"
+
+
+def candidates(index: SuffixIndex, k: int, cal: Calibration, dlite_tokens: Optional[Sequence[int]] = None,
+               dlite_conf: Optional[Sequence[float]] = None, lookup=None,
+               log: Optional[dict] = None) -> List[Candidate]:
+    """Every chain of the module docstring for this round, the lookup alone first. ``index``
+    covers the committed tokens including the anchor. Without DLite drafts (skipped or
+    unavailable) only the lookup."""
+    if lookup is None:
+        lookup = lookup_only(index, k, cal)
+    ld, lps, _ = lookup
+    cands = [Candidate(0, ld.tokens, lps)]
+    if log is not None:
+        log["lookup"] = [(s.token, s.count, s.total, s.match_len) for s in ld.steps]
+    if dlite_tokens is None:
+        return cands
+    d = [int(t) for t in dlite_tokens][:k]
+    q = [float(x) for x in dlite_conf][:k]
+    v, m = index.match()
+    dps: List[float] = []
+    after = []  # per split i: the lookup continuation after d[:i] (steps)
+    for i in range(len(d) + 1):
+        cont = index.propose(k - i, start=(v, m)) if (v > 0 and k - i > 0) else None
+        after.append(cont.steps if cont is not None else [])
+        if i == len(d):
+            break
+        nxt = after[i][0].token if after[i] else None
+        agree = 0 if nxt is None else (2 if nxt == d[i] else 1)
+        dps.append(cal.p_dlite(q[i], agree))
+        v, m = index.walk(v, m, d[i])
+    if log is not None:
+        log["dlite"] = list(zip(d, q))
+        log["after"] = [[(s.token, s.count, s.total, s.match_len) for s in st] for st in after]
+    # i < len(d): DLite's first i drafts, then the lookup; i == len(d): all of DLite's drafts,
+    # then (only when the chain may be longer than DLite's K) the lookup after them
+    for i in range(1, len(d) + 1):
+        if i == len(d):
+            cands.append(Candidate(i, d, dps, alone=True))
+            if not after[i]:
+                continue
+        cands.append(Candidate(i, d[:i] + [s.token for s in after[i]], dps[:i] + [cal.p_lookup(s) for s in after[i]]))
+    return cands
+
+
+def pick(cands: Sequence[Candidate], cal: Calibration, n: Optional[int] = None) -> Choice:
+    """The chain to verify when at most ``n`` tokens of it are (None: all): the best
+    lookup-involving chain if its score beats DLite alone by ``cal.margin``, else DLite; scores
+    and the chosen chain are cut to ``n``."""
+    dl = next((c for c in cands if c.alone), None)
+    best_l = max((c for c in cands if not c.alone), key=lambda c: c.score(n))
+    scores = {"suffix": cands[0].score(n), "dlite": dl.score(n) if dl else None,
+              "mixed": max((c.score(n) for c in cands if c.split > 0 and not c.alone), default=None)}
+    use_l = dl is None or (best_l.tokens and best_l.score(n) >= dl.score(n) + cal.margin)
+    c = best_l if use_l else dl
+    cut = len(c.tokens) if n is None else max(0, n)
+    return Choice(c.tokens[:cut], c.source, c.score(n), c.probs[:cut], c.split, scores)
+
+
 def choose(index: SuffixIndex, k: int, cal: Calibration, dlite_tokens: Optional[Sequence[int]] = None,
            dlite_conf: Optional[Sequence[float]] = None, lookup=None, min_reach: float = 0.0,
            log: Optional[dict] = None) -> Choice:
-    """The chain to verify this round (see the module docstring). ``index`` covers the committed
-    tokens including the anchor. Without DLite drafts (skipped or unavailable) only the lookup."""
-    if lookup is None:
-        lookup = lookup_only(index, k, cal)
-    ld, lps, ls = lookup
-    cands = [(ls, 0, ld.tokens, lps)]
-    if log is not None:
-        log["lookup"] = [(s.token, s.count, s.total, s.match_len) for s in ld.steps]
-    if dlite_tokens is not None:
-        d = [int(t) for t in dlite_tokens][:k]
-        q = [float(x) for x in dlite_conf][:k]
-        v, m = index.match()
-        dps: List[float] = []
-        after = []  # per split i: the lookup continuation after d[:i] (steps)
-        for i in range(len(d) + 1):
-            cont = index.propose(k - i, start=(v, m)) if (v > 0 and k - i > 0) else None
-            after.append(cont.steps if cont is not None else [])
-            if i == len(d):
-                break
-            nxt = after[i][0].token if after[i] else None
-            agree = 0 if nxt is None else (2 if nxt == d[i] else 1)
-            dps.append(cal.p_dlite(q[i], agree))
-            v, m = index.walk(v, m, d[i])
-        if log is not None:
-            log["dlite"] = list(zip(d, q))
-            log["after"] = [[(s.token, s.count, s.total, s.match_len) for s in st] for st in after]
-        for i in range(1, len(d) + 1):
-            ps = dps[:i] + [cal.p_lookup(s) for s in after[i]] if i < len(d) else dps
-            toks = d[:i] + [s.token for s in after[i]] if i < len(d) else d
-            cands.append((expected_accepted(ps), i, toks, ps))
-    dl = next((c for c in cands if c[1] == len(dlite_tokens or ()) and dlite_tokens is not None), None)
-    best_l = max((c for c in cands if dl is None or c[1] < dl[1]), key=lambda c: c[0])
-    scores = {"suffix": ls, "dlite": dl[0] if dl else None,
-              "mixed": max((c[0] for c in cands if 0 < c[1] < (dl[1] if dl else 0)), default=None)}
-    if dl is not None and not (best_l[0] >= dl[0] + cal.margin and best_l[2]):
-        pick = dl
-    else:
-        pick = best_l
-    score, split, toks, ps = pick
-    if dl is not None and pick is dl:
-        source = "dlite"
-    elif not toks:
-        source = "none"
-    else:
-        source = "suffix" if split == 0 else "mixed"
+    """The chain to verify this round (see the module docstring), optionally cut where the chance
+    that a position is reached falls below ``min_reach``."""
+    c = pick(candidates(index, k, cal, dlite_tokens, dlite_conf, lookup, log), cal)
     if min_reach > 0:  # cut where the chance that a position is reached gets small
         reach, n = 1.0, 0
-        for p in ps:
+        for p in c.probs:
             reach *= p
             if reach < min_reach:
                 break
             n += 1
-        toks, ps = toks[:n], ps[:n]
-        score = expected_accepted(ps)
-    return Choice(list(toks), source, score, list(ps), split, scores)
+        c.tokens, c.probs = c.tokens[:n], c.probs[:n]
+        c.score = expected_accepted(c.probs)
+    return c

@@ -53,12 +53,12 @@ class DLiteSpecAlgo(CustomSpecAlgo):
         return True
 
     def handle_server_args(self, server_args) -> None:
-        """num_draft_tokens W = K + 1 (anchor + all K drafts, from the checkpoint) unless the user
-        asked for fewer (2 <= W <= K + 1: verify the first W - 1 drafts of the chain); steps =
-        W - 1, topk = 1."""
+        """num_draft_tokens W = ``default_num_draft_tokens`` unless the user asked for another
+        (2 <= W <= ``max_verify_width``: fewer verifies a prefix of the chain); steps = W - 1,
+        topk = 1."""
         k = draft_block_size(server_args.speculative_draft_model_path)
         w = server_args.speculative_num_draft_tokens
-        w = k + 1 if w is None else int(w)
+        w = default_num_draft_tokens(k, server_args) if w is None else int(w)
         server_args.speculative_num_steps = w - 1
         server_args.speculative_eagle_topk = 1
         server_args.speculative_num_draft_tokens = w
@@ -84,6 +84,38 @@ def _read_draft_config(path):
         raise DLiteConfigError(f"{cfg_file!r} is not valid JSON ({exc}).") from exc
 
 
+# With the suffix lookup on, a round's chain may run past DLite's K drafts (the lookup continues
+# it; copied text is accepted in long runs), so --speculative-num-draft-tokens may exceed K + 1, up
+# to this many tokens per round (anchor included). DLite alone verifies at most K + 1.
+HYBRID_MAX_DRAFT_TOKENS = 32
+
+
+# The default on a CPU with hybrid drafting and a per-round verify width: the width policy
+# verifies only what pays, so a longer cap costs nothing when the lookup has no long chain and lets
+# a quoted run be accepted in fewer rounds (agent-stdlib, one thread: 1.85x -> 1.99x vs W = 8).
+CPU_HYBRID_DRAFT_TOKENS = 16
+
+
+def default_num_draft_tokens(block_size: int, server_args, environ=None) -> int:
+    """W when --speculative-num-draft-tokens is unset: K + 1 (anchor + all of DLite's drafts;
+    GPUs: one CUDA-graph shape), or ``CPU_HYBRID_DRAFT_TOKENS`` where hybrid drafting picks the
+    verify width per round (a CPU; see spec/verify_width.py)."""
+    from ..lookup.batch import lookup_enabled
+    from ..spec.verify_width import adaptive_width_wanted
+
+    device = str(getattr(server_args, "device", None) or "")
+    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    if (lookup_enabled(environ) and device.startswith("cpu")
+            and adaptive_width_wanted(device, bool(getattr(server_args, "disable_cuda_graph", False)), tp, environ)):
+        return max(CPU_HYBRID_DRAFT_TOKENS, block_size + 1)
+    return block_size + 1
+
+
+def max_verify_width(block_size: int, lookup: bool) -> int:
+    """Largest --speculative-num-draft-tokens for a drafter with K = ``block_size``."""
+    return max(HYBRID_MAX_DRAFT_TOKENS, block_size + 1) if lookup else block_size + 1
+
+
 def draft_block_size(path) -> int:
     raw = _read_draft_config(path)
     return int(raw.get("block_size", 7))
@@ -106,6 +138,7 @@ def validate_server_args(server_args) -> None:
     here with a message that says what to change.
     """
     from ..errors import DLiteConfigError
+    from ..lookup.batch import ENV_LOOKUP, lookup_enabled
     from ..model import load_checkpoint
 
     path = server_args.speculative_draft_model_path
@@ -113,14 +146,19 @@ def validate_server_args(server_args) -> None:
     config, _state = load_checkpoint(path)  # validates config + safetensors (clear errors)
     k = config.block_size
     ndt = server_args.speculative_num_draft_tokens
-    if ndt is not None and not 2 <= int(ndt) <= k + 1:
+    lookup = lookup_enabled()
+    w_max = max_verify_width(k, lookup)
+    if ndt is not None and not 2 <= int(ndt) <= w_max:
+        note = " and the suffix lookup may continue a chain past them" if lookup else ""
+        hint = ("" if lookup else f" With the suffix lookup on (unset {ENV_LOOKUP}=0) a chain may run up to "
+                f"{max_verify_width(k, True)} tokens.")
         raise DLiteConfigError(
-            f"--speculative-num-draft-tokens {ndt} does not fit this DLite drafter: it drafts "
-            f"K={k} tokens per round, so a round verifies at most K+1={k + 1} tokens (anchor + drafts). "
-            f"Pass --speculative-num-draft-tokens between 2 and {k + 1} (fewer verifies a prefix of "
-            f"the drafts), or leave it unset ({k + 1})."
+            f"--speculative-num-draft-tokens {ndt} does not fit this DLite drafter: it drafts K={k} tokens "
+            f"per round{note}, so a round verifies at most {w_max} tokens (anchor + drafts). Pass "
+            f"--speculative-num-draft-tokens between 2 and {w_max} (fewer verifies a prefix of the chain), "
+            f"or leave it unset ({default_num_draft_tokens(k, server_args)}).{hint}"
         )
-    w = k + 1 if ndt is None else int(ndt)
+    w = default_num_draft_tokens(k, server_args) if ndt is None else int(ndt)
     steps = server_args.speculative_num_steps
     if steps is not None and int(steps) != w - 1:
         raise DLiteConfigError(

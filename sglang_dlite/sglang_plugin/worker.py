@@ -9,8 +9,11 @@ the next one and is not yet in the KV; the context hidden states are those of po
 ``seq_lens - C .. seq_lens - 1``.
 
 Round (decode batch):
-  1. draft  : K tokens per request from (context hidden states, anchor) -- one drafter pass.
-  2. verify : one TARGET_VERIFY forward over [anchor, d_1..d_K] (W = K + 1 tokens per request),
+  1. draft  : K tokens per request from (context hidden states, anchor) -- one drafter pass;
+              with hybrid drafting (the default) the suffix lookup's chain, DLite's, or DLite's
+              prefix continued by the lookup (up to W - 1 tokens, W may exceed K + 1), and on a
+              CPU a per-round width (``_draft_hybrid``).
+  2. verify : one TARGET_VERIFY forward over [anchor, d_1..d_n] (n + 1 <= W tokens per request),
               written to the W KV slots the scheduler reserved (``eagle_prepare_for_decode``),
               capturing the drafter's target layers (FULL capture).
   3. accept : every sglang logits adjustment on all W rows (penalties with the drafts counted,
@@ -41,6 +44,7 @@ from ..lookup.batch import ENV_LOOKUP, ENV_TRACE, BatchLookup, lookup_enabled
 from ..model import DLiteDrafter
 from ..spec.context import last_rows_of_segments
 from ..spec.verify_width import VerifyWidthPolicy, adaptive_width_wanted
+from .spec import max_verify_width
 from . import metrics as dlite_metrics
 from . import verify_logits
 from .cuda_graphs import DrafterCudaGraphs
@@ -140,18 +144,21 @@ class DLiteWorker(BaseSpecWorker):
             ops.pack_cpu_linears(drafter)
         self.drafter = drafter
         self.drafter_block_size = cfg.block_size  # K: drafts the drafter can make per round
-        # Tokens verified per round (anchor + the first W-1 drafts): K+1 unless the server asked
-        # for fewer (--speculative-num-draft-tokens; cheaper verify where it is compute-bound).
+        # Tokens verified per round, at most (anchor + the first W-1 drafts of the chain):
+        # --speculative-num-draft-tokens or spec.default_num_draft_tokens. With the lookup on, a
+        # chain may run past DLite's K drafts (the lookup continues it), up to max_verify_width.
         self.W = int(spec.speculative_num_draft_tokens)
-        self.num_drafts = self.W - 1
+        self.num_drafts = self.W - 1  # chain length verified per round (at most)
+        self.dlite_drafts = min(self.num_drafts, self.drafter_block_size)  # drafts DLite makes per pass
         self.C = cfg.num_context_positions
         self.L = cfg.num_capture_layers
         self.H = cfg.target_hidden_size
         self.state_width = self.L * self.H + 1
-        if not 2 <= self.W <= self.drafter_block_size + 1:
+        w_max = max_verify_width(self.drafter_block_size, lookup_enabled())
+        if not 2 <= self.W <= w_max:
             raise DLiteConfigError(
                 f"DLITE: speculative_num_draft_tokens={self.W} but the drafter has K={self.drafter_block_size} "
-                f"(needs 2..{self.drafter_block_size + 1})."
+                f"(needs 2..{w_max}{'' if lookup_enabled() else f' with {ENV_LOOKUP}=0'})."
             )
         # Both setters, given explicit layer ids, capture the same decoder-layer outputs (sglang's
         # Qwen2 model has only the EAGLE-3 one).
@@ -215,7 +222,7 @@ class DLiteWorker(BaseSpecWorker):
         if use:
             max_bs = int(self.model_runner.max_running_requests or 64)
             self._graphs = DrafterCudaGraphs(self.drafter, min(max_bs, 256), self.device,
-                                              self.model_runner.dtype, num_drafts=self.num_drafts,
+                                              self.model_runner.dtype, num_drafts=self.dlite_drafts,
                                               with_confidence=self.lookup is not None)
             logger.info("DLITE drafter CUDA graphs captured for batch sizes %s", self._graphs.buckets)
 
@@ -260,11 +267,11 @@ class DLiteWorker(BaseSpecWorker):
         if need_dlite:
             d, conf = self._draft_dlite(state, anchors, with_confidence=True)
             d_toks, d_conf = d.tolist(), conf.float().tolist()
-        drafts, sources, probs = self.lookup.choose_round(idxs, lookups, d_toks, d_conf)
+        cands = self.lookup.round_candidates(idxs, lookups, d_toks, d_conf)
         n = self.num_drafts
-        if self.width_policy is not None:
-            n = self.width_policy.choose(probs) - 1
-            drafts = [d[:n] for d in drafts]
+        if self.width_policy is not None:  # the width and each request's chain, chosen together
+            n = self.width_policy.choose_expected(self.lookup.expected_table(cands, n)) - 1
+        drafts, sources, _ = self.lookup.pick_round(idxs, cands, n)
         self._round_lookup = (idxs, drafts, sources)
         return torch.tensor(drafts, dtype=torch.int64, device=self.device).view(len(drafts), n)
 
@@ -287,7 +294,7 @@ class DLiteWorker(BaseSpecWorker):
             out = self._graphs.propose(ctx, valid, anchors)
             if out is not None:
                 return (out[0].clone(), out[1].clone()) if with_confidence else out.clone()
-        prop = self.drafter.propose(ctx.contiguous(), valid, anchors, num_drafts=self.num_drafts,
+        prop = self.drafter.propose(ctx.contiguous(), valid, anchors, num_drafts=self.dlite_drafts,
                                     return_confidence=with_confidence)
         return (prop.tokens, prop.confidence) if with_confidence else prop.tokens
 

@@ -107,11 +107,18 @@ class VerifyWidthPolicy:
     def choose(self, chain_probs: Sequence[Sequence[float]]) -> int:
         """The width for this round; ``chain_probs[r]`` = request r's per-position acceptance
         probabilities (its chain length caps what it can gain; an empty chain gains nothing)."""
-        bs = max(1, len(chain_probs))
+        return self.choose_expected([[expected_committed(p, n) - 1.0 for n in range(self.max_width)]
+                                     for p in chain_probs])
+
+    def choose_expected(self, table: Sequence[Sequence[float]]) -> int:
+        """The width for this round from ``table[r][n]``: request r's expected accepted drafts when
+        n drafts are verified (n = 0 .. max_width - 1; the hybrid re-picks each request's chain for
+        every n, so a chain whose value lies in a tail that would be cut does not win)."""
+        bs = max(1, len(table))
         best_w, best_v = self.max_width, -1.0
         for w in range(self.min_width, self.max_width + 1):
             c = self.cost(bs * w)
-            gain = sum(expected_committed(p, w - 1) for p in chain_probs) if chain_probs else float(bs)
+            gain = sum(1.0 + row[min(w - 1, len(row) - 1)] for row in table) if table else float(bs)
             v = gain if c is None else gain / max(c, 1e-9)
             if c is None:  # nothing measured yet: the widest round (the fixed-width behaviour)
                 v = w
