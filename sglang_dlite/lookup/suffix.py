@@ -25,7 +25,7 @@ Pure python; imports neither torch nor sglang.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 DEFAULT_MAX_MATCH = 64
 
