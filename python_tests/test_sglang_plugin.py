@@ -151,6 +151,31 @@ def test_k_inconsistent_with_num_draft_tokens_fails(tiny, monkeypatch):
         _validate(_args(target, drafter, speculative_eagle_topk=4))
 
 
+def test_default_num_draft_tokens(tiny, monkeypatch):
+    """Unset --speculative-num-draft-tokens: 16 on a CPU with hybrid drafting and the per-round
+    width; K + 1 on a GPU, with the lookup off, with a fixed width, or under TP; and what
+    handle_server_args writes back (steps = W - 1, top-k 1)."""
+    from sglang_dlite.sglang_plugin.spec import CPU_HYBRID_DRAFT_TOKENS, DLiteSpecAlgo, default_num_draft_tokens
+
+    _, target, drafter = tiny  # K = 4
+    monkeypatch.delenv("SGLANG_DLITE_LOOKUP", raising=False)
+    monkeypatch.delenv("SGLANG_DLITE_VERIFY_WIDTH", raising=False)
+    cpu = _args(target, drafter, device="cpu", disable_cuda_graph=False)
+    assert default_num_draft_tokens(4, cpu) == CPU_HYBRID_DRAFT_TOKENS == 16
+    assert default_num_draft_tokens(4, _args(target, drafter, device="cuda")) == 5
+    assert default_num_draft_tokens(4, _args(target, drafter, device="cpu", tp_size=2)) == 5
+    assert default_num_draft_tokens(20, cpu) == 21  # never below K + 1
+    algo = DLiteSpecAlgo.__new__(DLiteSpecAlgo)
+    algo.handle_server_args(cpu)
+    assert (cpu.speculative_num_draft_tokens, cpu.speculative_num_steps, cpu.speculative_eagle_topk) == (16, 15, 1)
+    _validate(cpu)
+    monkeypatch.setenv("SGLANG_DLITE_VERIFY_WIDTH", "fixed")
+    assert default_num_draft_tokens(4, cpu) == 5
+    monkeypatch.delenv("SGLANG_DLITE_VERIFY_WIDTH")
+    monkeypatch.setenv("SGLANG_DLITE_LOOKUP", "0")
+    assert default_num_draft_tokens(4, cpu) == 5
+
+
 def test_missing_or_corrupt_draft_path_fails(tiny):
     from sglang_dlite.errors import DLiteConfigError
 
