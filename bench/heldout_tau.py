@@ -42,6 +42,10 @@ def parse_args(argv=None):
     p.add_argument("--anchors", type=int, default=2048, help="held-out anchors (one fixed set for all drafters)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast, as training evaluates")
+    p.add_argument("--exclude-prompts", nargs="+", default=None, metavar="SPEC",
+                   help="drop held-out sequences whose prompt another run trained on: that run's gen-data "
+                        "--prompts (e.g. the shipped v3's `sharegpt:480 bfcl:192 stdlib:192`), with --exclude-seed")
+    p.add_argument("--exclude-seed", type=int, default=0, help="the --seed of the run named by --exclude-prompts")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="JSON file")
     return p.parse_args(argv)
@@ -65,6 +69,27 @@ def heldout_tau(model, data: FeatureData, groups, bf16: bool) -> dict:
             "acc_per_pos": [round(float(x), 4) for x in acc]}
 
 
+def drop_seen_prompts(data: FeatureData, data_dir: str, specs, seed: int) -> dict:
+    """Keep only held-out sequences whose conversation is not among ``specs``' prompts (a clean
+    A/B against a drafter trained on them); returns what was dropped."""
+    from sglang_dlite.training.data import read_manifest
+    from sglang_dlite.training.prompts import parse_source, prompt_ids, sequence_prompt_ids
+
+    names = {parse_source(s)[0] for s in specs}
+    seen = prompt_ids(specs, seed, names=names)
+    conv = sequence_prompt_ids(read_manifest(data_dir).get("recipe", {}), names=names)
+    before = len(data.eval_idx)
+    data.eval_idx = [i for i in data.eval_idx if conv.get(data.seqs[i][4]) not in seen]
+    if not data.eval_idx:
+        raise DLiteInputError(f"every held-out sequence of {data_dir!r} comes from a prompt in {' '.join(specs)}: "
+                              "nothing clean to evaluate.")
+    info = {"specs": list(specs), "seed": seed, "heldout_sequences_before": before,
+            "heldout_sequences_after": len(data.eval_idx)}
+    print(f"held-out sequences: {before} -> {len(data.eval_idx)} (dropped those whose prompt is in "
+          f"{' '.join(specs)}, seed {seed})", flush=True)
+    return info
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -75,19 +100,21 @@ def main(argv=None) -> int:
         if not sep:
             label, path = os.path.basename(item.rstrip("/")), item
         specs.append((label, None if path == "dlite" else path))
-    datas, rows = {}, []
+    datas, rows, excluded = {}, [], None
     for label, path in specs:
         model = load_dlite(path, target).eval()
         ids = tuple(model.config.target_layer_ids)
         if ids not in datas:
             datas[ids] = FeatureData(args.data, list(ids), model_loader=lambda: target, progress=False)
+            if args.exclude_prompts:
+                excluded = drop_seen_prompts(datas[ids], args.data, args.exclude_prompts, args.exclude_seed)
         data = datas[ids]
         groups = eval_groups(data, args.anchors, seed=args.seed)
         r = {"drafter": label, "path": path or "shipped", "layers": list(ids), **heldout_tau(model, data, groups, args.bf16)}
         rows.append(r)
         print(json.dumps(r), flush=True)
     res = {"data": args.data, "anchors_requested": args.anchors, "seed": args.seed, "threads": torch.get_num_threads(),
-           "bf16": args.bf16, "rows": rows}
+           "bf16": args.bf16, "excluded_prompts": excluded, "rows": rows}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

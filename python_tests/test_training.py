@@ -58,7 +58,8 @@ def test_forward_kl_and_tv_hand_computed():
 
 
 # ---------------------------------------------------------------------------- tiny data
-def _tiny_data(tmp_path, target, n_seqs=6, prompt_len=6, gen_len=40, with_features=True):
+def _tiny_data(tmp_path, target, n_seqs=6, prompt_len=6, gen_len=40, with_features=True,
+               shard="tiny_00000.npz", recipe=None):
     torch.manual_seed(1)
     seqs, masks = [], []
     for _ in range(n_seqs):
@@ -71,12 +72,12 @@ def _tiny_data(tmp_path, target, n_seqs=6, prompt_len=6, gen_len=40, with_featur
         masks.append([0] * prompt_len + [1] * (len(ids) - prompt_len))
     d = tmp_path / "data"
     d.mkdir()
-    info = save_shard(str(d / "tiny_00000.npz"), seqs, masks)
-    write_manifest(str(d), {"recipe": {"target": "tiny"}, "shards": [info]})
+    info = save_shard(str(d / shard), seqs, masks)
+    write_manifest(str(d), {"recipe": recipe or {"target": "tiny"}, "shards": [info]})
     if with_features:
         layers = tiny_dlite_config(target).target_layer_ids
         off = np.cumsum([0] + [len(s) for s in seqs])
-        save_features(str(d / "tiny_00000.npz"), compute_features(target, seqs, layers), off, layers,
+        save_features(str(d / shard), compute_features(target, seqs, layers), off, layers,
                       target.config.hidden_size)
     return str(d)
 
@@ -425,6 +426,51 @@ def test_bench_heldout_tau_matches_the_trainers_evaluation(tmp_path, tiny_target
     teacher = DLiteDrafter(tiny_dlite_config(tiny_target, history="full")).bind_hf_target(tiny_target)
     with pytest.raises(DLiteInputError, match="history-free"):
         ht.heldout_tau(teacher, fd, groups, bf16=False)
+
+
+def test_sequence_prompt_ids_follow_gen_datas_plan():
+    """Which conversation each gen-data sequence came from, rebuilt from the manifest recipe,
+    agrees with gen-data's own shard plan; a shorter prompt list is the longer one's prefix."""
+    import argparse
+
+    from sglang_dlite.errors import DLiteInputError
+    from sglang_dlite.training.gen_data import plan_shards
+    from sglang_dlite.training.prompts import prompt_ids, sequence_prompt_ids
+
+    recipe = {"prompts": ["bfcl:12", "bfcl:30"], "seed": 3, "shard_size": 8, "max_turns": 2}
+    conv = sequence_prompt_ids(recipe)
+    plan = plan_shards(argparse.Namespace(prompts=["bfcl:30"], seed=3, max_turns=2, shard_size=8))
+    assert len(conv) == 30 == sum(len(c) for _, _, c in plan)
+    for fname, _, convs in plan:
+        assert [conv[f"{fname}:{s}"] for s in range(len(convs))] == [c["id"] for c in convs]
+    seen = prompt_ids(["bfcl:12"], 3)
+    assert {k for k, v in conv.items() if v in seen} == {f"bfcl_{k // 8:05d}.npz:{k % 8}" for k in range(12)}
+    assert prompt_ids(["bfcl:12"], 4) != seen  # another seed draws other prompts
+    assert sequence_prompt_ids(recipe, names={"sharegpt"}) == {}
+    with pytest.raises(DLiteInputError, match="shard_size"):
+        sequence_prompt_ids({"prompts": ["bfcl:3"], "seed": 0})
+
+
+def test_bench_heldout_tau_drops_prompts_another_run_trained_on(tmp_path, tiny_target):
+    """--exclude-prompts: held-out sequences whose conversation another run's prompts include
+    are dropped (a clean A/B against that run's drafter); nothing left is an error."""
+    import importlib.util
+
+    from sglang_dlite.errors import DLiteInputError
+    from sglang_dlite.training.train import FeatureData
+
+    spec = importlib.util.spec_from_file_location("heldout_tau", os.path.join(os.path.dirname(__file__), "..", "bench", "heldout_tau.py"))
+    ht = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ht)
+    recipe = {"prompts": ["bfcl:6"], "seed": 3, "shard_size": 6, "max_turns": 2}
+    data = _tiny_data(tmp_path, tiny_target, n_seqs=6, gen_len=12, shard="bfcl_00000.npz", recipe=recipe)
+    fd = FeatureData(data, tiny_dlite_config(tiny_target).target_layer_ids, heldout_mod=0)
+    fd.eval_idx = list(range(6))
+    info = ht.drop_seen_prompts(fd, data, ["bfcl:4"], 3)
+    assert fd.eval_idx == [4, 5] and info["heldout_sequences_after"] == 2
+    fd.eval_idx = list(range(6))
+    with pytest.raises(DLiteInputError, match="nothing clean"):
+        ht.drop_seen_prompts(fd, data, ["bfcl:6"], 3)
 
 
 def test_stage_budget_minutes_parse():

@@ -363,3 +363,41 @@ def load_prompts(spec: str, seed: int, max_turns: int) -> tuple:
     if not convs:
         raise DLiteInputError(f"prompt source {spec!r} yielded no prompts (empty or unusable); check it.")
     return name, convs
+
+
+def prompt_ids(specs, seed: int, max_turns: int = 2, names=None) -> set:
+    """Conversation ids of ``gen-data --prompts SPECS --seed SEED`` (only sources in ``names``
+    when given). A source's list with a smaller count is a prefix of its list with a larger one."""
+    out = set()
+    for spec in specs:
+        name = parse_source(spec)[0]
+        if names is not None and name not in names:
+            continue
+        out.update(c["id"] for c in load_prompts(spec, seed, max_turns)[1])
+    return out
+
+
+def sequence_prompt_ids(recipe: dict, names=None) -> dict:
+    """{"SHARD:s": conversation id} of a gen-data folder, rebuilt from its manifest recipe
+    (prompts, seed, shard size): sequence s of shard ``NAME_j`` is conversation ``j * shard_size +
+    s`` of source NAME (gen-data writes a shard's sequences in conversation order; runs that used
+    several counts of one source share its list's prefix, so the largest count covers them all).
+    Only sources in ``names`` when given (``jsonl`` sources are not rebuilt)."""
+    try:
+        specs, seed, size = recipe["prompts"], int(recipe["seed"]), int(recipe["shard_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DLiteInputError(f"the gen-data recipe lacks prompts / seed / shard_size ({exc}): cannot tell "
+                              "which conversation each sequence came from.") from None
+    largest = {}
+    for spec in specs:
+        name, path, n = parse_source(spec)
+        if name == "jsonl" or (names is not None and name not in names):
+            continue
+        if n > largest.get(name, (0, ""))[0]:
+            largest[name] = (n, spec)
+    out = {}
+    for name, (_, spec) in largest.items():
+        convs = load_prompts(spec, seed, int(recipe.get("max_turns", 2)))[1]
+        for k, c in enumerate(convs):
+            out[f"{name}_{k // size:05d}.npz:{k % size}"] = c["id"]
+    return out
