@@ -81,7 +81,7 @@ def test_quoted_continuation_is_proposed_in_full():
 
 
 # ---------------------------------------------------------------------------- chooser
-from sglang_dlite.lookup.chooser import Calibration, choose, expected_accepted  # noqa: E402
+from sglang_dlite.lookup.chooser import Calibration, choose, expected_accepted, lookup_only  # noqa: E402
 
 
 def test_expected_accepted_is_sum_of_prefix_products():
@@ -310,3 +310,21 @@ def test_report_plots_tell_series_apart_and_hide_checkpoint_paths():
     assert len({s["color"] for s in (report.series_style(n, i) for i, n in enumerate(names[:12]))}) == 12
     assert report.display_name("dlite:artifacts/train/run_v2/stabilize/model") == "dlite (run_v2)"
     assert report.display_name("ngram") == "ngram"
+
+
+def test_skip_dlite_scores_the_lookup_over_dlites_length():
+    """The skip-DLite threshold was tuned on chains of DLite's K: with chains longer than K the
+    lookup is scored over its first K tokens, so a long tail alone does not skip DLite."""
+    quote = list(range(100, 160))
+    toks = [1, 2] + quote + [3, 4] + quote[:20]
+    idx = SuffixIndex(toks)
+    ps = lookup_only(idx, 15, Calibration())[1]
+    s7, s15 = expected_accepted(ps[:7]), expected_accepted(ps)
+    assert s15 > s7
+    cal = Calibration(skip_dlite_at=(s7 + s15) / 2)
+    for horizon, want in ((7, True), (None, False)):
+        bl = BatchLookup(15, calibration=cal, dlite_drafts=horizon)
+        req = _Req("q", toks[:-1])
+        bl.on_extend([req])
+        _, _, need = bl.begin_round([req], [toks[-1]])
+        assert need is want, (horizon, s7, s15)

@@ -17,7 +17,8 @@ import json
 import os
 from typing import List, Optional, Sequence
 
-from .chooser import Calibration, Candidate, candidates, default_calibration, lookup_only, pick
+from .chooser import (Calibration, Candidate, candidates, default_calibration, expected_accepted, lookup_only,
+                      pick)
 from .suffix import DEFAULT_MAX_MATCH, SuffixIndex
 
 ENV_LOOKUP = "SGLANG_DLITE_LOOKUP"  # "0" / "off" / "false": DLite alone (no lookup)
@@ -38,8 +39,11 @@ def _req_tokens(req) -> list:
 
 class BatchLookup:
     def __init__(self, num_drafts: int, calibration: Optional[Calibration] = None,
-                 max_match: int = DEFAULT_MAX_MATCH, trace_path: Optional[str] = None):
+                 max_match: int = DEFAULT_MAX_MATCH, trace_path: Optional[str] = None,
+                 dlite_drafts: Optional[int] = None):
         self.K = int(num_drafts)
+        # the skip-DLite threshold was tuned on chains of DLite's length: score the lookup there
+        self.skip_horizon = self.K if dlite_drafts is None else min(self.K, int(dlite_drafts))
         self.cal = calibration or default_calibration()
         self.max_match = max_match
         self.states: dict = {}
@@ -94,7 +98,7 @@ class BatchLookup:
                 idx = self.states[req.rid] = SuffixIndex(toks, self.max_match)
             idx.append(int(anchors[i]))
             lk = lookup_only(idx, self.K, self.cal)
-            if skip is None or lk[2] < skip:
+            if skip is None or expected_accepted(lk[1][: self.skip_horizon]) < skip:
                 need_dlite = True
             idxs.append(idx)
             lookups.append(lk)

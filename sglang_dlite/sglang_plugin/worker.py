@@ -181,7 +181,8 @@ class DLiteWorker(BaseSpecWorker):
         # request every round (sglang_dlite/lookup/). SGLANG_DLITE_LOOKUP=0 turns it off.
         self.lookup: Optional[BatchLookup] = None
         if lookup_enabled():
-            self.lookup = BatchLookup(self.num_drafts, trace_path=os.environ.get(ENV_TRACE) or None)
+            self.lookup = BatchLookup(self.num_drafts, trace_path=os.environ.get(ENV_TRACE) or None,
+                                      dlite_drafts=self.dlite_drafts)
         self._round_lookup = None
         # Per-round verify width (spec/verify_width.py): on a CPU a verify row is not free, so the
         # hybrid verifies only as many drafts as pay for their cost (learned online); fixed W on
