@@ -252,8 +252,9 @@ def test_batch_lookup_follows_the_batch_and_frees_finished_requests():
     drafts, sources = bl.choose(idxs, lks)
     assert drafts[0][:3] == [4, 1, 2] and sources[0] == "suffix"
     assert all(len(d) == 4 for d in drafts)
-    # choose_round: the same drafts, plus each real chain's calibrated probabilities (not padded)
-    drafts2, sources2, probs = bl.choose_round(idxs, lks)
+    # pick_round (what the worker calls): the same drafts, plus each real chain's calibrated
+    # probabilities (not padded)
+    drafts2, sources2, probs = bl.pick_round(idxs, bl.round_candidates(idxs, lks), bl.K)
     assert (drafts2, sources2) == (drafts, sources)
     assert len(probs) == 2 and all(0.0 <= p <= 1.0 for ps in probs for p in ps)
     assert len(probs[0]) >= 3  # a: the quoted continuation 4 1 2 ...

@@ -17,8 +17,8 @@ import json
 import os
 from typing import List, Optional, Sequence
 
-from .chooser import (Calibration, Candidate, candidates, default_calibration, expected_accepted, lookup_only,
-                      pick)
+from .chooser import (Calibration, Candidate, best_chain, candidates, default_calibration, expected_accepted,
+                      lookup_only, pick)
 from .suffix import DEFAULT_MAX_MATCH, SuffixIndex
 
 ENV_LOOKUP = "SGLANG_DLITE_LOOKUP"  # "0" / "off" / "false": DLite alone (no lookup)
@@ -108,14 +108,9 @@ class BatchLookup:
                dlite_conf: Optional[List[list]] = None):
         """Per request: K tokens to verify (a shorter chain is padded by repeating its last
         token; the verify is K wide anyway) and the source that made them."""
-        drafts, sources, _ = self.choose_round(idxs, lookups, dlite_tokens, dlite_conf)
+        cands = self.round_candidates(idxs, lookups, dlite_tokens, dlite_conf)
+        drafts, sources, _ = self.pick_round(idxs, cands, self.K)
         return drafts, sources
-
-    def choose_round(self, idxs, lookups, dlite_tokens: Optional[List[list]] = None,
-                     dlite_conf: Optional[List[list]] = None):
-        """``choose`` plus each chain's calibrated per-position acceptance probabilities (as long
-        as the real chain, before padding)."""
-        return self.pick_round(idxs, self.round_candidates(idxs, lookups, dlite_tokens, dlite_conf), self.K)
 
     def round_candidates(self, idxs, lookups, dlite_tokens: Optional[List[list]] = None,
                          dlite_conf: Optional[List[list]] = None) -> List[List[Candidate]]:
@@ -128,7 +123,7 @@ class BatchLookup:
     def expected_table(self, cands: List[List[Candidate]], max_drafts: int) -> List[List[float]]:
         """table[r][n]: expected accepted drafts of request r's best chain when n of its tokens
         are verified (n = 0 .. max_drafts): what a per-round verify width is chosen from."""
-        return [[pick(c, self.cal, n).score for n in range(max_drafts + 1)] for c in cands]
+        return [[best_chain(c, self.cal, n).score(n) for n in range(max_drafts + 1)] for c in cands]
 
     def pick_round(self, idxs, cands: List[List[Candidate]], n: int):
         """Per request: the chain to verify with n drafts per request (a shorter chain is padded

@@ -206,16 +206,20 @@ def candidates(index: SuffixIndex, k: int, cal: Calibration, dlite_tokens: Optio
     return cands
 
 
-def pick(cands: Sequence[Candidate], cal: Calibration, n: Optional[int] = None) -> Choice:
-    """The chain to verify when at most ``n`` tokens of it are (None: all): the best
-    lookup-involving chain if its score beats DLite alone by ``cal.margin``, else DLite; scores
-    and the chosen chain are cut to ``n``."""
+def best_chain(cands: Sequence[Candidate], cal: Calibration, n: Optional[int] = None) -> Candidate:
+    """The chain to verify when at most ``n`` of its tokens are (None: all): the best
+    lookup-involving chain if its score at ``n`` beats DLite alone by ``cal.margin``, else DLite."""
     dl = next((c for c in cands if c.alone), None)
     best_l = max((c for c in cands if not c.alone), key=lambda c: c.score(n))
-    scores = {"suffix": cands[0].score(n), "dlite": dl.score(n) if dl else None,
-              "mixed": max((c.score(n) for c in cands if c.split > 0 and not c.alone), default=None)}
     use_l = dl is None or (best_l.tokens and best_l.score(n) >= dl.score(n) + cal.margin)
-    c = best_l if use_l else dl
+    return best_l if use_l else dl
+
+
+def pick(cands: Sequence[Candidate], cal: Calibration, n: Optional[int] = None) -> Choice:
+    """``best_chain`` as a Choice, cut to ``n`` tokens, with the best score of each source."""
+    c = best_chain(cands, cal, n)
+    scores = {"suffix": cands[0].score(n), "dlite": next((x.score(n) for x in cands if x.alone), None),
+              "mixed": max((x.score(n) for x in cands if x.split > 0 and not x.alone), default=None)}
     cut = len(c.tokens) if n is None else max(0, n)
     return Choice(c.tokens[:cut], c.source, c.score(n), c.probs[:cut], c.split, scores)
 

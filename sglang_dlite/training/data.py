@@ -28,6 +28,12 @@ class DataError(DLiteInputError):
     """Missing, corrupt or inconsistent training data."""
 
 
+def shard_file(source: str, conv_index: int, shard_size: int) -> str:
+    """The gen-data shard holding conversation ``conv_index`` of a prompt source (its sequence
+    number in that shard is ``conv_index % shard_size``)."""
+    return f"{source}_{conv_index // shard_size:05d}.npz"
+
+
 def save_shard(path: str, seqs: list, masks: list) -> dict:
     if len(seqs) != len(masks):
         raise ValueError("seqs and masks differ in length")

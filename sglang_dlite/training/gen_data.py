@@ -30,7 +30,7 @@ import time
 from typing import Optional
 
 from ..errors import DLiteInputError
-from .data import DataError, load_shard, read_manifest, save_shard, write_manifest, MANIFEST
+from .data import DataError, load_shard, read_manifest, save_shard, shard_file, write_manifest, MANIFEST
 from .hf_regen import Regenerator
 from .prompts import BFCL_CATEGORIES, load_prompts
 
@@ -152,7 +152,7 @@ def plan_shards(args):
     per_src = []
     for spec in args.prompts:
         name, convs = load_prompts(spec, args.seed, args.max_turns)
-        per_src.append([(f"{name}_{k // args.shard_size:05d}.npz", name, convs[k:k + args.shard_size])
+        per_src.append([(shard_file(name, k, args.shard_size), name, convs[k:k + args.shard_size])
                         for k in range(0, len(convs), args.shard_size)])
     plan = []
     for r in range(max(len(x) for x in per_src)):

@@ -28,6 +28,7 @@ import re
 import sysconfig
 
 from ..errors import DLiteInputError
+from .data import shard_file
 
 BFCL_CATEGORIES = (
     "simple_python", "simple_java", "simple_javascript", "multiple", "parallel",
@@ -390,7 +391,7 @@ def sequence_prompt_ids(recipe: dict, names=None) -> dict:
                               "which conversation each sequence came from.") from None
     largest = {}
     for spec in specs:
-        name, path, n = parse_source(spec)
+        name, _, n = parse_source(spec)
         if name == "jsonl" or (names is not None and name not in names):
             continue
         if n > largest.get(name, (0, ""))[0]:
@@ -399,5 +400,5 @@ def sequence_prompt_ids(recipe: dict, names=None) -> dict:
     for name, (_, spec) in largest.items():
         convs = load_prompts(spec, seed, int(recipe.get("max_turns", 2)))[1]
         for k, c in enumerate(convs):
-            out[f"{name}_{k // size:05d}.npz:{k % size}"] = c["id"]
+            out[f"{shard_file(name, k, size)}:{k % size}"] = c["id"]
     return out
