@@ -244,6 +244,32 @@ def test_train_with_all_anchor_tokens_lowers_the_loss(tmp_path, tiny_target):
     assert recs[-1]["loss"] < recs[0]["loss"]
 
 
+def test_kl_to_target_hand_computed():
+    # target p = [0.75, 0.25, 0] (a zero-probability token adds nothing); student q = [0.5, 0.5, 0]-ish
+    p = torch.tensor([[[0.75, 0.25, 0.0]]])
+    s = torch.tensor([[[0.0, 0.0, -1e4]]])
+    valid = torch.tensor([[True]])
+    kl = 0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5)
+    assert abs(float(losses.kl_to_target(p, s, valid, torch.ones(1))) - kl) < 1e-6
+    # equals forward_kl given the target's logits; zero when the student matches the target
+    assert abs(float(losses.forward_kl(torch.log(p.clamp_min(1e-30)), s, valid, torch.ones(1))) - kl) < 1e-5
+    assert abs(float(losses.kl_to_target(p, torch.log(p.clamp_min(1e-30)), valid, torch.ones(1)))) < 1e-6
+
+
+def test_kl_only_stabilize_lowers_the_loss_and_is_in_the_card(tmp_path, tiny_target):
+    from sglang_dlite.training.model_card import render_card
+    from sglang_dlite.training.run_summary import summarize
+    from sglang_dlite.training.train import train_pipeline
+
+    data = _tiny_data(tmp_path, tiny_target, n_seqs=3)
+    out = str(tmp_path / "run")
+    train_pipeline(tiny_target, data, out, _opts(stages=["stabilize"], ce_weight=0.0, tv_weight=0.0, kl_weight=1.0,
+                                                 steps={"stabilize": 40}, vocab_subset=64))
+    recs = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in x]
+    assert recs[-1]["loss"] < recs[0]["loss"] * 0.9
+    assert "forward KL (x1.0)" in render_card(summarize(out, data))
+
+
 def test_empty_prompt_source(tmp_path):
     from sglang_dlite.errors import DLiteInputError
     from sglang_dlite.training.prompts import load_prompts

@@ -32,7 +32,7 @@ from .checkpoint import load_checkpoint, log_metrics, plot_curves, save_checkpoi
 from .data import DataError
 from .dataset import FeatureData, _hist_mode, batch_vocab_subset, concat_groups, eval_groups, sample_batch, to_device
 from .evaluation import evaluate, model_forward
-from .losses import forward_kl, position_weights, tv_distance, weighted_ce
+from .losses import forward_kl, kl_to_target, position_weights, tv_distance, weighted_ce
 from .options import STAGES, StageSpec, TrainOptions
 
 # the target's frozen tensors bound into the drafter: never trained, identical on every rank
@@ -224,6 +224,8 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
                     p = target_probs(head_w, b["target_hidden"], torch.bfloat16 if bf16 else torch.float32, vocab)
                     loss = opts.ce_weight * weighted_ce(logits, labels, b["valid"], weights_dev) + \
                         opts.tv_weight * tv_distance(p, logits, b["valid"], weights_dev)
+                    if opts.kl_weight:
+                        loss = loss + opts.kl_weight * kl_to_target(p, logits, b["valid"], weights_dev)
                 row += logits.shape[0]
                 (loss * w).backward()
             step_loss = step_loss + loss.detach() * (w / world)  # this rank's part of the global mean loss

@@ -51,3 +51,11 @@ def tv_distance(target_probs, student_logits, valid, weights) -> torch.Tensor:
     tv = 0.5 * (target_probs.float() - q).abs().sum(-1)
     return _weighted_mean(tv, valid, weights)
 
+
+def kl_to_target(target_probs, student_logits, valid, weights) -> torch.Tensor:
+    """Forward KL(p_target || q_student) per position, position-weighted: the target's whole next-token
+    distribution as the label (``target_probs`` sums to 1 over the same vocabulary as the logits)."""
+    p = target_probs.float()
+    ls = F.log_softmax(student_logits.float(), dim=-1)
+    kl = (torch.xlogy(p, p) - p * ls).sum(-1)
+    return _weighted_mean(kl, valid, weights)

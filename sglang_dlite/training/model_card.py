@@ -121,8 +121,9 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
         "1. teacher: history-aware teacher (`history=full`), token-level CE over the K positions of random anchors.",
         "2. distill: DLite initialized from the teacher's weights, forward KL(teacher || DLite), position weights "
         f"w_i = exp(-(i-1)/gamma), gamma = {opts.get('gamma')}.",
-        f"3. stabilize: CE (x{opts.get('ce_weight')}) + total variation (x{opts.get('tv_weight')}) to the target's "
-        "distribution, same weights.",
+        f"3. stabilize: CE (x{opts.get('ce_weight')}) + total variation (x{opts.get('tv_weight')})"
+        + (f" + forward KL (x{opts.get('kl_weight')})" if opts.get("kl_weight") else "")
+        + " to the target's distribution, same weights.",
         f"- AdamW (betas 0.9/0.95, wd {opts.get('weight_decay')}), lr {opts.get('lr')} (stabilize after distill: half), linear warm-up "
         f"{opts.get('warmup_frac')} + cosine to 0.1x, grad clip {opts.get('clip')}, batch {opts.get('batch_size')} "
         f"anchors ({opts.get('seqs_per_batch')} sequences per step), bf16 autocast: {opts.get('bf16')}.",

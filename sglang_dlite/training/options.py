@@ -33,6 +33,7 @@ class TrainOptions:
     gamma: float = 4.0
     ce_weight: float = 1.0
     tv_weight: float = 1.0
+    kl_weight: float = 0.0  # stabilize: + forward KL to the target's distribution (0: off)
     clip: float = 1.0
     weight_decay: float = 0.01
     bf16: Optional[bool] = None  # bf16 autocast; None: on for CUDA, off on the CPU
@@ -83,6 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=float, default=_D.gamma)
     p.add_argument("--ce-weight", type=float, default=_D.ce_weight)
     p.add_argument("--tv-weight", type=float, default=_D.tv_weight)
+    p.add_argument("--kl-weight", type=float, default=_D.kl_weight,
+                   help="stabilize stage: add forward KL(target || drafter) over the training vocabulary with this "
+                        "weight (the target's distribution as the label; --ce-weight 0 --kl-weight 1 trains on KL "
+                        "instead of CE)")
     p.add_argument("--clip", type=float, default=_D.clip)
     p.add_argument("--warmup-frac", type=float, default=_D.warmup_frac)
     p.add_argument("--bf16", dest="bf16", action="store_const", const=True, default=None,
@@ -164,7 +169,8 @@ def options_from_args(args) -> TrainOptions:
     return TrainOptions(
         stages=stages, steps={s: getattr(args, f"steps_{s}") for s in STAGES},
         lr=args.lr, batch_size=args.batch_size, seqs_per_batch=args.seqs_per_batch, warmup_frac=args.warmup_frac,
-        gamma=args.gamma, ce_weight=args.ce_weight, tv_weight=args.tv_weight, clip=args.clip, bf16=args.bf16,
+        gamma=args.gamma, ce_weight=args.ce_weight, tv_weight=args.tv_weight,
+        kl_weight=getattr(args, "kl_weight", _D.kl_weight), clip=args.clip, bf16=args.bf16,
         device=getattr(args, "device", _D.device), log_every=getattr(args, "log_every", _D.log_every),
         eval_every=args.eval_every, eval_anchors=args.eval_anchors, save_every=args.save_every, seed=args.seed,
         init_layers=[int(x) for x in args.init_from_target_layers.split(",")] if getattr(args, "init_from_target_layers", None) else None,
