@@ -256,11 +256,17 @@ def test_kl_to_target_hand_computed():
     assert abs(float(losses.kl_to_target(p, torch.log(p.clamp_min(1e-30)), valid, torch.ones(1)))) < 1e-6
 
 
-def test_kl_only_stabilize_lowers_the_loss_and_is_in_the_card(tmp_path, tiny_target):
+def test_kl_only_stabilize_lowers_the_loss_and_is_in_the_card(tmp_path, tiny_target, monkeypatch):
+    from sglang_dlite.training import loop
     from sglang_dlite.training.model_card import render_card
     from sglang_dlite.training.run_summary import summarize
     from sglang_dlite.training.train import train_pipeline
 
+    def no_ce(*a, **k):
+        raise AssertionError("a loss term with weight 0 was computed")
+
+    monkeypatch.setattr(loop, "weighted_ce", no_ce)
+    monkeypatch.setattr(loop, "tv_distance", no_ce)
     data = _tiny_data(tmp_path, tiny_target, n_seqs=3)
     out = str(tmp_path / "run")
     train_pipeline(tiny_target, data, out, _opts(stages=["stabilize"], ce_weight=0.0, tv_weight=0.0, kl_weight=1.0,
@@ -518,6 +524,24 @@ def test_stage_budget_minutes_parse():
     assert budget() is None
     with pytest.raises(Exception, match="one value or one per stage"):
         budget("--stage-budget-min", "1,2")
+
+
+def test_stabilize_loss_weights_are_checked():
+    import argparse
+
+    from sglang_dlite.errors import DLiteInputError
+    from sglang_dlite.training.train import add_arguments, options_from_args
+
+    def opts(*argv):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return options_from_args(p.parse_args(["--data", "d", "--out", "o", *argv]))
+
+    assert opts("--ce-weight", "0", "--kl-weight", "1").kl_weight == 1.0
+    with pytest.raises(DLiteInputError, match="not all 0"):
+        opts("--ce-weight", "0", "--tv-weight", "0")
+    with pytest.raises(DLiteInputError, match=r"--tv-weight -1"):
+        opts("--tv-weight", "-1")
 
 
 def test_train_default_recipe_wiring():

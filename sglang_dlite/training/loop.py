@@ -222,10 +222,11 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
                     loss = forward_kl(tl, logits, b["valid"], weights_dev)
                 else:
                     p = target_probs(head_w, b["target_hidden"], torch.bfloat16 if bf16 else torch.float32, vocab)
-                    loss = opts.ce_weight * weighted_ce(logits, labels, b["valid"], weights_dev) + \
-                        opts.tv_weight * tv_distance(p, logits, b["valid"], weights_dev)
-                    if opts.kl_weight:
-                        loss = loss + opts.kl_weight * kl_to_target(p, logits, b["valid"], weights_dev)
+                    # only the terms with a non-zero weight are computed (ablations such as --ce-weight 0)
+                    terms = [(opts.ce_weight, lambda: weighted_ce(logits, labels, b["valid"], weights_dev)),
+                             (opts.tv_weight, lambda: tv_distance(p, logits, b["valid"], weights_dev)),
+                             (opts.kl_weight, lambda: kl_to_target(p, logits, b["valid"], weights_dev))]
+                    loss = sum(wt * fn() for wt, fn in terms if wt)
                 row += logits.shape[0]
                 (loss * w).backward()
             step_loss = step_loss + loss.detach() * (w / world)  # this rank's part of the global mean loss

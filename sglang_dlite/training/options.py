@@ -166,6 +166,11 @@ def options_from_args(args) -> TrainOptions:
         budget = {s: v * 60 for s, v in zip(STAGES, vals)}
         if args.single_stage:  # one value: the stage's own budget; three: the recipe's total
             budget["stabilize"] = (vals[0] if one else sum(vals)) * 60
+    weights = {"--ce-weight": args.ce_weight, "--tv-weight": args.tv_weight,
+               "--kl-weight": getattr(args, "kl_weight", _D.kl_weight)}
+    if any(w < 0 for w in weights.values()) or not any(weights.values()):
+        raise DLiteInputError("the stabilize loss weights must be >= 0 and not all 0 (got "
+                              + ", ".join(f"{k} {v:g}" for k, v in weights.items()) + ").")
     return TrainOptions(
         stages=stages, steps={s: getattr(args, f"steps_{s}") for s in STAGES},
         lr=args.lr, batch_size=args.batch_size, seqs_per_batch=args.seqs_per_batch, warmup_frac=args.warmup_frac,
