@@ -1,9 +1,14 @@
 #!/usr/bin/env python
-"""Held-out tau of several DLite checkpoints on the SAME held-out anchors (cached features).
+"""Held-out tau of several drafters on the SAME held-out anchors (cached features).
 
     python bench/heldout_tau.py --data artifacts/train/data --anchors 2048 \
-        --drafter shipped=dlite run1=artifacts/train/ab_all/stabilize/model \
+        --drafter shipped=dlite run1=artifacts/train/ab_all/stabilize/model e3=eagle3 \
         --out artifacts/results/heldout_tau.json
+
+Drafters: DLite checkpoint folders (``LABEL=PATH``; ``LABEL=dlite`` = the shipped one) and the KV
+baselines (``LABEL=eagle3`` / ``dflash`` / ``dspark`` = where ``--drafter NAME`` loads from,
+``LABEL=eagle3:PATH`` = a trained folder), scored through their training-time-test unroll (what
+their engine drafter drafts), so DLite and EAGLE-3 compare on identical anchors.
 
 The in-training evaluation (``sglang-dlite train --eval-anchors``) uses a few hundred anchors,
 too few to tell two runs apart (std ~0.04 in tau). This draws one larger fixed set of anchors from
@@ -26,7 +31,10 @@ import numpy as np
 import torch
 
 
+from sglang_dlite.baselines.registry import KV_BASELINES, load_kv_baseline
+from sglang_dlite.baselines.train import heldout_scores
 from sglang_dlite.drafters import load_dlite
+from sglang_dlite.model import DLiteDrafter
 from sglang_dlite.errors import DLiteInputError
 from sglang_dlite.target import load_target
 from sglang_dlite.training.dataset import FeatureData, eval_groups
@@ -37,7 +45,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=os.path.join("artifacts", "train", "data"), help="gen-data folder")
     p.add_argument("--drafter", nargs="+", required=True,
-                   help="LABEL=PATH (or LABEL=dlite for the shipped checkpoint) of DLite checkpoint folders")
+                   help="LABEL=PATH of DLite checkpoint folders (LABEL=dlite: the shipped one), or "
+                        "LABEL=eagle3|dflash|dspark[:PATH] for a KV baseline")
     p.add_argument("--target", default="default")
     p.add_argument("--anchors", type=int, default=2048, help="held-out anchors (one fixed set for all drafters)")
     p.add_argument("--seed", type=int, default=1234)
@@ -59,10 +68,14 @@ def bootstrap_ci(x: np.ndarray, n: int = 1000, seed: int = 0):
 
 def heldout_tau(model, data: FeatureData, groups, bf16: bool) -> dict:
     cfg = model.config
-    if cfg.history_window != 0:
-        raise DLiteInputError(f"heldout_tau evaluates history-free DLite checkpoints (history=none), not history={cfg.history!r}.")
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else nullcontext
-    tau, acc = greedy_scores(model, data, groups, ctx)
+    if isinstance(model, DLiteDrafter):
+        if cfg.history_window != 0:
+            raise DLiteInputError("heldout_tau evaluates history-free DLite checkpoints (history=none), "
+                                  f"not history={cfg.history!r}.")
+        tau, acc = greedy_scores(model, data, groups, ctx)
+    else:  # a KV baseline
+        tau, acc = heldout_scores(model, data, groups, ctx)
     tau = tau.numpy()
     lo, hi = bootstrap_ci(tau)
     return {"tau": round(float(tau.mean()), 4), "tau_ci95": [round(lo, 4), round(hi, 4)], "anchors": int(len(tau)),
@@ -102,7 +115,12 @@ def main(argv=None) -> int:
         specs.append((label, None if path == "dlite" else path))
     datas, rows, excluded = {}, [], None
     for label, path in specs:
-        model = load_dlite(path, target).eval()
+        kind, _, kv_path = (path or "").partition(":")
+        if kind in KV_BASELINES:
+            model = load_kv_baseline(kind, kv_path or None, target)
+            path = f"{kind}:{kv_path or 'default'}"
+        else:
+            model = load_dlite(path, target).eval()
         ids = tuple(model.config.target_layer_ids)
         if ids not in datas:
             datas[ids] = FeatureData(args.data, list(ids), model_loader=lambda: target, progress=False)

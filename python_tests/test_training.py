@@ -460,6 +460,81 @@ def test_bench_heldout_tau_matches_the_trainers_evaluation(tmp_path, tiny_target
         ht.heldout_tau(teacher, fd, groups, bf16=False)
 
 
+def test_bench_heldout_tau_scores_a_kv_baseline_per_anchor(tmp_path, tiny_target):
+    """bench/heldout_tau.py scores an EAGLE-3 checkpoint on the same held-out anchors as DLite:
+    per anchor, 1 + the leading drafts of its unroll equal to the data's next tokens inside the
+    generated span (recomputed here one anchor at a time, by hand), with the per-position rates."""
+    import importlib.util
+
+    from sglang_dlite.baselines.registry import load_kv_baseline
+    from sglang_dlite.baselines.train import sequence_inputs, train_kv_baseline
+    from sglang_dlite.training.train import FeatureData, eval_groups
+
+    spec = importlib.util.spec_from_file_location("heldout_tau", os.path.join(os.path.dirname(__file__), "..", "bench", "heldout_tau.py"))
+    ht = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ht)
+    data = _tiny_data(tmp_path, tiny_target, n_seqs=4)
+    ck = str(tmp_path / "e3")
+    train_kv_baseline("eagle3", tiny_target, data, ck, steps=3, lr=5e-3, batch_size=16, seqs_per_batch=2,
+                      progress=False)
+    m = load_kv_baseline("eagle3", ck, tiny_target)
+    K, L = m.config.block_size, m.config.num_capture_layers
+    fd = FeatureData(data, m.config.target_layer_ids, model_loader=lambda: tiny_target, heldout_mod=0, progress=False)
+    for k0, (ids, mask, feats) in enumerate(list(fd.shards)):  # a 3-token user turn inside each answer
+        mask = np.array(mask)
+        for kk, start, length, _, _ in fd.seqs:
+            if kk == k0:
+                mask[start + length // 2:start + length // 2 + 3] = 0
+        fd.shards[k0] = (ids, mask, feats)
+    groups = eval_groups(fd, 64)
+
+    def by_hand():
+        taus, hits, n = [], [0] * K, [0] * K
+        for si, anchors in groups:
+            k0, start, length, _, _ = fd.seqs[si]
+            ids, mask, _ = fd.shards[k0]
+            for a in anchors:
+                hidden, x, anc, _, _, _ = sequence_inputs(fd, si, [a], K, L)
+                with torch.no_grad():
+                    draft = m.training_forward(hidden, x, anc)[0, 0].argmax(-1).tolist()
+                run, tau = True, 1
+                for k in range(K):
+                    pos = a + 1 + k
+                    if pos >= length or mask[start + pos] != 1:
+                        run = False
+                        continue
+                    ok = draft[k] == int(ids[start + pos])
+                    hits[k] += ok
+                    n[k] += 1
+                    run = run and ok
+                    tau += run
+                taus.append(tau)
+        return sum(taus) / len(taus), [h / max(c, 1) for h, c in zip(hits, n)], len(taus)
+
+    for oracle in (False, True):
+        if oracle:
+            # a drafter right on the first (anchor % (K + 1)) positions, wrong after: every tau
+            # from 1 to K + 1 occurs, and the end of each generated span must stop acceptance
+            real = m.training_forward
+
+            def fake(hidden, x, anc, num_steps=None):
+                out = torch.zeros(*real(hidden, x, anc).shape)
+                for j, a in enumerate(anc[0].tolist()):
+                    for k in range(K):
+                        pos = a + 1 + k
+                        tok = int(x[0, pos]) if pos < x.shape[1] else 0
+                        out[0, j, k, tok if k < a % (K + 1) else (tok + 1) % out.shape[-1]] = 1.0
+                return out
+
+            m.training_forward = fake
+        got = ht.heldout_tau(m, fd, groups, bf16=False)
+        tau, acc, count = by_hand()
+        assert got["anchors"] == count
+        assert got["tau"] == pytest.approx(tau, abs=1e-4)
+        assert got["acc_per_pos"] == pytest.approx(acc, abs=1e-4)
+    assert got["tau"] > 2.0  # the oracle's drafts are accepted: the comparison is not all-misses
+
+
 def test_sequence_prompt_ids_follow_gen_datas_plan():
     """Which conversation each gen-data sequence came from, rebuilt from the manifest recipe,
     agrees with gen-data's own shard plan; a shorter prompt list is the longer one's prefix."""

@@ -140,6 +140,17 @@ def make_baseline_drafter(name: str, path: Optional[str], target):
                 f"but {name} needs history={want!r}."
             )
         return engine_adapter(name, model.bind_hf_target(target))
+    return engine_adapter(name, load_kv_baseline(name, path, target))
+
+
+def load_kv_baseline(name: str, path: Optional[str], target):
+    """A KV baseline's model (eagle3 / dflash / dspark) from ``path`` (None: where ``--drafter
+    NAME`` loads from), bound to the HF ``target``, in eval mode."""
+    if name not in KV_BASELINES:
+        raise DLiteInputError(f"{name!r} is not a KV baseline; choose one of {', '.join(KV_BASELINES)}.")
+    explicit = bool(path)
+    path = path or default_checkpoint(name)
+    if not _is_checkpoint(path):
+        raise _missing(name, path, explicit)
     model_cls, _ = model_classes(name)
-    model = model_cls.from_pretrained(path)
-    return engine_adapter(name, model.bind_hf_target(target))
+    return model_cls.from_pretrained(path).bind_hf_target(target).eval()

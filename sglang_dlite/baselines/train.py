@@ -111,6 +111,29 @@ def loss_fn(name, model, data, batch, weights, head_w, base_vocab=None, autocast
     return total / max(n, 1), torch.cat(taus).mean().item()
 
 
+@torch.no_grad()
+def heldout_scores(model, data, groups, autocast=None):
+    """What ``training.evaluation.greedy_scores`` gives for DLite, for a KV baseline: per held-out
+    anchor of ``groups`` (``training.dataset.eval_groups``), the committed tokens of a greedy round
+    there (1 + leading drafts equal to the target's greedy tokens), and per draft position the
+    accuracy. The drafts come from the training-time-test unroll, which drafts what the engine
+    drafts (test_training_forward_matches_engine_draft). Returns (tau [N], acc per position)."""
+    from contextlib import nullcontext
+
+    K, L = model.config.block_size, model.config.num_capture_layers
+    autocast = autocast or nullcontext
+    taus, hits, n_valid = [], torch.zeros(K), torch.zeros(K)
+    for seq_i, anchors in groups:
+        hidden, ids, anc, labels, valid, _ = sequence_inputs(data, seq_i, anchors, K, L)
+        with autocast():
+            draft = model.training_forward(hidden, ids, anc)[0].float().argmax(-1)
+        lab, val = labels[0], valid[0]
+        taus.append(greedy_accept_length(draft, lab, val))
+        hits += ((draft == lab) & val).float().sum(0)
+        n_valid += val.float().sum(0)
+    return torch.cat(taus), (hits / n_valid.clamp(min=1)).tolist()
+
+
 def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 900, lr: float = 1e-3,
                       batch_size: int = 64, seqs_per_batch: int = 4, gamma: float = 4.0, seed: int = 0,
                       log_every: int = 10, progress: bool = True, vocab_subset: int = 0, bf16: bool = False,
