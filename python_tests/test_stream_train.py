@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -152,9 +153,10 @@ def test_train_resume_mid_run_equals_uninterrupted_run(shard_dir, target, tmp_pa
     assert info["streaming"]["window"] == 2 and info["streaming"]["shards"] == 8
 
 
-def test_training_json_written_and_read_back_by_the_card(shard_dir, target, tmp_path):
-    """training.json lands beside the model's config.json (data + run + held-out tau with CI),
-    the export copies it, and the model card renders it."""
+def test_training_json_written_and_read_back_by_the_card(shard_dir, target, tmp_path, monkeypatch):
+    """training.json lands beside the model's config.json (data + run + held-out tau with CI and
+    every command of a run resumed across invocations), the export copies it, and the model card
+    renders it."""
     from sglang_dlite.training import model_card
     from sglang_dlite.training.recipe import export
     from sglang_dlite.training.run_summary import summarize
@@ -162,7 +164,11 @@ def test_training_json_written_and_read_back_by_the_card(shard_dir, target, tmp_
 
     d, layers, files = shard_dir
     out = tmp_path / "run"
-    done = train_pipeline(target, d, str(out), _opts(steps={"teacher": 0, "distill": 0, "stabilize": 6}))
+    monkeypatch.setattr(sys, "argv", ["sglang-dlite", "train", "--out", str(out), "--steps-stabilize", "4"])
+    train_pipeline(target, d, str(out), _opts(steps={"teacher": 0, "distill": 0, "stabilize": 4}))
+    # resumed in another working period, extended to 6 steps: both commands are recorded
+    monkeypatch.setattr(sys, "argv", ["sglang-dlite", "train", "--out", str(out), "--steps-stabilize", "6", "--resume"])
+    done = train_pipeline(target, d, str(out), _opts(steps={"teacher": 0, "distill": 0, "stabilize": 6}, resume=True))
     mdir = done["stabilize"]
     assert os.path.isfile(os.path.join(mdir, "config.json"))
     t = model_card.read_training_json(mdir)
@@ -180,3 +186,7 @@ def test_training_json_written_and_read_back_by_the_card(shard_dir, target, tmp_
     card = open(dest / "README.md").read()
     assert "## Training record (`training.json`)" in card
     assert "16 sequences" in card and f"{h['mean']:.3f}" in card and "95 % CI" in card
+    assert t["run"]["commands"] == [f"sglang-dlite train --out {out} --steps-stabilize 4",
+                                    f"sglang-dlite train --out {out} --steps-stabilize 6 --resume"]
+    assert f"`sglang-dlite train --out {out} --steps-stabilize 6 --resume`" in card and "was resumed" in card
+    assert "Streamed from" in card  # a streaming run: its shards, not a count of training anchors

@@ -33,9 +33,14 @@ def render_training_section(t: dict, block_size: int = 7) -> list:
         f"wall {r.get('wall_s')} s" + (f", {r['epochs']:.2f} epochs" if r.get("epochs") is not None else "") + ".",
         f"- Held-out tau (expected, greedy, K = {block_size}): {_fmt(h.get('mean'), '.3f')}"
         + (f" (95 % CI {ci[0]:.3f}-{ci[1]:.3f}, {h.get('anchors')} anchors)" if ci else f" ({h.get('anchors')} anchors)") + ".",
-        "",
     ]
-    return lines
+    cmds = r.get("commands") or []
+    if cmds:
+        lines.append(f"- Command{'s' if len(cmds) > 1 else ''} that trained it ({r.get('processes', 1)} process(es)"
+                     + ("; the run was resumed, each invocation continuing from the last checkpoint" if len(cmds) > 1
+                        else "") + "):")
+        lines += [f"  - `{c}`" for c in cmds]
+    return lines + [""]
 
 
 def read_drafter_config(model_dir: str) -> dict:
@@ -105,9 +110,20 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
     for r in d.get("runs", []):
         lines.append(f"  - gen-data run: {r.get('new_tokens')} tokens in {r.get('wall_s')} s "
                      f"({r.get('tokens_per_s')} tok/s, {r.get('threads')} thread(s))")
+    stream = info.get("streaming")
+    where = (f"- Streamed from {stream.get('shards')} shards ({stream.get('window')} at a time, every anchor once per "
+             f"epoch), held-out sequences {info.get('eval_sequences')} (hash split of {stream.get('eval_shards')} "
+             "evenly spaced shards), training anchors "
+             if stream else
+             f"- Training sequences {info.get('train_sequences')}, held-out sequences {info.get('eval_sequences')} "
+             f"(hash split of the generated data), training anchors {info.get('train_anchors')} ")
+    gb = info.get("global_batch") or {}
+    procs = info.get("processes", 1)
+    batch = (f"batch {gb.get('anchors')} anchors ({gb.get('sequences')} sequences) per step over {procs} data-parallel "
+             f"processes" if procs > 1 and gb else
+             f"batch {opts.get('batch_size')} anchors ({opts.get('seqs_per_batch')} sequences per step)")
     lines += [
-        f"- Training sequences {info.get('train_sequences')}, held-out sequences {info.get('eval_sequences')} "
-        f"(hash split of the generated data), training anchors {info.get('train_anchors')} "
+        where
         + ("(`--anchor-tokens all`: every position of the sequences, prompt text too; labels = the real next "
            "tokens, TV to the target's distribution there; held-out evaluation on generated spans only)."
            if anchors == "all" else "(positions whose next token the target generated)."),
@@ -125,8 +141,10 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
         + (f" + forward KL (x{opts.get('kl_weight')})" if opts.get("kl_weight") else "")
         + " to the target's distribution, same weights.",
         f"- AdamW (betas 0.9/0.95, wd {opts.get('weight_decay')}), lr {opts.get('lr')} (stabilize after distill: half), linear warm-up "
-        f"{opts.get('warmup_frac')} + cosine to 0.1x, grad clip {opts.get('clip')}, batch {opts.get('batch_size')} "
-        f"anchors ({opts.get('seqs_per_batch')} sequences per step), bf16 autocast: {opts.get('bf16')}.",
+        f"{opts.get('warmup_frac')} + cosine to 0.1x, grad clip {opts.get('clip')}, {batch}, "
+        f"bf16 autocast: {opts.get('bf16')}."
+        + (f" Backbone layers initialized from the target's layers {', '.join(map(str, opts['init_layers']))}."
+           if opts.get("init_layers") else ""),
         f"- Training-time vocabulary subset: {opts.get('vocab_subset')} most frequent data tokens + the batch's labels "
         "(the frozen LM head's rows for them; the losses are computed over that subset, 6x cheaper on CPU). "
         "Held-out evaluation uses the full vocabulary; serving drafts over the drafting vocabulary "

@@ -75,7 +75,8 @@ def training_record(s: dict, stage: Optional[str] = None) -> dict:
         names = names[: names.index(stage) + 1]
     last = names[-1] if names else None
     ev = s.get("final_eval", {}).get(last, {}) if last else {}
-    opts = s.get("train_info", {}).get("options", {})
+    info = s.get("train_info", {})
+    opts = info.get("options", {})
     return {
         "format": 1,
         "data": {
@@ -93,7 +94,11 @@ def training_record(s: dict, stage: Optional[str] = None) -> dict:
             "heldout_tau": {"mean": ev.get("tau_proxy"), "ci95": ev.get("tau_ci95"), "anchors": ev.get("eval_anchors"),
                             "acc_per_pos": ev.get("acc_per_pos")},
             "options": {k: opts.get(k) for k in ("lr", "batch_size", "seqs_per_batch", "anchor_tokens", "vocab_subset",
-                                                 "stream_window", "bf16", "gamma", "config_overrides") if k in opts},
+                                                 "stream_window", "bf16", "gamma", "init_layers", "kl_weight",
+                                                 "config_overrides") if k in opts},
+            "processes": info.get("processes", 1),
+            # every command that wrote the run folder (a run resumed across working periods has several)
+            "commands": [x.get("command") for x in info.get("invocations", [])],
         },
     }
 

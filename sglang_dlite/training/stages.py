@@ -61,6 +61,27 @@ def init_from_target_layers(model: DLiteDrafter, target, layer_ids) -> DLiteDraf
     return model
 
 
+def this_command() -> str:
+    """This process's command line, as a user would type it (``python -m sglang_dlite ...`` for the
+    package's ``__main__``; torchrun's own options are not in ``sys.argv``)."""
+    import shlex
+    import sys
+
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    prog = "python -m sglang_dlite" if prog == "__main__.py" else prog
+    return " ".join([prog, shlex.join(sys.argv[1:])]).strip()
+
+
+def previous_invocations(out_dir: str) -> list:
+    """The commands that wrote this run folder before (a run resumed across working periods keeps
+    every invocation in train_info.json; a folder without that record gives [])."""
+    try:
+        with open(os.path.join(out_dir, "train_info.json")) as f:
+            return list(json.load(f).get("invocations", []))
+    except (OSError, ValueError):
+        return []
+
+
 def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> dict:
     """Run the stages; returns {stage: model folder}. ``target``: a HF causal LM (frozen, on the
     CPU). Runs on ``opts.device``; under torchrun, as one rank of the data-parallel group."""
@@ -100,6 +121,8 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
             "global_batch": {"anchors": opts.batch_size * st.world, "sequences": opts.seqs_per_batch * st.world}}
     if stream_info is not None:  # FeatureData is only the held-out view here
         info.update(stream_info, train_sequences=stream_info["streaming"]["sequences"], train_anchors=None)
+    info["invocations"] = previous_invocations(out_dir) + [
+        {"command": this_command(), "processes": st.world, "started": time.strftime("%Y-%m-%d %H:%M:%S")}]
     if main:
         with open(os.path.join(out_dir, "train_info.json"), "w") as f:
             json.dump(info, f, indent=1, default=str)
