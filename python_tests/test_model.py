@@ -311,3 +311,26 @@ def test_draft_vocab_cli_counts_the_data(tiny_target, tmp_path):
     assert main(["draft-vocab", "--drafter", str(tmp_path / "o"), "--data", str(data), "--size", "0"]) == 0
     assert DLiteDrafter.from_pretrained(str(tmp_path / "o")).config.draft_vocab_size == 0
     assert main(["draft-vocab", "--drafter", str(tmp_path / "d"), "--data", str(tmp_path), "--size", "3"]) == 2
+
+
+@pytest.mark.parametrize("head_input", ["hidden", "token"])
+def test_training_vocab_subset_logits_are_the_full_logits_columns(tiny_target, head_input):
+    """The training-time vocabulary subset (``forward(..., vocab=ids)``, what ``--vocab-subset``
+    trains on) gives exactly the full logits' columns ``ids``, for both heads (regression: the
+    token-feedback head ignored the subset, so its logits and the subset labels disagreed)."""
+    from sglang_dlite.training.evaluation import model_forward
+
+    m = _drafter(tiny_target, head_input=head_input)
+    ctx, valid, anchor = _round_inputs(m)
+    K, V = m.config.block_size, m.config.vocab_size
+    fb = torch.randint(0, V, (anchor.shape[0], K)) if head_input == "token" else None
+    ids = torch.tensor(sorted(torch.randperm(V)[: V // 3].tolist()))
+    with torch.no_grad():
+        full = m(ctx, valid, anchor, feedback_tokens=fb)
+        sub = m(ctx, valid, anchor, feedback_tokens=fb, vocab=ids)
+    assert sub.shape == (*full.shape[:-1], len(ids))
+    torch.testing.assert_close(sub, full[..., ids])
+    b = {"context_hidden": ctx, "context_valid": valid, "anchor_ids": anchor, "round_offset": None,
+         "labels": fb if fb is not None else torch.zeros(anchor.shape[0], K, dtype=torch.long)}
+    with torch.no_grad():
+        torch.testing.assert_close(model_forward(m, b, ids), full[..., ids])

@@ -617,6 +617,9 @@ def test_stabilize_loss_weights_are_checked():
         opts("--ce-weight", "0", "--tv-weight", "0")
     with pytest.raises(DLiteInputError, match=r"--tv-weight -1"):
         opts("--tv-weight", "-1")
+    # the head's input is a config override of the drafter (the token-feedback head ablation)
+    assert opts("--head-input", "token").config_overrides["head_input"] == "token"
+    assert "head_input" not in opts().config_overrides
 
 
 def test_train_default_recipe_wiring():

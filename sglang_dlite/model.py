@@ -251,9 +251,11 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         if tuple(anchor_ids.shape) != (B,):
             raise DLiteInputError(f"anchor_ids must be [{B}], got {tuple(anchor_ids.shape)}.")
 
-    def lm_logits(self, y: torch.Tensor) -> torch.Tensor:
-        """Logits over the whole vocabulary (training and scoring)."""
-        return F.linear(self.final_norm(y), self.lm_head_weight.to(y.dtype))
+    def lm_logits(self, y: torch.Tensor, vocab: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits over the whole vocabulary (training and scoring), or over the token ids ``vocab``
+        only (the frozen LM head's rows for them: the training-time vocabulary subset)."""
+        w = self.lm_head_weight if vocab is None else self.lm_head_weight[vocab]
+        return F.linear(self.final_norm(y), w.to(y.dtype))
 
     # ------------------------------------------------------------------ drafting vocabulary
     def set_draft_vocab(self, ids: Optional[torch.Tensor]) -> "DLiteDrafter":
@@ -311,15 +313,24 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         return full.index_copy_(-1, self.draft_vocab, p)
 
     def forward(self, context_hidden, context_valid, anchor_ids, history: Optional[History] = None,
-                round_offset=None, feedback_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Training/scoring forward: logits [B, K, V] for the K draft positions.
+                round_offset=None, feedback_tokens: Optional[torch.Tensor] = None,
+                vocab: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Training/scoring forward: logits [B, K, V] for the K draft positions (or [B, K, |vocab|]
+        over the token ids ``vocab``: the training-time vocabulary subset).
 
         ``feedback_tokens`` [B, K] (token-feedback head only): the tokens the head consumes at
         positions 0..K-1 are [anchor, feedback_tokens[:, :-1]] (teacher forcing).
         """
+        return self.lm_logits(self.head_states(context_hidden, context_valid, anchor_ids, history, round_offset,
+                                               feedback_tokens), vocab)
+
+    def head_states(self, context_hidden, context_valid, anchor_ids, history: Optional[History] = None,
+                    round_offset=None, feedback_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The head's outputs [B, K, D] for the K draft positions, before the final norm and the
+        vocabulary projection (``forward``'s arguments)."""
         z = self.backbone(context_hidden, context_valid, anchor_ids, history, round_offset)
         if self.config.head_input == "hidden":
-            return self.lm_logits(self.head(z[:, :-1], z[:, 1:]))
+            return self.head(z[:, :-1], z[:, 1:])
         if feedback_tokens is None:
             raise DLiteInputError("the token-feedback head needs feedback_tokens in training.")
         prev = torch.cat([anchor_ids[:, None], feedback_tokens[:, :-1]], dim=1)
@@ -329,7 +340,7 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         for i in range(self.config.block_size):
             state, y = self.head.step(state, z[:, 1 + i], emb[:, i])
             ys.append(y)
-        return self.lm_logits(torch.stack(ys, 1))
+        return torch.stack(ys, 1)
 
     @torch.no_grad()
     def propose(self, context_hidden, context_valid, anchor_ids, *, temperature: float = 0.0,

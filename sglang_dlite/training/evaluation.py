@@ -17,12 +17,9 @@ from .dataset import FeatureData, _hist_mode, concat_groups, to_device
 def model_forward(model, b, vocab: Optional[torch.Tensor] = None):
     """Logits [B, K, V] (or [B, K, |vocab|] over the token subset ``vocab``: the frozen LM head's
     rows for those tokens only -- the training-time vocabulary subset, see ``--vocab-subset``)."""
-    if vocab is not None and model.config.head_input == "hidden":
-        z = model.backbone(b["context_hidden"], b["context_valid"], b["anchor_ids"], b.get("history"), b["round_offset"])
-        y = model.head(z[:, :-1], z[:, 1:])
-        return torch.nn.functional.linear(model.final_norm(y), model.lm_head_weight[vocab].to(y.dtype))
     return model(b["context_hidden"], b["context_valid"], b["anchor_ids"], history=b.get("history"),
-                 round_offset=b["round_offset"], feedback_tokens=b["labels"] if model.config.head_input == "token" else None)
+                 round_offset=b["round_offset"], vocab=vocab,
+                 feedback_tokens=b["labels"] if model.config.head_input == "token" else None)
 
 
 @torch.no_grad()

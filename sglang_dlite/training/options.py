@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..config import HEAD_INPUTS
 from ..errors import DLiteConfigError, DLiteInputError
 from .dataset import ANCHOR_TOKENS
 
@@ -112,6 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-context-positions", type=int, default=None)
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--target-layer-ids", default=None)
+    p.add_argument("--head-input", choices=HEAD_INPUTS, default=None,
+                   help="what the low-rank RNN head consumes: 'hidden' (default: the previous position's backbone "
+                        "state; one vocabulary projection for all K) or 'token' (the previous draft token's "
+                        "embedding, teacher-forced in training; K sequential projections when drafting)")
     p.add_argument("--stage-budget-min", type=str, default=None,
                    help="wall-time cap per stage in minutes: one value for every stage, or "
                         "teacher,distill,stabilize values (e.g. 14,14,17); the cosine schedule is re-planned to fit. "
@@ -153,6 +158,8 @@ def options_from_args(args) -> TrainOptions:
         ov["num_context_positions"] = args.num_context_positions
     if args.num_layers is not None:
         ov["num_layers"] = args.num_layers
+    if getattr(args, "head_input", None):
+        ov["head_input"] = args.head_input
     if args.target_layer_ids:
         ov["target_layer_ids"] = [int(x) for x in args.target_layer_ids.split(",")]
     budget = None
