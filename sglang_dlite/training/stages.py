@@ -74,7 +74,8 @@ def this_command() -> str:
 
 def previous_invocations(out_dir: str) -> list:
     """The commands that wrote this run folder before (a run resumed across working periods keeps
-    every invocation in train_info.json; a folder without that record gives [])."""
+    every invocation in train_info.json; a folder without that record gives []). Only a --resume
+    run inherits them: a fresh run into the same folder starts its own list."""
     try:
         with open(os.path.join(out_dir, "train_info.json")) as f:
             return list(json.load(f).get("invocations", []))
@@ -121,7 +122,7 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
             "global_batch": {"anchors": opts.batch_size * st.world, "sequences": opts.seqs_per_batch * st.world}}
     if stream_info is not None:  # FeatureData is only the held-out view here
         info.update(stream_info, train_sequences=stream_info["streaming"]["sequences"], train_anchors=None)
-    info["invocations"] = previous_invocations(out_dir) + [
+    info["invocations"] = (previous_invocations(out_dir) if opts.resume else []) + [
         {"command": this_command(), "processes": st.world, "started": time.strftime("%Y-%m-%d %H:%M:%S")}]
     if main:
         with open(os.path.join(out_dir, "train_info.json"), "w") as f:
