@@ -120,18 +120,17 @@ def heldout_scores(model, data, groups, autocast=None):
     drafts (test_training_forward_matches_engine_draft). Returns (tau [N], acc per position)."""
     from contextlib import nullcontext
 
+    from ..training.evaluation import GreedyTally
+
     K, L = model.config.block_size, model.config.num_capture_layers
     autocast = autocast or nullcontext
-    taus, hits, n_valid = [], torch.zeros(K), torch.zeros(K)
+    tally = GreedyTally(K)
     for seq_i, anchors in groups:
         hidden, ids, anc, labels, valid, _ = sequence_inputs(data, seq_i, anchors, K, L)
         with autocast():
             draft = model.training_forward(hidden, ids, anc)[0].float().argmax(-1)
-        lab, val = labels[0], valid[0]
-        taus.append(greedy_accept_length(draft, lab, val))
-        hits += ((draft == lab) & val).float().sum(0)
-        n_valid += val.float().sum(0)
-    return torch.cat(taus), (hits / n_valid.clamp(min=1)).tolist()
+        tally.add(draft, labels[0], valid[0])
+    return tally.result()
 
 
 def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 900, lr: float = 1e-3,

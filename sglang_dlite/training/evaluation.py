@@ -22,6 +22,25 @@ def model_forward(model, b, vocab: Optional[torch.Tensor] = None):
                  feedback_tokens=b["labels"] if model.config.head_input == "token" else None)
 
 
+class GreedyTally:
+    """Greedy-round scores accumulated over batches of held-out anchors: per anchor the committed
+    tokens (1 + leading drafts equal to the labels, stopping at the first invalid label), per draft
+    position the accuracy over valid labels. Shared by DLite's and the KV baselines' scoring."""
+
+    def __init__(self, K: int):
+        self.taus, self.hits, self.n_valid = [], torch.zeros(K), torch.zeros(K)
+
+    def add(self, draft: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> None:
+        """``draft``, ``labels``, ``valid``: [N, K] for N anchors."""
+        self.taus.append(greedy_accept_length(draft, labels, valid))
+        self.hits += ((draft == labels) & valid).float().sum(0)
+        self.n_valid += valid.float().sum(0)
+
+    def result(self):
+        """(tau [N], accuracy per position)."""
+        return torch.cat(self.taus), (self.hits / self.n_valid.clamp(min=1)).tolist()
+
+
 @torch.no_grad()
 def greedy_scores(model: DLiteDrafter, data: FeatureData, groups, autocast, chunk: int = 8, device=None):
     """Per held-out anchor: the committed tokens of a greedy round there (1 + leading drafts equal
@@ -32,7 +51,7 @@ def greedy_scores(model: DLiteDrafter, data: FeatureData, groups, autocast, chun
     cfg = model.config
     C, K = cfg.num_context_positions, cfg.block_size
     hist = _hist_mode(cfg)
-    taus, hits, n_valid = [], torch.zeros(K), torch.zeros(K)
+    tally = GreedyTally(K)
     step = chunk if hist == 0 else 1
     for i in range(0, len(groups), step):
         gs = [data.group(si, a, C, K, hist, False) for si, a in groups[i:i + step]]
@@ -40,10 +59,8 @@ def greedy_scores(model: DLiteDrafter, data: FeatureData, groups, autocast, chun
         draft_in = b if device is None else to_device(b, torch.device(device))
         with autocast():
             draft = model_forward(model, draft_in).float().argmax(-1).cpu()
-        taus.append(greedy_accept_length(draft, b["labels"], b["valid"]))
-        hits += ((draft == b["labels"]) & b["valid"]).float().sum(0)
-        n_valid += b["valid"].float().sum(0)
-    return torch.cat(taus), (hits / n_valid.clamp(min=1)).tolist()
+        tally.add(draft, b["labels"], b["valid"])
+    return tally.result()
 
 
 def evaluate(model: DLiteDrafter, data: FeatureData, groups, autocast, device=None) -> dict:
