@@ -131,7 +131,10 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
         ("## Recipe (`make train-default` = `sglang-dlite train-default --single-stage`)"
          if list(opts.get("stages", [])) == ["stabilize"] else
          "## Recipe (`make train-two-stage` = `sglang-dlite train-default`)"),
-        ("This checkpoint: **stage 2 only** (stabilization from scratch), which beat the two-stage recipe at "
+        ("This checkpoint: **stage 2 only** (stabilization "
+         + (f"from the target's layers {', '.join(map(str, opts['init_layers']))}" if opts.get("init_layers")
+            else "from scratch")
+         + "), which beat the two-stage recipe at "
          "equal training time on this budget (table below). The two-stage recipe:"
          if list(opts.get("stages", [])) == ["stabilize"] else "Stages:"),
         "1. teacher: history-aware teacher (`history=full`), token-level CE over the K positions of random anchors.",
