@@ -243,6 +243,22 @@ def test_draft_vocab_greedy_is_the_argmax_over_the_subset(tiny_target, head_inpu
     assert m.config.draft_vocab_size == 0 and torch.equal(m.propose(ctx, valid, anchor).tokens, full)
 
 
+@pytest.mark.parametrize("head_input", ["hidden", "token"])
+def test_greedy_chain_is_the_teacher_forced_argmax(tiny_target, head_input):
+    """Greedy drafting (the fused norm + projection + argmax path) drafts, at every position, the
+    argmax of the scoring forward fed its own drafts; asking for the confidences drafts the same
+    chain, and each confidence is that argmax's softmax probability."""
+    m = _drafter(tiny_target, head_input=head_input, block_size=5)
+    ctx, valid, anchor = _round_inputs(m, seed=7)
+    got = m.propose(ctx, valid, anchor).tokens
+    with torch.no_grad():
+        logits = m(ctx, valid, anchor, feedback_tokens=got if head_input == "token" else None).float()
+    assert torch.equal(got, logits.argmax(-1))
+    conf = m.propose(ctx, valid, anchor, return_confidence=True)
+    assert torch.equal(conf.tokens, got)
+    torch.testing.assert_close(conf.confidence, logits.softmax(-1).amax(-1), rtol=1e-4, atol=1e-5)
+
+
 def test_draft_vocab_sampling_keeps_full_vocabulary_probs(tiny_target):
     m = _drafter(tiny_target)
     ids = torch.arange(0, m.config.vocab_size, 3)

@@ -460,6 +460,45 @@ def test_bench_heldout_tau_matches_the_trainers_evaluation(tmp_path, tiny_target
         ht.heldout_tau(teacher, fd, groups, bf16=False)
 
 
+def test_heldout_scoring_drafts_over_the_drafting_vocabulary(tmp_path, tiny_target):
+    """A drafter with a drafting vocabulary (a shipped export) is scored as it drafts: one whose
+    vocabulary lacks every label accepts nothing, one with every id scores as no vocabulary, and
+    each scored draft is what propose() drafts (the argmax over those ids)."""
+    from sglang_dlite.model import DLiteDrafter
+    from sglang_dlite.training.dataset import concat_groups
+    from sglang_dlite.training.train import FeatureData, eval_groups
+    from sglang_dlite.training.evaluation import GreedyTally, greedy_scores, scored_drafts
+
+    data = _tiny_data(tmp_path, tiny_target, n_seqs=4)
+    cfg = tiny_dlite_config(tiny_target)
+    fd = FeatureData(data, cfg.target_layer_ids, heldout_mod=0)
+    torch.manual_seed(3)
+    model = DLiteDrafter(cfg).bind_hf_target(tiny_target).eval()
+    groups = eval_groups(fd, 64)
+    off = torch.autocast("cpu", enabled=False)
+    tau, acc = greedy_scores(model, fd, groups, lambda: off)
+    V = cfg.vocab_size
+    model.set_draft_vocab(torch.arange(V))
+    tau_all, acc_all = greedy_scores(model, fd, groups, lambda: off)
+    assert torch.equal(tau, tau_all) and acc == acc_all
+    b = concat_groups([fd.group(si, a, cfg.num_context_positions, cfg.block_size, 0, False) for si, a in groups])
+    labels = set(b["labels"][b["valid"]].tolist())
+    model.set_draft_vocab(torch.tensor([i for i in range(V) if i not in labels]))
+    tau_none, acc_none = greedy_scores(model, fd, groups, lambda: off)
+    assert float(tau_none.max()) == 1.0 and max(acc_none) == 0.0
+    keep = torch.arange(0, V, 2)
+    model.set_draft_vocab(keep)
+    with torch.no_grad():
+        drafted = model.propose(b["context_hidden"], b["context_valid"], b["anchor_ids"],
+                                round_offset=b["round_offset"]).tokens
+        scored = scored_drafts(model, b)
+    assert torch.equal(scored, drafted) and bool((scored % 2 == 0).all())
+    want = GreedyTally(cfg.block_size)
+    want.add(drafted, b["labels"], b["valid"])
+    tau_keep, acc_keep = greedy_scores(model, fd, groups, lambda: off)
+    assert torch.equal(tau_keep, want.result()[0]) and acc_keep == pytest.approx(want.result()[1])
+
+
 def test_bench_heldout_tau_scores_a_kv_baseline_per_anchor(tmp_path, tiny_target):
     """bench/heldout_tau.py scores an EAGLE-3 checkpoint on the same held-out anchors as DLite:
     per anchor, 1 + the leading drafts of its unroll equal to the data's next tokens inside the

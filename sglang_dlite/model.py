@@ -381,6 +381,11 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         for i in range(n):
             emb = F.embedding(prev, self.embed_weight).to(z.dtype)
             state, y = self.head.step(state, z[:, 1 + i], emb)
+            if temperature <= 0 and not return_confidence:  # fused final norm + LM head + argmax
+                prev = self._draft_ids(ops.lm_head_argmax(y, self.final_norm.weight, self.final_norm.eps,
+                                                          self._draft_head().to(y.dtype)))
+                toks.append(prev)
+                continue
             logits = self.draft_logits(y).float()
             if temperature <= 0:
                 top, idx = logits.max(-1)

@@ -22,6 +22,15 @@ def model_forward(model, b, vocab: Optional[torch.Tensor] = None):
                  feedback_tokens=b["labels"] if model.config.head_input == "token" else None)
 
 
+def scored_drafts(model, b) -> torch.Tensor:
+    """The drafts [B, K] a greedy round would make at batch ``b``'s anchors, from the scoring
+    forward (teacher-forced token head): the argmax over the drafting vocabulary when the drafter
+    has one (a shipped export drafts among those ids only), else over the whole vocabulary."""
+    vocab = model.draft_vocab if model.config.draft_vocab_size else None
+    idx = model_forward(model, b, vocab=vocab).float().argmax(-1)
+    return idx if vocab is None else vocab[idx]
+
+
 class GreedyTally:
     """Greedy-round scores accumulated over batches of held-out anchors: per anchor the committed
     tokens (1 + leading drafts equal to the labels, stopping at the first invalid label), per draft
@@ -47,7 +56,8 @@ def greedy_scores(model: DLiteDrafter, data: FeatureData, groups, autocast, chun
     to the target's greedy tokens; the data is greedy-regenerated, so labels are the target's
     continuation), and per draft position the accuracy. Returns (tau [N], acc per position).
     History-free drafters run ``chunk`` sequences' anchors per forward, others one sequence.
-    ``device``: where the model is (batches are moved there; None: the CPU)."""
+    ``device``: where the model is (batches are moved there; None: the CPU). A drafter with a
+    drafting vocabulary (a shipped export) is scored as it drafts: the argmax over those ids."""
     cfg = model.config
     C, K = cfg.num_context_positions, cfg.block_size
     hist = _hist_mode(cfg)
@@ -58,7 +68,7 @@ def greedy_scores(model: DLiteDrafter, data: FeatureData, groups, autocast, chun
         b = concat_groups(gs) if hist == 0 else gs[0]  # a history is per sequence
         draft_in = b if device is None else to_device(b, torch.device(device))
         with autocast():
-            draft = model_forward(model, draft_in).float().argmax(-1).cpu()
+            draft = scored_drafts(model, draft_in).cpu()
         tally.add(draft, b["labels"], b["valid"])
     return tally.result()
 
