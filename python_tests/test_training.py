@@ -430,6 +430,19 @@ def test_time_budget_replans_warmup_and_cosine(tmp_path, tiny_target):
     assert lrs[-1] < 0.3e-3  # and the cosine decayed before the budget ran out
 
 
+def _heldout_setup(tmp_path, tiny_target):
+    """A tiny regenerated data set, its held-out anchors and a random history-free drafter."""
+    from sglang_dlite.model import DLiteDrafter
+    from sglang_dlite.training.train import FeatureData, eval_groups
+
+    data = _tiny_data(tmp_path, tiny_target, n_seqs=4)
+    cfg = tiny_dlite_config(tiny_target)
+    fd = FeatureData(data, cfg.target_layer_ids, heldout_mod=0)
+    torch.manual_seed(3)
+    model = DLiteDrafter(cfg).bind_hf_target(tiny_target).eval()
+    return cfg, fd, model, eval_groups(fd, 64)
+
+
 def test_bench_heldout_tau_matches_the_trainers_evaluation(tmp_path, tiny_target):
     """bench/heldout_tau.py scores a drafter on a fixed held-out anchor set exactly as the
     trainer's evaluate() does (same tau, same per-position acceptance), with a CI around it;
@@ -438,17 +451,12 @@ def test_bench_heldout_tau_matches_the_trainers_evaluation(tmp_path, tiny_target
 
     from sglang_dlite.errors import DLiteInputError
     from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.training.train import FeatureData, evaluate, eval_groups
+    from sglang_dlite.training.train import evaluate
 
     spec = importlib.util.spec_from_file_location("heldout_tau", os.path.join(os.path.dirname(__file__), "..", "bench", "heldout_tau.py"))
     ht = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ht)
-    data = _tiny_data(tmp_path, tiny_target, n_seqs=4)
-    cfg = tiny_dlite_config(tiny_target)
-    fd = FeatureData(data, cfg.target_layer_ids, heldout_mod=0)
-    torch.manual_seed(3)
-    model = DLiteDrafter(cfg).bind_hf_target(tiny_target).eval()
-    groups = eval_groups(fd, 64)
+    cfg, fd, model, groups = _heldout_setup(tmp_path, tiny_target)
     got = ht.heldout_tau(model, fd, groups, bf16=False)
     ref = evaluate(model, fd, groups, autocast=lambda: torch.autocast("cpu", enabled=False))
     assert got["anchors"] == ref["eval_anchors"] == sum(len(a) for _, a in groups)
@@ -464,17 +472,10 @@ def test_heldout_scoring_drafts_over_the_drafting_vocabulary(tmp_path, tiny_targ
     """A drafter with a drafting vocabulary (a shipped export) is scored as it drafts: one whose
     vocabulary lacks every label accepts nothing, one with every id scores as no vocabulary, and
     each scored draft is what propose() drafts (the argmax over those ids)."""
-    from sglang_dlite.model import DLiteDrafter
     from sglang_dlite.training.dataset import concat_groups
-    from sglang_dlite.training.train import FeatureData, eval_groups
     from sglang_dlite.training.evaluation import GreedyTally, greedy_scores, scored_drafts
 
-    data = _tiny_data(tmp_path, tiny_target, n_seqs=4)
-    cfg = tiny_dlite_config(tiny_target)
-    fd = FeatureData(data, cfg.target_layer_ids, heldout_mod=0)
-    torch.manual_seed(3)
-    model = DLiteDrafter(cfg).bind_hf_target(tiny_target).eval()
-    groups = eval_groups(fd, 64)
+    cfg, fd, model, groups = _heldout_setup(tmp_path, tiny_target)
     off = torch.autocast("cpu", enabled=False)
     tau, acc = greedy_scores(model, fd, groups, lambda: off)
     V = cfg.vocab_size
