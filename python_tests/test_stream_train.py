@@ -190,3 +190,53 @@ def test_training_json_written_and_read_back_by_the_card(shard_dir, target, tmp_
                                     f"sglang-dlite train --out {out} --steps-stabilize 6 --resume"]
     assert f"`sglang-dlite train --out {out} --steps-stabilize 6 --resume`" in card and "was resumed" in card
     assert "Streamed from" in card  # a streaming run: its shards, not a count of training anchors
+    # bench/compare_runs.py reads the same folder: every evaluation with the compute spent by then
+    # (no --threads in the recorded command: the CLI default, 2 per process)
+    c = _compare_runs().run_curve(str(out))
+    assert c["processes"] == 1 and c["threads_per_process"] == 2 and c["threads_from"] == "recorded command"
+    assert [p["step"] for p in c["points"]][-1] == 6 and c["points"][-1]["tau"] == pytest.approx(h["mean"], abs=1e-3)
+
+
+def _compare_runs():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "compare_runs", os.path.join(os.path.dirname(__file__), "..", "bench", "compare_runs.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_compare_runs_puts_runs_on_one_compute_axis(tmp_path, capsys):
+    """Thread-minutes = wall x processes x threads (the recorded --threads, else the --threads
+    override, else 1); JSON + PNG written; a folder that is not a run and a bad --mark are refused."""
+    cr = _compare_runs()
+
+    def run(name, procs, command, evals):
+        d = tmp_path / name
+        d.mkdir()
+        info = {"processes": procs, "global_batch": {"anchors": 32}}
+        if command is not None:
+            info["invocations"] = [{"command": command, "processes": procs}]
+        (d / "train_info.json").write_text(json.dumps(info))
+        with open(d / "metrics.jsonl", "w") as f:
+            for step, wall, tau in evals:
+                f.write(json.dumps({"stage": "stabilize", "step": step, "loss": 1.0, "wall_s": wall}) + "\n")
+                f.write(json.dumps({"stage": "stabilize", "step": step, "tau_proxy": tau, "tau_ci95": [tau - .1, tau + .1],
+                                    "acc_per_pos": [0.3, 0.1]}) + "\n")
+        return str(d)
+
+    a = run("a", 2, "python -m sglang_dlite train --threads 1 --out a", [(10, 60.0, 1.2), (20, 120.0, 1.3)])
+    b = run("b", 1, None, [(10, 600.0, 1.25)])
+    out, png = tmp_path / "runs.json", tmp_path / "runs.png"
+    assert cr.main([f"A={a}", f"B={b}", "--threads", "B=3", "--mark", "eagle3=68", "--out", str(out), "--plot", str(png)]) == 0
+    res = json.load(open(out))
+    assert [p["thread_min"] for p in res["runs"]["A"]["points"]] == [2.0, 4.0]  # 60 s x 2 procs x 1 thread
+    assert res["runs"]["B"]["points"][0]["thread_min"] == 30.0 and res["runs"]["B"]["threads_from"] == "--threads"
+    assert res["marks"] == {"eagle3": 68.0} and png.stat().st_size > 0
+    assert "1.300" in capsys.readouterr().out
+    assert cr.run_curve(b)["threads_from"].startswith("assumed 1")
+    with pytest.raises(SystemExit, match="not a train --out folder"):
+        cr.run_curve(str(tmp_path))
+    with pytest.raises(SystemExit, match="LABEL=THREAD_MINUTES"):
+        cr.main([f"A={a}", "--mark", "eagle3"])
