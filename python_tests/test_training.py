@@ -136,6 +136,9 @@ def test_tiny_end_to_end_lowers_loss(tmp_path, tiny_target):
 
     card = render_card(summarize(out, data))
     assert "| stabilize |" in card and "| teacher |" in card
+    assert "head r = " in card and "head_input=token" not in card
+    token = render_card({**summarize(out, data), "drafter_config": {"head_input": "token", "num_layers": 3}})
+    assert "3 backbone layers" in token and "fed the previous draft token (`head_input=token`" in token
     dest = export(done["stabilize"], str(tmp_path / "export"), card, data, draft_vocab=40)
     exported = DLiteDrafter.from_pretrained(dest)
     assert exported.config.history == "none" and exported.config.draft_vocab_size == 40

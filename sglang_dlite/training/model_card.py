@@ -90,7 +90,11 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
         f"A history-free DLite drafter (`history=none`, K = {K} draft positions, C = "
         f"{dc.get('num_context_positions', ov.get('num_context_positions', 4))} context positions, captured target "
         f"layers {', '.join(map(str, layers))} along the sequence axis, {dc.get('num_layers', ov.get('num_layers', 2))} "
-        f"backbone layers, low-rank RNN head r = {dc.get('rnn_rank', 72)}) for the "
+        f"backbone layers, low-rank RNN head r = {dc.get('rnn_rank', 72)}"
+        + (" fed the previous draft token (`head_input=token`: K sequential vocabulary projections when "
+           "drafting; the CUDA/C++ low-rank RNN scan serves the default hidden-state head only)"
+           if dc.get("head_input", ov.get("head_input")) == "token" else "")
+        + ") for the "
         f"{target} target. The token embedding and LM head are the target's own (frozen, not stored "
         "here). Weights: bf16 safetensors."
         + (" `--drafter dlite` with no path loads this checkpoint." if name == "dlite-smollm2-135m" else ""),
