@@ -127,11 +127,12 @@ def main(argv=None) -> int:
         if not sep:
             label, path = os.path.basename(item.rstrip("/")), item
         curves[label] = run_curve(path, args.stage, threads.get(label))
-    print(f"{'run':<14} {'procs x thr':>11} {'steps':>7} {'thread-min':>10} {'last tau':>9} {'best tau':>9} {'@thread-min':>11}")
+    w = max([14] + [len(k) for k in curves])
+    print(f"{'run':<{w}} {'procs x thr':>11} {'steps':>7} {'thread-min':>10} {'last tau':>9} {'best tau':>9} {'@thread-min':>11}")
     for label, c in curves.items():
         last = c["points"][-1]
         best = max(c["points"], key=lambda p: p["tau"])
-        print(f"{label:<14} {c['processes']:>5} x {c['threads_per_process']:<3} {last['step']:>7} "
+        print(f"{label:<{w}} {c['processes']:>5} x {c['threads_per_process']:<3} {last['step']:>7} "
               f"{last['thread_min']:>10.1f} {last['tau']:>9.3f} {best['tau']:>9.3f} {best['thread_min']:>11.1f}"
               + ("  (threads per process assumed 1)" if c["threads_from"].startswith("assumed") else ""))
     if args.out:
