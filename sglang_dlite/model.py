@@ -301,6 +301,12 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         """Logits over the drafting vocabulary (the whole vocabulary without one)."""
         return F.linear(self.final_norm(y), self._draft_head().to(y.dtype))
 
+    def greedy_drafts(self, y: torch.Tensor) -> torch.Tensor:
+        """Greedy draft token ids of head outputs ``y`` [..., D]: the fused final norm + projection
+        onto the drafting vocabulary + argmax, mapped back to token ids."""
+        idx = ops.lm_head_argmax(y, self.final_norm.weight, self.final_norm.eps, self._draft_head().to(y.dtype))
+        return self._draft_ids(idx)
+
     def _draft_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices into the drafting vocabulary -> token ids."""
         return self.draft_vocab[idx] if self.config.draft_vocab_size else idx
@@ -367,9 +373,7 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
                     conf = torch.exp(top - torch.logsumexp(logits, -1))
                     return DraftProposal(self._draft_ids(idx), None, confidence=conf)
                 if temperature <= 0:  # greedy: fused final norm + LM head + argmax
-                    idx = ops.lm_head_argmax(y, self.final_norm.weight, self.final_norm.eps,
-                                             self._draft_head().to(y.dtype))
-                    return DraftProposal(self._draft_ids(idx), None)
+                    return DraftProposal(self.greedy_drafts(y), None)
                 logits = self.draft_logits(y).float()
             probs = logits_to_probs(logits, temperature, top_p)
             flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
@@ -381,9 +385,8 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         for i in range(n):
             emb = F.embedding(prev, self.embed_weight).to(z.dtype)
             state, y = self.head.step(state, z[:, 1 + i], emb)
-            if temperature <= 0 and not return_confidence:  # fused final norm + LM head + argmax
-                prev = self._draft_ids(ops.lm_head_argmax(y, self.final_norm.weight, self.final_norm.eps,
-                                                          self._draft_head().to(y.dtype)))
+            if temperature <= 0 and not return_confidence:
+                prev = self.greedy_drafts(y)
                 toks.append(prev)
                 continue
             logits = self.draft_logits(y).float()
