@@ -41,10 +41,11 @@ _last_impl: dict = {}
 
 # Where torch's own kernels beat the C++ CPU kernel, ``auto`` takes the reference: (op, dtype) ->
 # the row count below which torch is faster. bf16 lm_head_argmax at SmolLM2's shapes (V=49152,
-# H=576), 1 thread, C++/torch time over four runs of bench/lm_head_dispatch.py: 7 rows (batch 1,
-# K=7) 1.15/1.03/0.98/1.03x (torch's bf16 GEMM ahead), 14-28 rows 0.91-1.07x (even), 56-112 rows
-# 0.77-0.96x (the fused kernel ahead). fp32: the C++ kernel at every row count (0.55-1.0x).
-CPU_TORCH_FASTER_BELOW = {("lm_head_argmax", torch.bfloat16): 14}
+# H=576), 1 thread, C++/torch time, three runs of bench/lm_head_dispatch.py: 1 row 1.17/1.02/1.01x
+# (even), 2 rows 0.66/0.65x, 4 rows 0.54/0.53/0.55x, 7 rows (batch 1, K=7) 0.49/0.54/0.49x, 14-56
+# rows 0.99-1.01x. fp32: the C++ kernel at every row count (0.39-0.95x; it was 3-7x slower than
+# torch until its weight prefetch stopped using the non-temporal hint).
+CPU_TORCH_FASTER_BELOW = {("lm_head_argmax", torch.bfloat16): 2}
 
 
 def ops_mode() -> str:
