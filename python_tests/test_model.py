@@ -350,3 +350,45 @@ def test_training_vocab_subset_logits_are_the_full_logits_columns(tiny_target, h
          "labels": fb if fb is not None else torch.zeros(anchor.shape[0], K, dtype=torch.long)}
     with torch.no_grad():
         torch.testing.assert_close(model_forward(m, b, ids), full[..., ids])
+
+
+@pytest.mark.parametrize("head_input", ["hidden", "token"])
+def test_float32_drafter_on_a_bf16_target_drafts_as_on_its_fp32_copy(tiny_target, head_input):
+    """sglang's CPU path runs a float32 drafter beside a bf16 target: bound to the bf16 embedding and
+    LM head, it drafts exactly what it drafts bound to their float32 copies (bf16 -> fp32 is exact),
+    greedy and with confidences; the projection's cast copy is made once and remade when the bound
+    weight changes in place."""
+    m = _drafter(tiny_target, head_input=head_input)
+    V = m.config.vocab_size
+    emb = tiny_target.get_input_embeddings().weight.detach().to(torch.bfloat16)
+    head = tiny_target.get_output_embeddings().weight.detach().to(torch.bfloat16).clone()
+    ctx, valid, anchor = _round_inputs(m)
+    for vocab in (None, torch.arange(0, V, 2)):
+        m.set_draft_vocab(vocab)
+        m.bind_target(emb.float(), head.float())
+        want = m.propose(ctx, valid, anchor, return_confidence=True)
+        m.bind_target(emb, head)
+        assert m._draft_head().dtype == torch.float32 and m._draft_head() is m._draft_head()
+        assert torch.equal(m.propose(ctx, valid, anchor).tokens, want.tokens)
+        got = m.propose(ctx, valid, anchor, return_confidence=True)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.confidence, want.confidence)
+    m.set_draft_vocab(None)
+    before = m._draft_head().clone()
+    with torch.no_grad():
+        head.mul_(-1)  # an in-place weight update (sglang's update_weights_from_disk)
+    assert torch.equal(m._draft_head(), -before)
+
+
+def test_drafter_dtype_follows_the_device_and_the_env(monkeypatch):
+    from sglang_dlite.sglang_plugin.worker import ENV_DRAFTER_DTYPE, drafter_dtype
+
+    monkeypatch.delenv(ENV_DRAFTER_DTYPE, raising=False)
+    assert drafter_dtype(torch.bfloat16, "cpu") == torch.float32
+    assert drafter_dtype(torch.bfloat16, torch.device("cuda", 0)) == torch.bfloat16
+    monkeypatch.setenv(ENV_DRAFTER_DTYPE, "target")
+    assert drafter_dtype(torch.bfloat16, "cpu") == torch.bfloat16
+    monkeypatch.setenv(ENV_DRAFTER_DTYPE, "float16")
+    assert drafter_dtype(torch.bfloat16, "cuda:0") == torch.float16
+    monkeypatch.setenv(ENV_DRAFTER_DTYPE, "fp8")
+    with pytest.raises(DLiteConfigError, match="SGLANG_DLITE_DRAFTER_DTYPE='fp8'.*float32"):
+        drafter_dtype(torch.bfloat16, "cpu")

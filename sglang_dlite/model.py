@@ -295,7 +295,18 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         return self
 
     def _draft_head(self) -> torch.Tensor:
-        return self.draft_head_weight if self.config.draft_vocab_size else self.lm_head_weight
+        """The vocabulary rows greedy drafting projects onto, in the drafter's dtype. A drafter run in
+        another dtype than its target's weights (a float32 drafter beside a bf16 target on a CPU,
+        where fp32 GEMVs are the faster ones) gets a cast copy, made once and remade when the bound
+        weight changes."""
+        w = self.draft_head_weight if self.config.draft_vocab_size else self.lm_head_weight
+        dt = self.mask_embed.dtype
+        if w.dtype == dt:
+            return w
+        key = (w.data_ptr(), w._version, dt)
+        if getattr(self, "_head_cast_key", None) != key:
+            self._head_cast, self._head_cast_key = w.to(dt), key
+        return self._head_cast
 
     def draft_logits(self, y: torch.Tensor) -> torch.Tensor:
         """Logits over the drafting vocabulary (the whole vocabulary without one)."""

@@ -66,6 +66,26 @@ def _target_parts(model):
     return embed.weight, lm_head.weight
 
 
+ENV_DRAFTER_DTYPE = "SGLANG_DLITE_DRAFTER_DTYPE"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def drafter_dtype(target_dtype: torch.dtype, device) -> torch.dtype:
+    """The drafter's dtype: ``SGLANG_DLITE_DRAFTER_DTYPE`` (float32 | bfloat16 | float16 | target),
+    by default the target's on a GPU and float32 on a CPU, where a CPU without native bf16 runs the
+    drafter's few-row fp32 GEMVs 1.4-2.7x faster than bf16 ones (the drafter reads the target's
+    hidden states in its own dtype; its drafts, not the output, depend on it: verify is lossless)."""
+    name = os.environ.get(ENV_DRAFTER_DTYPE, "").strip().lower()
+    if not name:
+        name = "float32" if str(device).startswith("cpu") else "target"
+    if name == "target":
+        return target_dtype
+    if name not in _DTYPES:
+        raise DLiteConfigError(f"{ENV_DRAFTER_DTYPE}={name!r} is not understood; use one of "
+                               f"{', '.join(list(_DTYPES) + ['target'])}.")
+    return _DTYPES[name]
+
+
 def _check_target_supported(model_runner, cfg, server_args) -> None:
     """Launch-time refusals the launcher's validate_server_args may not see (Engine args built
     in-process, a model config only sglang resolves): capture layers, recurrent-state targets,
@@ -106,8 +126,9 @@ class DLiteWorker(BaseSpecWorker):
 
         model = self.model_runner.model
         hf = self.model_runner.model_config.hf_text_config
-        dtype = self.model_runner.dtype
+        dtype = drafter_dtype(self.model_runner.dtype, self.device)
         drafter = DLiteDrafter.from_pretrained(path, dtype=dtype, device=self.device)
+        logger.info("DLITE drafter dtype %s (target %s; %s)", dtype, self.model_runner.dtype, ENV_DRAFTER_DTYPE)
         cfg = drafter.config
         cfg.check_target(hidden_size=hf.hidden_size, vocab_size=hf.vocab_size,
                          num_layers=hf.num_hidden_layers)
