@@ -382,9 +382,15 @@ def test_float32_drafter_on_a_bf16_target_drafts_as_on_its_fp32_copy(tiny_target
 def test_drafter_dtype_follows_the_device_and_the_env(monkeypatch):
     from sglang_dlite.sglang_plugin.worker import ENV_DRAFTER_DTYPE, drafter_dtype
 
+    from sglang_dlite import ops
+
     monkeypatch.delenv(ENV_DRAFTER_DTYPE, raising=False)
+    monkeypatch.setattr(ops, "cpu_has_native_bf16", lambda: False)
     assert drafter_dtype(torch.bfloat16, "cpu") == torch.float32
+    assert drafter_dtype(torch.float32, "cpu") == torch.float32
     assert drafter_dtype(torch.bfloat16, torch.device("cuda", 0)) == torch.bfloat16
+    monkeypatch.setattr(ops, "cpu_has_native_bf16", lambda: True)  # avx512_bf16 / AMX: the target's dtype
+    assert drafter_dtype(torch.bfloat16, "cpu") == torch.bfloat16
     monkeypatch.setenv(ENV_DRAFTER_DTYPE, "target")
     assert drafter_dtype(torch.bfloat16, "cpu") == torch.bfloat16
     monkeypatch.setenv(ENV_DRAFTER_DTYPE, "float16")
@@ -392,3 +398,13 @@ def test_drafter_dtype_follows_the_device_and_the_env(monkeypatch):
     monkeypatch.setenv(ENV_DRAFTER_DTYPE, "fp8")
     with pytest.raises(DLiteConfigError, match="SGLANG_DLITE_DRAFTER_DTYPE='fp8'.*float32"):
         drafter_dtype(torch.bfloat16, "cpu")
+
+
+def test_cpu_flags_reads_the_first_processor(tmp_path):
+    from sglang_dlite.ops.cpu_linear import cpu_flags
+
+    f = tmp_path / "cpuinfo"
+    f.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\nbogomips\t: 1\n\n"
+                 "processor\t: 1\nflags\t\t: fpu\n")
+    assert cpu_flags(str(f)) == {"fpu", "avx512f", "avx512_bf16", "amx_tile"}
+    assert cpu_flags(str(tmp_path / "missing")) == set()

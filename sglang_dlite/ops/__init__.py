@@ -24,7 +24,7 @@ import torch
 
 from ..errors import DLiteInputError, MissingDependencyError
 from . import _ext
-from .cpu_linear import pack_cpu_linears  # noqa: F401  (re-exported)
+from .cpu_linear import cpu_has_native_bf16, pack_cpu_linears  # noqa: F401  (re-exported)
 from . import reference as _ref
 from .reference import (  # noqa: F401  (re-exported: the model uses these helpers directly)
     apply_rope,
