@@ -156,9 +156,11 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     is_dlite = spec in ("dlite", "hybrid", "hybrid-fixed", "dlite-only")
     import tempfile
 
-    trace = os.path.join(tempfile.mkdtemp(prefix="dlite_lookup_"), "trace.jsonl")
+    tmp = tempfile.mkdtemp(prefix="dlite_lookup_")
+    trace, round_log = os.path.join(tmp, "trace.jsonl"), os.path.join(tmp, "rounds.jsonl")
     saved_env = {k: os.environ.get(k) for k in ("SGLANG_DLITE_LOOKUP", "SGLANG_DLITE_LOOKUP_TRACE",
-                                                "SGLANG_DLITE_VERIFY_WIDTH", "SGLANG_CPU_OMP_THREADS_BIND")}
+                                                "SGLANG_DLITE_VERIFY_WIDTH", "SGLANG_CPU_OMP_THREADS_BIND",
+                                                "SGLANG_DLITE_ROUND_LOG")}
     ranks = tp_size * dp_size
     if device == "cpu" and ranks > 1 and not saved_env["SGLANG_CPU_OMP_THREADS_BIND"]:
         # sglang's CPU path needs each rank's cores when ranks outnumber NUMA nodes.
@@ -168,6 +170,7 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
             f"{(r * per) % ncpu}-{(r * per) % ncpu + per - 1}" if per > 1 else str(r % ncpu) for r in range(ranks))
     os.environ["SGLANG_DLITE_LOOKUP"] = lookup  # read by the scheduler subprocess at start-up
     os.environ["SGLANG_DLITE_LOOKUP_TRACE"] = trace
+    os.environ["SGLANG_DLITE_ROUND_LOG"] = round_log  # the worker's draft / verify ms per decode round
     os.environ["SGLANG_DLITE_VERIFY_WIDTH"] = width  # per-round verify width: auto (CPU: adaptive) or fixed
     verify_kw = {"speculative_num_draft_tokens": int(w)} if spec != "nospec" and w else {}
     if spec == "ngram":
@@ -196,8 +199,10 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
         for c in levels:
             e.flush_cache()  # every level starts cold: same prefix-cache behaviour for both modes
             mark = os.path.getsize(trace) if os.path.exists(trace) else 0
+            rmark = os.path.getsize(round_log) if os.path.exists(round_log) else 0
             outs, lat, wall = e.loop.run_until_complete(_run_level(e, reqs, c, sp))
             shares, width = _trace_stats(trace, mark)
+            round_ms = _round_stats(round_log, rmark)
             toks = sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
             verify = sum(int(o["meta_info"].get("spec_verify_ct") or 0) for o in outs)
             rows.append({
@@ -211,6 +216,8 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
                 rows[-1]["source_share"] = shares
             if width:
                 rows[-1]["mean_verify_width"] = width
+            if round_ms:
+                rows[-1].update(round_ms)
             outputs[c] = [list(o["output_ids"]) for o in outs]
             print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -238,6 +245,27 @@ def _trace_stats(trace, offset):
     tot = sum(cnt.values())
     return ({k: round(v / tot, 3) for k, v in sorted(cnt.items())} if tot else {},
             round(sum(widths) / len(widths), 2) if widths else None)
+
+
+def _round_stats(path, offset):
+    """Mean draft / verify ms per decode round and the rounds, from the worker's round log
+    (``SGLANG_DLITE_ROUND_LOG``) after ``offset``; {} when there is none (no speculation)."""
+    if not os.path.exists(path):
+        return {}
+    draft, verify = [], []
+    with open(path, encoding="utf-8") as f:
+        f.seek(offset)
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            draft.append(float(rec["draft_ms"]))
+            verify.append(float(rec["verify_ms"]))
+    if not draft:
+        return {}
+    return {"decode_rounds": len(draft), "draft_ms_per_round": round(sum(draft) / len(draft), 2),
+            "verify_ms_per_round": round(sum(verify) / len(verify), 2)}
 
 
 def run_reference(mode, target, draft, reqs, max_new):

@@ -150,6 +150,33 @@ def test_metrics_api_counts_rounds_and_sources():
     assert val("sglang:dlite_verify_ms_sum") - v0 < 9.0
 
 
+def test_round_log_records_every_round_without_metrics(tmp_path, monkeypatch):
+    """SGLANG_DLITE_ROUND_LOG: the worker gets a round timer without --enable-metrics, and each
+    finished round appends its batch size and draft / verify split as one JSON line."""
+    import argparse
+    import json
+
+    from sglang_dlite.sglang_plugin import metrics as M
+
+    log = tmp_path / "rounds.jsonl"
+    args = argparse.Namespace(enable_metrics=False)
+    monkeypatch.setattr(M, "metrics_requested", lambda server_args: False)
+    monkeypatch.delenv(M.ENV_ROUND_LOG, raising=False)
+    assert M.worker_timer(args, "cpu", 4) is None
+    monkeypatch.setenv(M.ENV_ROUND_LOG, str(log))
+    assert M.worker_timer(args, "cpu", 4, tp_rank=1) is None  # rank 0 records for all
+    t = M.worker_timer(args, "cpu", 4)
+    for bs in (3, 1):
+        t.start()
+        time.sleep(0.01)
+        t.mark()
+        t.mark()
+        t.finish(bs)
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["bs"] for r in recs] == [3, 1]
+    assert all(r["draft_ms"] >= 9.0 and 0 <= r["verify_ms"] < 9.0 for r in recs)
+
+
 def test_serve_cpu_fixes_the_malloc_mmap_threshold(tmp_path, monkeypatch):
     """The soak's fix: a fixed glibc mmap threshold keeps the CPU scheduler's RSS flat; a value
     the caller set is kept."""

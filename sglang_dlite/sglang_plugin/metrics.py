@@ -17,6 +17,10 @@ API for drafting code (e.g. a hybrid suffix-lookup / DLite drafter), safe to cal
     from sglang_dlite.sglang_plugin import metrics
     metrics.record_source("suffix", n)     # n requests of this round were drafted by "suffix"
 
+``SGLANG_DLITE_ROUND_LOG=PATH`` (no ``--enable-metrics`` needed) appends one JSON line per decode
+round to PATH: ``{"bs", "draft_ms", "verify_ms"}`` (TP rank 0), e.g. for ``bench/e2e.py``'s
+per-mode draft / verify split, or an offline engine that has no ``/metrics``.
+
 Request-rounds of a round that no ``record_source`` call claimed are counted as ``"dlite"`` when
 the worker finishes the round, so the per-source share is
 ``rate(sglang:dlite_source_rounds_total[5m]) / ignoring(source) group_left sum(rate(...))``.
@@ -24,13 +28,16 @@ the worker finishes the round, so the per-source share is
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections import deque
 from typing import Optional
 
 logger = logging.getLogger(__name__)
 
+ENV_ROUND_LOG = "SGLANG_DLITE_ROUND_LOG"
 MS_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 50, 75, 100, 150, 250, 500, 1000, 2500)
 DEFAULT_SOURCE = "dlite"
 
@@ -121,13 +128,21 @@ class RoundTimer:
     the verify forward, ``finish(bs, valid)`` at the end. On CUDA the marks are CUDA events; a
     round is recorded once its events completed (checked without blocking at later rounds)."""
 
-    def __init__(self, device):
+    def __init__(self, device, log_path: Optional[str] = None):
         import torch
 
         self.torch = torch
         self.cuda = str(device).startswith("cuda") and torch.cuda.is_available()
         self.marks: list = []
         self.pending: deque = deque()
+        self.log_path = log_path
+
+    def _record(self, draft_ms: float, verify_ms: float, batch_size: int, rows) -> None:
+        record_round(draft_ms, verify_ms, batch_size, rows)
+        if self.log_path:
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"bs": batch_size, "draft_ms": round(draft_ms, 3),
+                                    "verify_ms": round(verify_ms, 3)}) + "\n")
 
     def _now(self):
         if self.cuda:
@@ -152,7 +167,7 @@ class RoundTimer:
             return
         if not self.cuda:
             t0, t1, t2 = self.marks[:3]
-            record_round((t1 - t0) * 1e3, (t2 - t1) * 1e3, batch_size, None if rows is None else rows.tolist())
+            self._record((t1 - t0) * 1e3, (t2 - t1) * 1e3, batch_size, None if rows is None else rows.tolist())
             return
         if rows is not None:
             rows = rows.to("cpu", non_blocking=True)
@@ -164,7 +179,7 @@ class RoundTimer:
         """Record the CUDA rounds whose events have completed (never waits)."""
         while self.pending and self.pending[0][1].query():
             (e0, e1, e2), _, bs, rows = self.pending.popleft()
-            record_round(e0.elapsed_time(e1), e1.elapsed_time(e2), bs, None if rows is None else rows.tolist())
+            self._record(e0.elapsed_time(e1), e1.elapsed_time(e2), bs, None if rows is None else rows.tolist())
         while len(self.pending) > 64:  # never grow without bound
             self.pending.popleft()
 
@@ -181,10 +196,12 @@ def metrics_requested(server_args) -> bool:
 
 
 def worker_timer(server_args, device, num_context_positions: int, tp_rank: int = 0) -> Optional[RoundTimer]:
-    """The DLITE worker's round timer, or None when metrics are off (then the worker does nothing).
-    Only TP rank 0 records (every rank runs the same rounds)."""
-    if tp_rank != 0 or not metrics_requested(server_args):
+    """The DLITE worker's round timer, or None when neither metrics nor the round log
+    (``SGLANG_DLITE_ROUND_LOG``) is on (then the worker does nothing). Only TP rank 0 records
+    (every rank runs the same rounds)."""
+    if tp_rank != 0:
         return None
-    if not enable(num_context_positions):
+    log_path = os.environ.get(ENV_ROUND_LOG) or None
+    if not (metrics_requested(server_args) and enable(num_context_positions)) and not log_path:
         return None
-    return RoundTimer(device)
+    return RoundTimer(device, log_path)
