@@ -30,7 +30,9 @@ share the cores with the tokenizer and detokenizer processes). ``--repeats R`` r
 times (a fresh engine each time, the mode order rotated between repeats so drift hits every mode
 alike) and reports the MEDIAN wall time per (mode, concurrency), with the min-max spread.
 
-Precision: ``--dtype bfloat16`` (default) is what a CPU or GPU deployment runs. Greedy output is
+Precision: the default ``--dtype`` is what a deployment on this machine runs: bfloat16 on a GPU
+and on a CPU with bf16 arithmetic (avx512_bf16 / AMX), float32 on a CPU without it (oneDNN emulates
+bf16 there: no speculation ran 7.7-8.9 tok/s in bf16 vs 15.0 in fp32 on such a CPU). In bf16 greedy output is
 then identical to no speculation only up to bf16 rounding: a verify pass computes a token's logits
 in a W-token GEMM, a decode step in a 1-token GEMM, and bf16 logits near 20 are spaced 0.125
 apart, so exact and near ties fall either way (no-speculation itself differs between concurrency
@@ -40,8 +42,8 @@ between the two tokens is reported: a divergence is a ``tie`` if that gap is bel
 ``--tie-margin`` (default 0.25, two bf16 steps at |logit| ~ 20); beyond it, if the float32
 target prefers the speculative token the baseline is the one off the exact path (``baseline_off``,
 e.g. no speculation's bf16 prefill in a batch of 16); otherwise it is counted as a real mismatch
-and the run exits 1. ``--dtype float32`` makes the comparison exact
-(tokens/s lower: fp32 GEMMs of 2-8 rows cost 1.6-1.8x a 1-row GEMV on this CPU).
+and the run exits 1. ``--dtype float32`` makes the comparison exact (on a CPU with avx512_bf16
+tokens/s are lower: there fp32 GEMMs of 2-8 rows cost 1.6-1.8x a 1-row GEMV).
 
 On this project's CPU machines the CPU-only stand-ins are loaded (``--device cpu``, default when
 no CUDA device is visible); on a CUDA machine pass ``--device cuda`` (no stand-ins).
@@ -82,10 +84,10 @@ def parse_args(argv=None):
                         "SGLANG_DLITE_VERIFY_WIDTH=fixed; the default picks the width per round on a CPU), "
                         "dlite-only[:W] (lookup off: DLite alone), ngram[:W] (sglang's NGRAM, default "
                         "W=8), nospec")
-    p.add_argument("--dtype", default="bfloat16",
-                   help="target (and drafter) dtype, the same for every mode: bfloat16 (default; on a CPU with "
-                        "avx512_bf16/AMX a 4-8 token verify then costs little more than a 1-token decode step), "
-                        "float32, or auto (the checkpoint's)")
+    p.add_argument("--dtype", default=None,
+                   help="target dtype, the same for every mode: bfloat16, float32, or auto (the checkpoint's). "
+                        "Default: bfloat16 on a GPU or a CPU with avx512_bf16/AMX (a 4-8 token verify then costs "
+                        "little more than a 1-token decode step), float32 on a CPU without bf16 arithmetic")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every mode this many times (fresh engine each, rotated order); report the median")
     p.add_argument("--tie-margin", type=float, default=DEFAULT_TIE_MARGIN,
@@ -349,6 +351,10 @@ def main(argv=None) -> int:
         raise SystemExit("--engine reference runs dlite and nospec; ngram is sglang's NGRAM (--engine sglang)")
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
+    if args.dtype is None:
+        from sglang_dlite import ops
+
+        args.dtype = "bfloat16" if device != "cpu" or ops.cpu_has_native_bf16() else "float32"
     print(f"{len(reqs)} requests ({sum(map(len, reqs))} prompt tokens), levels {levels}, device {device}, "
           f"dtype {args.dtype}, {args.repeats} repeat(s), torch threads {torch.get_num_threads()} here", flush=True)
     runs, outs = {m: [] for m in modes}, {}

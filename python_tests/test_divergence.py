@@ -80,3 +80,18 @@ def test_e2e_aggregate_takes_the_median_of_repeats():
     assert (out[0]["tokens_per_s_min"], out[0]["tokens_per_s_max"], out[0]["repeats"]) == (10.0, 14.0, 3)
     # an even number of repeats: the mean of the middle two
     assert e2e.aggregate(runs[:2])[0]["tokens_per_s"] == 12.0
+
+
+def test_e2e_round_stats_reads_the_round_log_after_an_offset(tmp_path):
+    """bench/e2e.py's per-level draft / verify split: only the rounds logged after the level began
+    (the file offset), a torn last line skipped; no log (no speculation) gives {}."""
+    spec = importlib.util.spec_from_file_location("e2e", os.path.join(ROOT, "bench", "e2e.py"))
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    log = tmp_path / "rounds.jsonl"
+    log.write_text('{"bs": 1, "draft_ms": 50.0, "verify_ms": 500.0}\n')
+    mark = log.stat().st_size
+    with open(log, "a") as f:
+        f.write('{"bs": 4, "draft_ms": 10.0, "verify_ms": 100.0}\n{"bs": 4, "draft_ms": 20.0, "verify_ms": 300.0}\n{"bs": 4, "dr')
+    assert e2e._round_stats(str(log), mark) == {"decode_rounds": 2, "draft_ms_per_round": 15.0, "verify_ms_per_round": 200.0}
+    assert e2e._round_stats(str(tmp_path / "none.jsonl"), 0) == {}
