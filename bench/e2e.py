@@ -227,23 +227,29 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     return rows, outputs
 
 
-def _trace_stats(trace, offset):
-    """(share of decode rounds per drafting source, mean verify width per round) in the worker's
-    lookup trace after ``offset``."""
-    if not os.path.exists(trace):
-        return {}, None
-    cnt, widths = {}, []
-    with open(trace, encoding="utf-8") as f:
+def _jsonl_after(path, offset):
+    """The JSON records of a JSON-lines file written by the engine, from byte ``offset`` on (a torn
+    or garbled line is skipped; no file: none)."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
         f.seek(offset)
         for line in f:
             try:
-                rec = json.loads(line)
+                yield json.loads(line)
             except json.JSONDecodeError:
                 continue
-            for s in rec.get("sources") or []:
-                cnt[s] = cnt.get(s, 0) + 1
-            if rec.get("width"):
-                widths.append(int(rec["width"]))
+
+
+def _trace_stats(trace, offset):
+    """(share of decode rounds per drafting source, mean verify width per round) in the worker's
+    lookup trace after ``offset``."""
+    cnt, widths = {}, []
+    for rec in _jsonl_after(trace, offset):
+        for s in rec.get("sources") or []:
+            cnt[s] = cnt.get(s, 0) + 1
+        if rec.get("width"):
+            widths.append(int(rec["width"]))
     tot = sum(cnt.values())
     return ({k: round(v / tot, 3) for k, v in sorted(cnt.items())} if tot else {},
             round(sum(widths) / len(widths), 2) if widths else None)
@@ -252,22 +258,12 @@ def _trace_stats(trace, offset):
 def _round_stats(path, offset):
     """Mean draft / verify ms per decode round and the rounds, from the worker's round log
     (``SGLANG_DLITE_ROUND_LOG``) after ``offset``; {} when there is none (no speculation)."""
-    if not os.path.exists(path):
+    recs = list(_jsonl_after(path, offset))
+    if not recs:
         return {}
-    draft, verify = [], []
-    with open(path, encoding="utf-8") as f:
-        f.seek(offset)
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            draft.append(float(rec["draft_ms"]))
-            verify.append(float(rec["verify_ms"]))
-    if not draft:
-        return {}
-    return {"decode_rounds": len(draft), "draft_ms_per_round": round(sum(draft) / len(draft), 2),
-            "verify_ms_per_round": round(sum(verify) / len(verify), 2)}
+    n = len(recs)
+    return {"decode_rounds": n, "draft_ms_per_round": round(sum(float(r["draft_ms"]) for r in recs) / n, 2),
+            "verify_ms_per_round": round(sum(float(r["verify_ms"]) for r in recs) / n, 2)}
 
 
 def run_reference(mode, target, draft, reqs, max_new):
