@@ -13,6 +13,7 @@ uses the same ``pack_weight`` / ``packed_for`` / ``packed_linear``.
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -31,17 +32,12 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set:
         return set()
 
 
+@functools.lru_cache(maxsize=None)
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bf16 arithmetic (avx512_bf16 or AMX-BF16). Without it oneDNN emulates
     bf16 and few-row fp32 GEMVs are the faster ones (an avx512 CPU without avx512_bf16: DLite's
     draft round in fp32 13.7-18.0 ms vs packed bf16 17.2-42.6 ms, batch 1-4, 3-7 drafts)."""
-    global _NATIVE_BF16
-    if _NATIVE_BF16 is None:
-        _NATIVE_BF16 = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-    return _NATIVE_BF16
-
-
-_NATIVE_BF16 = None
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def available() -> bool:
