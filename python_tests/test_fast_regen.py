@@ -5,6 +5,7 @@ states, the relabel/cut rule cuts at the first non-greedy token, and the gen-dat
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ import torch
 
 
 from sglang_dlite.training.exactness import count_disagreements, first_disagreement, reference_greedy, relabel
+from sglang_dlite.ops.cpu_linear import MklPackedLinear, mkl_available
 from sglang_dlite.training.fast_regen import FastLlama, FastRegenerator
 
 LAYERS = [1, 2]  # (not the last layer: HF reports the final-norm output as hidden_states[-1])
@@ -66,12 +68,12 @@ def hf_greedy_conv(model, conv, eos, max_new, max_len, continue_truncated=False)
 
 
 def _fast(model, eos, batch_size, max_new=24, max_len=256, dtype=torch.float32, layers=LAYERS, continue_truncated=False,
-          cls=FastRegenerator):
+          cls=FastRegenerator, packed=True):
     fr = cls.__new__(cls)  # the tokenizer helper replaced by FakeHelper
     fr.helper = FakeHelper(eos)
     fr.eos, fr.max_new, fr.max_len = eos, max_new, max_len
     fr.capture = list(layers)
-    fr.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=fr.capture)
+    fr.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=fr.capture, packed=packed)
     fr.engine.k.fill_(float("nan"))  # the cache is allocated unfilled: nothing unwritten may be read
     fr.engine.v.fill_(float("nan"))
     fr.batch_size, fr.sort_window, fr.new_tokens, fr.L1 = batch_size, 64, 0, len(layers) + 1
@@ -120,12 +122,15 @@ def tiny():
     return model
 
 
-@pytest.mark.parametrize("batch_size", [1, 3, 16])
-def test_fast_text_equals_hf_fp32_greedy(tiny, batch_size):
+@pytest.mark.parametrize("batch_size,packed", [(1, True), (3, True), (16, True), (3, False)])
+def test_fast_text_equals_hf_fp32_greedy(tiny, batch_size, packed):
     """Same sequences and masks as HF batch-1 float32 greedy decoding, whatever the number of
-    slots (1: one at a time; 3 < 9 conversations: slots refilled and compacted mid-run)."""
+    slots (1: one at a time; 3 < 9 conversations: slots refilled and compacted mid-run), with the
+    weights MKL-packed (the default) or plain."""
     convs, eos = _convs(tiny, 9)
-    fr = _fast(tiny, eos, batch_size)
+    fr = _fast(tiny, eos, batch_size, packed=packed)
+    want = MklPackedLinear if packed and mkl_available() else functools.partial
+    assert isinstance(fr.engine.layers[0]["qkv"], want) and isinstance(fr.engine.head_linear, want)
     seqs, masks, feats = fr.run(convs)
     n_eos_turns = 0
     for c, s, m in zip(convs, seqs, masks):

@@ -12,6 +12,9 @@ HF Llama target with a preallocated static KV cache and continuous batching.
 * **Features captured while generating** (outputs of the capture layers and of the final norm,
   fp16, the same layout as ``features.save_features``): no second target pass.
 * fp32 (default) or bf16 weights/activations (RMSNorm and softmax in fp32, as HF does).
+* fp32 weights **packed once for MKL's sgemm** (``ops.cpu_linear.MklPackedLinear``): unpacked
+  ``x @ W.T`` re-lays every weight out on every step, which for a verify step's 8-64 rows costs
+  1.3-2x the product itself (``packed=False`` keeps the plain matmuls, for A/B).
 
 Exactness: the output is the target's greedy decoding, computed with other GEMM shapes than
 HF's batch-1 forward, so a near-tie can round the other way. ``exactness.relabel`` runs one float32 HF
@@ -23,6 +26,7 @@ replace the captured ones. ``bench/gen_throughput.py`` measures both.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable, Iterator
 
@@ -30,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DLiteInputError
+from ..ops.cpu_linear import MklPackedLinear
 
 
 class FastLlama:
@@ -38,7 +43,8 @@ class FastLlama:
 
     ATT_CHUNK = 4
 
-    def __init__(self, hf_model, slots: int, max_len: int, dtype=torch.float32, capture_layers=None):
+    def __init__(self, hf_model, slots: int, max_len: int, dtype=torch.float32, capture_layers=None,
+                 packed: bool = True):
         cfg = hf_model.config
         if getattr(cfg, "model_type", "llama") not in ("llama",):
             raise DLiteInputError(f"--engine fast supports Llama targets only (this one is {cfg.model_type!r}); use --engine hf.")
@@ -63,6 +69,7 @@ class FastLlama:
             raise DLiteInputError(f"capture layers {bad} do not exist in a target with {self.nl} layers.")
         self._cap_index = {l: k for k, l in enumerate(self.capture)}
         d = dtype
+        self.packed = bool(packed)
         self.layers = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
@@ -77,6 +84,11 @@ class FastLlama:
         self.embed = inner.embed_tokens.weight.detach().to(d)
         self.head = hf_model.get_output_embeddings().weight.detach().to(d).contiguous()
         self.I = self.layers[0]["wgu"].shape[0] // 2
+        # the products: a callable per weight (x [.., in] -> x @ W.T), MKL-packed where that applies
+        lin = MklPackedLinear.maybe if self.packed else (lambda w: functools.partial(F.linear, weight=w))
+        for p in self.layers:
+            p.update(qkv=lin(p["wqkv"]), o=lin(p["wo"]), gu=lin(p["wgu"]), down=lin(p["wd"]))
+        self.head_linear = lin(self.head)
         self.slots, self.max_len = slots, max_len
         # Allocated, not filled: a slot's positions are zeroed (or written) only up to the longest
         # context its attention reads (``hw``), so memory grows with the contexts actually decoded.
@@ -102,12 +114,12 @@ class FastLlama:
         return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
 
     def _mlp(self, x, p):
-        gu = x @ p["wgu"].T
+        gu = p["gu"](x)
         gate, up = gu[..., : self.I], gu[..., self.I:]
-        return (torch.nn.functional.silu(gate) * up) @ p["wd"].T
+        return p["down"](torch.nn.functional.silu(gate) * up)
 
     def logits(self, normed):
-        return normed @ self.head.T
+        return self.head_linear(normed)
 
     # ------------------------------------------------------------------ forward passes
     @torch.no_grad()
@@ -127,7 +139,7 @@ class FastLlama:
         caps = [None] * (len(self.capture) + 1)
         for li, p in enumerate(self.layers):
             h = self._rms(x, p["ln1"])
-            qkv = h @ p["wqkv"].T
+            qkv = p["qkv"](h)
             q = qkv[:, : self.nh * self.hd].view(T, self.nh, self.hd)
             k = qkv[:, self.nh * self.hd:(self.nh + self.kvh) * self.hd].view(T, self.kvh, self.hd)
             v = qkv[:, (self.nh + self.kvh) * self.hd:].view(T, self.kvh, self.hd)
@@ -143,7 +155,7 @@ class FastLlama:
             else:
                 o = F.scaled_dot_product_attention(qh, K, V, attn_mask=causal, scale=self.scale, enable_gqa=True)
             o = o[0].transpose(0, 1).reshape(T, self.nh * self.hd)
-            x = x + o @ p["wo"].T
+            x = x + p["o"](o)
             x = x + self._mlp(self._rms(x, p["ln2"]), p)
             if want_features and li in self._cap_index:
                 caps[self._cap_index[li]] = x
@@ -167,7 +179,7 @@ class FastLlama:
         """Layer li's queries [N, nh, hd] for the tokens x [N, H]; their rotated keys and values
         are written into the cache at (slot rows, position pos)."""
         n = x.shape[0]
-        qkv = self._rms(x, p["ln1"]) @ p["wqkv"].T
+        qkv = p["qkv"](self._rms(x, p["ln1"]))
         q = qkv[:, : self.nh * self.hd].view(n, self.nh, self.hd)
         k = qkv[:, self.nh * self.hd:(self.nh + self.kvh) * self.hd].view(n, self.kvh, self.hd)
         v = qkv[:, (self.nh + self.kvh) * self.hd:].view(n, self.kvh, self.hd)
@@ -179,7 +191,7 @@ class FastLlama:
     def _layer_out(self, li, p, x, attn, caps):
         """The rest of layer li after attention (output projection, MLP); records the layer's
         output in caps when it is a captured layer."""
-        x = x + attn @ p["wo"].T
+        x = x + p["o"](attn)
         x = x + self._mlp(self._rms(x, p["ln2"]), p)
         if caps is not None and li in self._cap_index:
             caps[self._cap_index[li]] = x
@@ -308,13 +320,13 @@ class FastRegenerator:
     ``tokenizer_helper``: a ``hf_regen.Regenerator`` (its prompt/turn rendering is reused)."""
 
     def __init__(self, model, tok, max_new_tokens=256, max_len=2048, max_user_tokens=1024, capture_layers=None,
-                 batch_size=32, dtype=torch.float32, sort_window=64, continue_truncated=False):
+                 batch_size=32, dtype=torch.float32, sort_window=64, continue_truncated=False, packed=True):
         from .hf_regen import Regenerator
 
         self.helper = Regenerator(model, tok, max_new_tokens, max_len, max_user_tokens, capture_layers=None)
         self.eos, self.max_new, self.max_len = self.helper.eos, max_new_tokens, max_len
         self.capture = list(capture_layers) if capture_layers else []
-        self.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=self.capture)
+        self.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=self.capture, packed=packed)
         self.batch_size, self.sort_window = batch_size, sort_window
         # A turn cut by max_new_tokens ends the conversation (Regenerator's rule), or, with
         # continue_truncated, is closed with an end-of-turn token that is not a training label
