@@ -69,16 +69,20 @@ def mkl_available() -> bool:
 class MklPackedLinear:
     """``F.linear(x, weight, bias)`` for a float32 [out, in] CPU weight packed once for MKL's sgemm.
 
-    ``F.linear`` (MKL's unpacked sgemm) re-lays the weight out on every call; for the few rows of a
-    decode or verify step that costs more than the product: SmolLM2-135M's 30 layers, 1 thread,
-    M = 8 / 21 / 64 rows: 116 / 126 / 215 ms unpacked vs 58 / 81 / 141 ms packed, and its LM head
-    40 / 29 / 54 vs 13 / 20 / 41 ms (``bench/gen_throughput.py`` measures the end-to-end effect).
+    ``F.linear`` (MKL's unpacked sgemm) re-lays the weight out on every call, which for the few
+    rows of a decode or verify step is a large part of the cost: SmolLM2-135M's 30 layers + LM
+    head, 1 thread, best of 3 interleaved, M = 4 / 8 / 32 / 64 rows: 92 / 128 / 131 / 191 ms
+    unpacked vs 71 / 83 / 110 / 150 ms packed (1.15-1.5x; ``bench/gen_throughput.py``'s
+    fast-spec vs fast-spec-unpacked rows measure the end-to-end effect).
     The pack does not depend on the row count, so one packed copy (~1.05x the weight's bytes)
     serves every M. The result equals ``F.linear``'s bit for bit from ~16 rows up; below, MKL's
     unpacked path takes another kernel and they differ in the last bits (as any two GEMM shapes).
+    Above ``MAX_ROWS`` rows (a prefill) the packing gains nothing (200-400 rows: 0.97-1.02x,
+    noisy) and ``F.linear`` runs instead.
     """
 
     __slots__ = ("weight", "bias", "packed")
+    MAX_ROWS = 128
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor = None):
         if not (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2):
@@ -106,7 +110,10 @@ class MklPackedLinear:
         x2 = x.reshape(-1, shape[-1]).contiguous()
         if x2.shape[0] == 0:
             return x.new_empty(*shape[:-1], self.weight.shape[0])
-        out = torch.ops.mkl._mkl_linear(x2, self.packed, self.weight, self.bias, x2.shape[0])
+        if x2.shape[0] > self.MAX_ROWS:
+            out = F.linear(x2, self.weight, self.bias)
+        else:
+            out = torch.ops.mkl._mkl_linear(x2, self.packed, self.weight, self.bias, x2.shape[0])
         return out.view(*shape[:-1], out.shape[-1])
 
 
