@@ -125,13 +125,10 @@ def make_baseline_drafter(name: str, path: Optional[str], target):
             raise DLiteInputError("the ngram drafter has no checkpoint: use --drafter ngram (no :PATH).")
         from .ngram import NGramDrafter
         return NGramDrafter()
-    explicit = bool(path)
-    path = path or default_checkpoint(name)
-    if not _is_checkpoint(path):
-        raise _missing(name, path, explicit)
     if name in DLITE_ABLATIONS:
         from ..model import DLiteDrafter
 
+        path = _checkpoint_path(name, path)
         model = DLiteDrafter.from_pretrained(path)
         want = DLITE_ABLATIONS[name]
         if model.config.history != want:
@@ -148,9 +145,13 @@ def load_kv_baseline(name: str, path: Optional[str], target):
     NAME`` loads from), bound to the HF ``target``, in eval mode."""
     if name not in KV_BASELINES:
         raise DLiteInputError(f"{name!r} is not a KV baseline; choose one of {', '.join(KV_BASELINES)}.")
-    explicit = bool(path)
-    path = path or default_checkpoint(name)
-    if not _is_checkpoint(path):
-        raise _missing(name, path, explicit)
     model_cls, _ = model_classes(name)
-    return model_cls.from_pretrained(path).bind_hf_target(target).eval()
+    return model_cls.from_pretrained(_checkpoint_path(name, path)).bind_hf_target(target).eval()
+
+
+def _checkpoint_path(name: str, path: Optional[str]) -> str:
+    """``path``, or where ``--drafter NAME`` loads from; a clear error if no checkpoint is there."""
+    resolved = path or default_checkpoint(name)
+    if not _is_checkpoint(resolved):
+        raise _missing(name, resolved, bool(path))
+    return resolved

@@ -38,11 +38,9 @@ def weighted_ce(logits, labels, valid, weights) -> torch.Tensor:
 
 
 def forward_kl(teacher_logits, student_logits, valid, weights) -> torch.Tensor:
-    """KL(p_teacher || p_student) per position, position-weighted (forward KL: mass-covering)."""
-    lt = F.log_softmax(teacher_logits.float(), dim=-1)
-    ls = F.log_softmax(student_logits.float(), dim=-1)
-    kl = (lt.exp() * (lt - ls)).sum(-1)
-    return _weighted_mean(kl, valid, weights)
+    """KL(p_teacher || p_student) per position, position-weighted (forward KL: mass-covering):
+    ``kl_to_target`` with the teacher's softmax as the target distribution."""
+    return kl_to_target(F.softmax(teacher_logits.float(), dim=-1), student_logits, valid, weights)
 
 
 def tv_distance(target_probs, student_logits, valid, weights) -> torch.Tensor:
