@@ -8,7 +8,8 @@ switches every eligible layer of a module in place (the drafter in sglang's CPU 
 the packed copy is rebuilt if the weight tensor changes (new storage or an in-place update), and
 anything else (float32, CUDA, gradients, no oneDNN) keeps ``nn.Linear``'s own forward. The CPU
 stand-in for sglang's own linear layers (``cpu_support/sglang_cpu/dlite_cpu_packed_linear.py``)
-uses the same ``pack_weight`` / ``packed_for`` / ``packed_linear``.
+uses the same ``pack_weight`` / ``packed_for`` / ``packed_linear``. ``MklPackedLinear`` is the
+float32 counterpart (MKL's packed sgemm), used by the fast regeneration engine.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def pack_weight(w: torch.Tensor):
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), BATCH_HINT)
 
 
+def _mkl_packable(w: torch.Tensor) -> bool:
+    return w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2
+
+
 def mkl_available() -> bool:
     """Whether torch ships MKL's packed sgemm (``torch.ops.mkl._mkl_linear``, what inductor's CPU
     freezing uses for float32 linears)."""
@@ -85,7 +90,7 @@ class MklPackedLinear:
     MAX_ROWS = 128
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor = None):
-        if not (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2):
+        if not _mkl_packable(weight):
             raise ValueError(f"MklPackedLinear needs a 2-D float32 CPU weight, got {tuple(weight.shape)} "
                              f"{weight.dtype} on {weight.device}.")
         if not mkl_available():
@@ -99,7 +104,7 @@ class MklPackedLinear:
     def maybe(cls, weight: torch.Tensor, bias: torch.Tensor = None):
         """A packed linear where MKL packing applies (float32 CPU weight, MKL present), else a
         closure over ``F.linear``: the same call either way."""
-        if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2 and mkl_available():
+        if _mkl_packable(weight) and mkl_available():
             return cls(weight, bias)
         return functools.partial(F.linear, weight=weight, bias=bias)
 

@@ -15,7 +15,8 @@ HF Llama target with a preallocated static KV cache and continuous batching.
 * fp32 weights **packed once for MKL's sgemm** (``ops.cpu_linear.MklPackedLinear``): unpacked
   ``x @ W.T`` re-lays every weight out on every step; packed, a verify step's 4-96 rows run the
   weight GEMMs 1.15-1.5x faster (``packed=False`` keeps the plain matmuls, for A/B). End to end
-  the gain is small (64 conversations, 32 slots: +3 %): there the step is mostly attention.
+  the gain is small (64 conversations, 32 slots: +3 % and +11 % in two runs): there the step is
+  mostly attention.
 
 Exactness: the output is the target's greedy decoding, computed with other GEMM shapes than
 HF's batch-1 forward, so a near-tie can round the other way. ``exactness.relabel`` runs one float32 HF
