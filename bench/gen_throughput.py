@@ -6,7 +6,9 @@
 
 Engines: ``hf`` (gen-data --engine hf), ``fast-fp32`` / ``fast-bf16`` (the fast loop, one token per
 step), ``fast-spec`` (the fast loop verifying suffix-lookup drafts, gen-data's default; its weights
-MKL-packed), ``fast-spec-unpacked`` (the same with plain ``x @ W.T``: the packing's A/B), ``sglang``
+MKL-packed, its decode/verify attention the C++ ``kv_cache_attention`` kernel when built),
+``fast-spec-unpacked`` (the same with plain ``x @ W.T``: the packing's A/B), ``fast-spec-sdpa`` (the
+same with chunked SDPA attention: the kernel's A/B), ``sglang``
 (sglang's offline engine + the float32 feature pass; its CPU time includes the engine's
 subprocesses, its start-up is reported apart). Per engine also the prompt tokens and, for the fast
 engines, the CPU share of prefill (which no decoding speed-up shortens).
@@ -32,7 +34,7 @@ import time
 
 import torch
 
-ENGINES = ("hf", "fast-fp32", "fast-bf16", "fast-spec", "fast-spec-unpacked", "sglang")
+ENGINES = ("hf", "fast-fp32", "fast-bf16", "fast-spec", "fast-spec-unpacked", "fast-spec-sdpa", "sglang")
 DEFAULT_ENGINES = ("hf", "fast-fp32", "fast-spec")
 
 
@@ -87,9 +89,10 @@ def main(argv=None) -> int:
     for name in tqdm(args.engines, desc="engines", unit="engine"):
         if name == "hf":
             gen = Regenerator(model, tok, args.max_new_tokens, args.max_len, capture_layers=layers)
-        elif name.startswith("fast-spec"):  # -unpacked: plain x @ W.T instead of MKL-packed weights (A/B)
+        elif name.startswith("fast-spec"):  # A/Bs: -unpacked plain x @ W.T, -sdpa chunked SDPA attention
             gen = SpecRegenerator(model, tok, args.max_new_tokens, args.max_len, capture_layers=layers,
                                   packed=name != "fast-spec-unpacked",
+                                  attention="sdpa" if name == "fast-spec-sdpa" else "auto",
                                   batch_size=args.spec_batch_size or args.batch_size, num_drafts=args.spec_drafts,
                                   min_reach=args.min_reach,
                                   **({} if args.spec_fixed_rows is None else {"fixed_rows": args.spec_fixed_rows}))

@@ -20,4 +20,7 @@ TORCH_LIBRARY(sglang_dlite, m) {
       "int num_layers, int block_size, bool causal) -> Tensor");
   m.def("lowrank_rnn_scan(Tensor gate_logits, Tensor inputs) -> Tensor");
   m.def("lm_head_argmax(Tensor hidden, Tensor norm_weight, float eps, Tensor lm_head_weight) -> Tensor");
+  m.def(
+      "kv_cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor starts, Tensor lens, "
+      "float scale) -> Tensor");
 }

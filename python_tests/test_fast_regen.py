@@ -15,6 +15,7 @@ import pytest
 import torch
 
 
+from sglang_dlite import ops
 from sglang_dlite.training.exactness import count_disagreements, first_disagreement, reference_greedy, relabel
 from sglang_dlite.ops.cpu_linear import MklPackedLinear, mkl_available
 from sglang_dlite.training.fast_regen import FastLlama, FastRegenerator
@@ -68,12 +69,13 @@ def hf_greedy_conv(model, conv, eos, max_new, max_len, continue_truncated=False)
 
 
 def _fast(model, eos, batch_size, max_new=24, max_len=256, dtype=torch.float32, layers=LAYERS, continue_truncated=False,
-          cls=FastRegenerator, packed=True):
+          cls=FastRegenerator, packed=True, attention="auto"):
     fr = cls.__new__(cls)  # the tokenizer helper replaced by FakeHelper
     fr.helper = FakeHelper(eos)
     fr.eos, fr.max_new, fr.max_len = eos, max_new, max_len
     fr.capture = list(layers)
-    fr.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=fr.capture, packed=packed)
+    fr.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=fr.capture, packed=packed,
+                          attention=attention)
     fr.engine.k.fill_(float("nan"))  # the cache is allocated unfilled: nothing unwritten may be read
     fr.engine.v.fill_(float("nan"))
     fr.batch_size, fr.sort_window, fr.new_tokens, fr.L1 = batch_size, 64, 0, len(layers) + 1
@@ -122,13 +124,16 @@ def tiny():
     return model
 
 
-@pytest.mark.parametrize("batch_size,packed", [(1, True), (3, True), (16, True), (3, False)])
-def test_fast_text_equals_hf_fp32_greedy(tiny, batch_size, packed):
+@pytest.mark.parametrize("batch_size,packed,attention", [(1, True, "auto"), (3, True, "auto"), (16, True, "auto"),
+                                                        (3, False, "auto"), (3, True, "sdpa")])
+def test_fast_text_equals_hf_fp32_greedy(tiny, batch_size, packed, attention):
     """Same sequences and masks as HF batch-1 float32 greedy decoding, whatever the number of
     slots (1: one at a time; 3 < 9 conversations: slots refilled and compacted mid-run), with the
-    weights MKL-packed (the default) or plain."""
+    weights MKL-packed (the default) or plain, the decode attention the C++ kernel (auto, when
+    built) or chunked SDPA."""
     convs, eos = _convs(tiny, 9)
-    fr = _fast(tiny, eos, batch_size, packed=packed)
+    fr = _fast(tiny, eos, batch_size, packed=packed, attention=attention)
+    assert fr.engine.kernel_attention == (attention == "auto" and ops.kv_cache_attention_kernel_available(torch.float32, 16))
     want = MklPackedLinear if packed and mkl_available() else functools.partial
     assert isinstance(fr.engine.layers[0]["qkv"], want) and isinstance(fr.engine.head_linear, want)
     seqs, masks, feats = fr.run(convs)
@@ -286,3 +291,16 @@ def test_agent_prompt_source_avoids_eval_sources():
         assert mod not in excl and rel.split("/")[0] not in EVAL_PACKAGES
         assert "Tool result (read_file" in "\n".join(c["users"])
     assert load_prompts("agent:12", 0, 3)[1] == convs  # deterministic: resumable plans
+
+
+def test_attention_choice_errors(tiny, monkeypatch):
+    """attention='kernel' without the C++ op says what is missing; an unknown choice is named."""
+    from sglang_dlite.errors import DLiteInputError, MissingDependencyError
+    from sglang_dlite.training import fast_regen
+
+    with pytest.raises(DLiteInputError, match="attention must be one of"):
+        FastLlama(tiny, 2, 32, attention="flash")
+    monkeypatch.setattr(fast_regen.ops, "kv_cache_attention_kernel_available", lambda dtype, head_dim: False)
+    with pytest.raises(MissingDependencyError, match="needs the C.. ops"):
+        FastLlama(tiny, 2, 32, attention="kernel")
+    assert not FastLlama(tiny, 2, 32).kernel_attention  # auto falls back to SDPA

@@ -180,6 +180,86 @@ def test_lm_head_argmax_non_contiguous():
     check_argmax(strided(y), strided(w), nw, torch.float32)
 
 
+# ----------------------------------------------------------------------------- KV-cache attention
+def kv_args(slots, Hq, Hkv, L, D, starts, lens, seed=0):
+    """One layer's caches filled with NaN past every row's last position (the kernel must never
+    read them), and the new tokens' queries."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(slots, Hkv, L, D, generator=g)
+    v = torch.randn(slots, Hkv, L, D, generator=g)
+    for b, (st, n) in enumerate(zip(starts, lens)):
+        k[b, :, st + n:] = float("nan")
+        v[b, :, st + n:] = float("nan")
+    q = torch.randn(sum(lens), Hq, D, generator=g)
+    return q, k, v, torch.tensor(starts), torch.tensor(lens)
+
+
+@needs_cpp
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (4, 4, 16), (6, 2, 48), (2, 1, 256)])
+@pytest.mark.parametrize("starts,lens", [([0], [1]), ([0, 5, 17, 100, 31], [1, 3, 16, 5, 1]),
+                                         ([15, 16, 31, 200], [1, 1, 2, 9]), ([0, 0], [40, 7])])
+def test_kv_cache_attention_fp32(Hq, Hkv, D, starts, lens):
+    """Every row to its own length (1..S keys, key-block edges at 16), decode (lens 1) and verify
+    rows, GQA group sizes 1..4, head_dims 16..256; equal to the reference, no NaN read."""
+    q, k, v, st, ln = kv_args(6, Hq, Hkv, 256, D, starts, lens)
+    out = cpp.kv_cache_attention(q, k, v, st, ln, D ** -0.5)
+    close(out, R.kv_cache_attention(q, k, v, st, ln, D ** -0.5), torch.float32)
+
+
+@needs_cpp
+def test_kv_cache_attention_strided_cache_and_large_scores():
+    """A layer view of a 5-D cache (the engine's [layers, slots, Hkv, L, D]) and scores far from 0
+    (the softmax's max subtraction; scores up to ~+-40, so fp32 rounding of the scores alone moves
+    the outputs by ~1e-5: tolerance 1e-4)."""
+    q, k, v, st, ln = kv_args(4, 6, 2, 300, 64, [3, 250, 0, 77], [2, 50, 1, 4], seed=3)
+    big_k = torch.stack([k * 0, k * 4])[1]  # a view into a [2, ...] buffer
+    out = cpp.kv_cache_attention(q * 2, big_k, v, st, ln, 0.125)
+    ref = R.kv_cache_attention(q * 2, big_k, v, st, ln, 0.125)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    five = torch.stack([torch.zeros_like(k), k, torch.zeros_like(k)])  # [layers, slots, Hkv, L, D]
+    close(cpp.kv_cache_attention(q, five[1], v, st, ln, 0.125), R.kv_cache_attention(q, k, v, st, ln, 0.125), torch.float32)
+
+
+def test_kv_cache_attention_dispatch(monkeypatch):
+    """auto: the kernel for float32 CPU tensors (when built), the reference for bf16 or a head_dim
+    it does not take; forced torch: the reference; bad inputs: a DLiteInputError naming them."""
+    q, k, v, st, ln = kv_args(3, 4, 2, 64, 16, [0, 9, 20], [2, 1, 5])
+    monkeypatch.setenv(ops.ENV, "auto")
+    close(ops.kv_cache_attention(q, k, v, st, ln, 0.25), R.kv_cache_attention(q, k, v, st, ln, 0.25), torch.float32)
+    assert ops.last_impl("kv_cache_attention") == ("cpp" if HAVE_CPP else "torch")
+    assert ops.kv_cache_attention_kernel_available(torch.float32, 16) == HAVE_CPP
+    assert not ops.kv_cache_attention_kernel_available(torch.bfloat16, 16)
+    assert not ops.kv_cache_attention_kernel_available(torch.float32, 24)
+    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+    ops.kv_cache_attention(qb, kb, vb, st, ln, 0.25)
+    assert ops.last_impl("kv_cache_attention") == "torch"
+    monkeypatch.setenv(ops.ENV, "torch")
+    ops.kv_cache_attention(q, k, v, st, ln, 0.25)
+    assert ops.last_impl("kv_cache_attention") == "torch"
+    with pytest.raises(DLiteInputError, match="sum to q's 8 tokens"):
+        ops.kv_cache_attention(q, k, v, st, torch.tensor([2, 1, 4]), 0.25)
+    with pytest.raises(DLiteInputError, match="within the cache's 64 positions"):
+        ops.kv_cache_attention(q, k, v, torch.tensor([0, 9, 60]), ln, 0.25)
+    with pytest.raises(DLiteInputError, match="head_dim must match"):
+        ops.kv_cache_attention(q[..., :8], k, v, st, ln, 0.25)
+    with pytest.raises(DLiteInputError, match="B <= 3 slots"):
+        ops.kv_cache_attention(q, k, v, torch.zeros(4, dtype=torch.long), torch.tensor([2, 1, 4, 1]), 0.25)
+
+
+@needs_cpp
+def test_kv_cache_attention_kernel_errors():
+    q, k, v, st, ln = kv_args(3, 4, 2, 64, 16, [0, 9, 20], [2, 1, 5])
+    with pytest.raises(TypeError, match="takes float32"):
+        cpp.kv_cache_attention(*(t.to(torch.bfloat16) for t in (q, k, v)), st, ln, 0.25)
+    with pytest.raises(ValueError, match="does not fit a cache of 64 positions"):
+        cpp.kv_cache_attention(q, k, v, torch.tensor([0, 9, 60]), ln, 0.25)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpp.kv_cache_attention(q[..., :8].contiguous(), k[..., :8].contiguous(), v[..., :8].contiguous(), st, ln, 0.25)
+    with pytest.raises(TypeError, match="int64"):
+        cpp.kv_cache_attention(q, k, v, st.int(), ln, 0.25)
+
+
 # ----------------------------------------------------------------------------- errors
 @needs_cpp
 def test_errors_name_the_problem():

@@ -15,19 +15,21 @@ from sglang_dlite.training.spec_regen import SpecRegenerator
 
 
 def _spec(model, eos, batch_size, num_drafts=4, min_reach=0.0, max_new=24, max_len=256, layers=LAYERS,
-          continue_truncated=False, fixed_rows=24.0, dtype=torch.float32):
+          continue_truncated=False, fixed_rows=24.0, dtype=torch.float32, attention="auto"):
     fr = _fast(model, eos, batch_size, max_new=max_new, max_len=max_len, dtype=dtype, layers=layers,
-               continue_truncated=continue_truncated, cls=SpecRegenerator)
+               continue_truncated=continue_truncated, cls=SpecRegenerator, attention=attention)
     fr._init_spec(num_drafts, min_reach, 32, fixed_rows)
     return fr
 
 
-@pytest.mark.parametrize("batch_size,num_drafts,fixed_rows", [(1, 4, 24.0), (3, 3, None), (16, 6, 24.0)])
-def test_spec_text_equals_hf_fp32_greedy(tiny, batch_size, num_drafts, fixed_rows):
+@pytest.mark.parametrize("batch_size,num_drafts,fixed_rows,attention", [
+    (1, 4, 24.0, "auto"), (3, 3, None, "auto"), (16, 6, 24.0, "auto"), (3, 3, None, "sdpa")])
+def test_spec_text_equals_hf_fp32_greedy(tiny, batch_size, num_drafts, fixed_rows, attention):
     """Same sequences and masks as HF batch-1 float32 greedy decoding; drafts were both accepted
-    and rejected; rows finished at different steps (EOS turns, room limits, 1-3 turns)."""
+    and rejected; rows finished at different steps (EOS turns, room limits, 1-3 turns); verify
+    attention by the C++ kernel (auto, when built) or chunked SDPA."""
     convs, eos = _convs(tiny, 9)
-    fr = _spec(tiny, eos, batch_size, num_drafts=num_drafts, max_new=40, fixed_rows=fixed_rows)
+    fr = _spec(tiny, eos, batch_size, num_drafts=num_drafts, max_new=40, fixed_rows=fixed_rows, attention=attention)
     seqs, masks, feats = fr.run(convs)
     for c, s, m in zip(convs, seqs, masks):
         assert (s, m) == hf_greedy_conv(tiny, c, eos, fr.max_new, fr.max_len), f"conversation {c['id']} differs"
@@ -66,13 +68,15 @@ def test_spec_features_equal_hf_hidden_states(tiny):
         torch.testing.assert_close(f.float(), ref.to(torch.float16).float(), atol=2e-3, rtol=2e-3)
 
 
-def test_verify_equals_decode(tiny):
-    """verify with rows of 1..4 tokens == the same tokens decoded one step at a time."""
+@pytest.mark.parametrize("attention", ["auto", "sdpa"])
+def test_verify_equals_decode(tiny, attention):
+    """verify with rows of 1..4 tokens == the same tokens decoded one step at a time (the C++
+    kernel's verify == chunked SDPA's decode, and each path against itself)."""
     torch.manual_seed(0)
     V = tiny.config.vocab_size
     prompts = [torch.randint(3, V, (n,)).tolist() for n in (5, 17, 9)]
     nxt = [torch.randint(3, V, (n,)).tolist() for n in (4, 3, 1)]
-    a, b = FastLlama(tiny, 3, 64, capture_layers=[1]), FastLlama(tiny, 3, 64, capture_layers=[1])
+    a, b = FastLlama(tiny, 3, 64, capture_layers=[1], attention=attention), FastLlama(tiny, 3, 64, capture_layers=[1], attention="sdpa")
     for e in (a, b):
         e.k.fill_(float("nan"))
         e.v.fill_(float("nan"))

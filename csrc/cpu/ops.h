@@ -16,5 +16,7 @@ at::Tensor round_attention_cpu(const at::Tensor& q_, const at::Tensor& k_, const
 at::Tensor lowrank_rnn_scan_cpu(const at::Tensor& gate_, const at::Tensor& inputs_);
 at::Tensor lm_head_argmax_cpu(const at::Tensor& hidden_, const at::Tensor& norm_weight_, double eps,
                               const at::Tensor& lm_head_weight_);
+at::Tensor kv_cache_attention_cpu(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& starts_, const at::Tensor& lens_, double scale);
 
 }  // namespace dlite

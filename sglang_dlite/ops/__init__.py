@@ -150,6 +150,55 @@ def lm_head_argmax(hidden, norm_weight, eps: float, lm_head_weight):
     return _run("lm_head_argmax", (hidden, norm_weight, lm_head_weight), _ref.lm_head_argmax, args, rows)
 
 
+def kv_cache_attention(q, k_cache, v_cache, starts, lens, scale: float):
+    """The fast regeneration engine's decode / verify attention over its static KV cache (see
+    ``reference.kv_cache_attention``). The C++ kernel takes float32 CPU tensors, head_dim a multiple
+    of 16 up to 256; ``auto`` runs the reference for anything else, or when the loaded library
+    predates the op."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise DLiteInputError(
+            f"kv_cache_attention: q must be [N, Hq, D] and both caches [slots, Hkv, L, D], got "
+            f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}.")
+    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[1]:
+        raise DLiteInputError(
+            f"kv_cache_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} "
+            "(head_dim must match, query heads a multiple of KV heads).")
+    if starts.shape != lens.shape or starts.dim() != 1 or len(starts) > k_cache.shape[0]:
+        raise DLiteInputError(
+            f"kv_cache_attention: starts {tuple(starts.shape)} and lens {tuple(lens.shape)} must be [B], "
+            f"B <= {k_cache.shape[0]} slots.")
+    if int(lens.sum()) != q.shape[0] or bool((lens < 1).any()) or bool((starts + lens > k_cache.shape[2]).any()) \
+            or bool((starts < 0).any()):
+        raise DLiteInputError(
+            f"kv_cache_attention: lens must be >= 1 and sum to q's {q.shape[0]} tokens, and every "
+            f"row must end within the cache's {k_cache.shape[2]} positions (starts {starts.tolist()}, "
+            f"lens {lens.tolist()}).")
+    args = (q, k_cache, v_cache, starts, lens, float(scale))
+    floats = (q, k_cache, v_cache)
+    impl = _pick("kv_cache_attention", floats, q.device)
+    if impl == "cpp" and ops_mode() == "auto" and not (
+            q.dtype == torch.float32 and _kv_kernel_head_dim(q.shape[2]) and _ext.has_op("kv_cache_attention")):
+        impl = "torch"
+    _last_impl["kv_cache_attention"] = impl
+    if impl == "cuda":
+        raise DLiteInputError("kv_cache_attention has no CUDA kernel (it serves the CPU regeneration engine); "
+                              f"use {ENV}=auto|torch.")
+    if impl == "torch":
+        return _ref.kv_cache_attention(*args)
+    return torch.ops.sglang_dlite.kv_cache_attention(*args)
+
+
+def kv_cache_attention_kernel_available(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ``kv_cache_attention`` would run the C++ kernel for CPU tensors of this kind."""
+    mode = ops_mode()
+    return mode in ("auto", "cpp") and dtype == torch.float32 and _kv_kernel_head_dim(head_dim) \
+        and _ext.has_op("kv_cache_attention")
+
+
+def _kv_kernel_head_dim(d: int) -> bool:
+    return d % 16 == 0 and 16 <= d <= 256
+
+
 def nvtx_range(name: str):
     """An NVTX range (visible in nsys timelines) on CUDA builds; a no-op context otherwise."""
     if torch.cuda.is_available():

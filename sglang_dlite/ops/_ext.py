@@ -74,6 +74,17 @@ def has_cpu() -> bool:
     return load()
 
 
+def has_op(name: str) -> bool:
+    """Whether the loaded library has a CPU kernel for ``name`` (a library built from older
+    sources lacks the newer ops until ``make build-ext`` runs again)."""
+    if not load():
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"sglang_dlite::{name}", "CPU")
+    except Exception:  # pragma: no cover - private API moved
+        return hasattr(torch.ops.sglang_dlite, name)
+
+
 def has_cuda() -> bool:
     if _state["cuda"] is None:
         _state["cuda"] = False

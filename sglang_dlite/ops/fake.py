@@ -37,6 +37,11 @@ def register() -> None:
     def _argmax(hidden, norm_weight, eps, lm_head_weight):
         return hidden.new_empty(hidden.shape[:-1], dtype=torch.int64)
 
+    if hasattr(torch.ops.sglang_dlite, "kv_cache_attention"):  # a library built before the op existed lacks it
+        @torch.library.register_fake("sglang_dlite::kv_cache_attention")
+        def _kv_attention(q, k_cache, v_cache, starts, lens, scale):
+            return torch.empty_like(q, memory_format=torch.contiguous_format)
+
 
 try:  # imported by torch on demand (set_python_module) once the library is loaded
     register()

@@ -153,3 +153,28 @@ def lm_head_argmax(
     """Greedy drafting: final norm + the one batched vocabulary projection + argmax. [...] int64."""
     logits = F.linear(rms_norm(hidden, norm_weight, eps), lm_head_weight.to(hidden.dtype))
     return logits.float().argmax(-1)
+
+
+def kv_cache_attention(
+    q: torch.Tensor,  # [N, Hq, D] the new tokens' queries, rows concatenated
+    k_cache: torch.Tensor,  # [slots, Hkv, L, D] one layer's key cache (slot b = row b)
+    v_cache: torch.Tensor,  # [slots, Hkv, L, D]
+    starts: torch.Tensor,  # [B] int64: row b's first new position (its cache holds 0..starts[b]-1 before them)
+    lens: torch.Tensor,  # [B] int64: row b's new tokens (already written into the cache)
+    scale: float,
+) -> torch.Tensor:
+    """Not a draft-step op: the fast regeneration engine's decode / speculative-verify attention
+    (``training/fast_regen.py``). Token t of row b attends causally to keys 0..starts[b]+t of cache
+    slot b; query head i uses KV head i // (Hq // Hkv). Returns [N, Hq, D]."""
+    out = torch.empty_like(q)
+    g = q.shape[1] // k_cache.shape[1]
+    off = 0
+    for b, (st, n) in enumerate(zip(starts.tolist(), lens.tolist())):
+        S = st + n
+        keys = k_cache[b, :, :S].repeat_interleave(g, 0)  # [Hq, S, D]
+        vals = v_cache[b, :, :S].repeat_interleave(g, 0)
+        visible = torch.arange(S)[None, :] <= (st + torch.arange(n))[:, None]  # [n, S]
+        o = F.scaled_dot_product_attention(q[off:off + n].transpose(0, 1), keys, vals, attn_mask=visible, scale=scale)
+        out[off:off + n] = o.transpose(0, 1)
+        off += n
+    return out

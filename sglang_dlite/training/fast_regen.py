@@ -35,7 +35,8 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..errors import DLiteInputError
+from .. import ops
+from ..errors import DLiteInputError, MissingDependencyError
 from ..ops.cpu_linear import MklPackedLinear
 
 
@@ -45,8 +46,10 @@ class FastLlama:
 
     ATT_CHUNK = 4
 
+    ATTENTION = ("auto", "kernel", "sdpa")
+
     def __init__(self, hf_model, slots: int, max_len: int, dtype=torch.float32, capture_layers=None,
-                 packed: bool = True):
+                 packed: bool = True, attention: str = "auto"):
         cfg = hf_model.config
         if getattr(cfg, "model_type", "llama") not in ("llama",):
             raise DLiteInputError(f"--engine fast supports Llama targets only (this one is {cfg.model_type!r}); use --engine hf.")
@@ -97,6 +100,16 @@ class FastLlama:
         self.k = torch.empty(self.nl, slots, self.kvh, max_len, self.hd, dtype=d)
         self.v = torch.empty_like(self.k)
         self.hw = [0] * slots
+        # decode / verify attention: the C++ kernel (ops.kv_cache_attention: each row to its own
+        # length, no masks) where it runs (float32, built library), else chunked SDPA
+        if attention not in self.ATTENTION:
+            raise DLiteInputError(f"attention must be one of {self.ATTENTION}, got {attention!r}.")
+        has_kernel = ops.kv_cache_attention_kernel_available(d, self.hd)
+        if attention == "kernel" and not has_kernel:
+            raise MissingDependencyError(
+                "attention='kernel' needs the C++ ops (float32, head_dim a multiple of 16 up to 256, the library built with the "
+                f"kv_cache_attention op): {ops.build_status()}")
+        self.kernel_attention = has_kernel if attention == "auto" else attention == "kernel"
 
     # ------------------------------------------------------------------ pieces
     def _rms(self, x, w):
@@ -217,6 +230,8 @@ class FastLlama:
         """One token for each of the slots 0..B-1: ``ids`` [B] at positions ``pos`` [B] (slot b's
         cache holds 0..pos[b]-1). Returns (final-norm outputs [B, H], features [B, L+1, H] fp16)."""
         B = len(ids)
+        if self.kernel_attention:
+            return self.verify(ids, pos, [1] * B, want_features)
         x = self.embed[ids]  # [B, H]
         cos, sin = self._rope(pos)
         cos, sin = cos[:, None], sin[:, None]
@@ -265,6 +280,9 @@ class FastLlama:
         x = self.embed[ids]  # [N, H]
         cos, sin = self._rope(pos)
         cos, sin = cos[:, None], sin[:, None]
+        if self.kernel_attention:
+            return self._verify_kernel(x, cos, sin, rows, pos, torch.as_tensor(starts, dtype=torch.long),
+                                       torch.as_tensor(lens, dtype=torch.long), want_features)
         chunks = []
         for c0 in range(0, B, self.ATT_CHUNK):
             c1 = min(B, c0 + self.ATT_CHUNK)
@@ -301,6 +319,17 @@ class FastLlama:
                                 caps if want_features else None)
         return self._final(x, caps if want_features else None)
 
+    def _verify_kernel(self, x, cos, sin, rows, pos, starts, lens, want_features):
+        """``verify``'s layers with ``ops.kv_cache_attention``: every row attends to exactly its
+        own keys (no padding, no mask; the cache past a row's positions is never read)."""
+        N = x.shape[0]
+        caps = [None] * (len(self.capture) + 1)
+        for li, p in enumerate(self.layers):
+            q = self._attend_inputs(li, p, x, cos, sin, rows, pos)
+            o = ops.kv_cache_attention(q, self.k[li], self.v[li], starts, lens, self.scale)
+            x = self._layer_out(li, p, x, o.reshape(N, self.nh * self.hd), caps if want_features else None)
+        return self._final(x, caps if want_features else None)
+
     def move_slot(self, src: int, dst: int, length: int):
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
@@ -327,13 +356,15 @@ class FastRegenerator:
     ``tokenizer_helper``: a ``hf_regen.Regenerator`` (its prompt/turn rendering is reused)."""
 
     def __init__(self, model, tok, max_new_tokens=256, max_len=2048, max_user_tokens=1024, capture_layers=None,
-                 batch_size=32, dtype=torch.float32, sort_window=64, continue_truncated=False, packed=True):
+                 batch_size=32, dtype=torch.float32, sort_window=64, continue_truncated=False, packed=True,
+                 attention="auto"):
         from .hf_regen import Regenerator
 
         self.helper = Regenerator(model, tok, max_new_tokens, max_len, max_user_tokens, capture_layers=None)
         self.eos, self.max_new, self.max_len = self.helper.eos, max_new_tokens, max_len
         self.capture = list(capture_layers) if capture_layers else []
-        self.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=self.capture, packed=packed)
+        self.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=self.capture, packed=packed,
+                                attention=attention)
         self.batch_size, self.sort_window = batch_size, sort_window
         # A turn cut by max_new_tokens ends the conversation (Regenerator's rule), or, with
         # continue_truncated, is closed with an end-of-turn token that is not a training label
