@@ -57,7 +57,7 @@ def main(argv=None) -> int:
                     help="fast-spec: a row's drafts stop where the calibrated chance of reaching them drops below this")
     ap.add_argument("--spec-batch-size", type=int, default=None, help="fast-spec: KV-cache slots (default --batch-size)")
     ap.add_argument("--spec-fixed-rows", type=float, default=None,
-                    help="fast-spec: a step's fixed cost in verified rows (default spec_regen.FIXED_ROWS; < 0: verify every candidate)")
+                    help="fast-spec: a step's fixed cost in verified rows (default: spec_regen.FIXED_ROWS of the engine's attention path; < 0: verify every candidate)")
     ap.add_argument("--sglang-dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--sglang-batch-size", type=int, default=None, help="sglang: max running requests (default --batch-size)")
     ap.add_argument("--threads", type=int, default=1)

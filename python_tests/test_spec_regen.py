@@ -138,3 +138,19 @@ def test_spec_bf16_runs_and_relabel_makes_it_greedy(tiny):
     out_s, out_m, _, cut, dropped = relabel(tiny, seqs, masks)
     preds, _ = reference_greedy(tiny, out_s)
     assert all(count_disagreements(s, m, p) == 0 for s, m, p in zip(out_s, out_m, preds))
+
+
+def test_fixed_rows_follow_the_attention_path(tiny):
+    """The step-cost model's default: per-slot attention (the C++ kernel) leaves a larger fixed
+    share than chunked SDPA, whose cost grows with the verified rows."""
+    from sglang_dlite.training.spec_regen import FIXED_ROWS
+
+    _, eos = _convs(tiny, 1)
+    for attention in ("auto", "sdpa"):
+        fr = _fast(tiny, eos, 2, cls=SpecRegenerator, attention=attention)
+        fr._init_spec(4, 0.3, 32)
+        want = FIXED_ROWS["kernel" if fr.engine.kernel_attention else "sdpa"]
+        assert fr.fixed_rows == want
+        fr._init_spec(4, 0.3, 32, -1)
+        assert fr.fixed_rows is None
+    assert FIXED_ROWS["kernel"] > FIXED_ROWS["sdpa"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from typing import Optional
+from typing import Union
 
 from ..lookup.chooser import default_calibration, lookup_only
 from ..lookup.suffix import SuffixIndex
@@ -29,24 +29,31 @@ from ..spec.accept import greedy_accept
 from .fast_regen import FastRegenerator
 
 
-# The fixed cost of one step (the weights streamed once) in units of one more verified row:
-# SmolLM2-135M fp32, 1 thread on this CPU, contexts ~300: a decode step of B rows costs about
-# 100 + 4.2 B ms (B = 8..64), so ~24 rows.
-FIXED_ROWS = 24.0
+# The fixed cost of one step in units of one more verified row (SmolLM2-135M fp32, 1 thread on this
+# CPU, contexts ~600). With the C++ KV-cache attention a step of B slots and R verified rows costs
+# ~130 + 3.4 B + 2.4 R ms (fitted on B = 16..64, R = B..4B): attention is per slot (each slot's
+# cache read once, whatever its rows), so at B = 32 everything but the drafts' rows is ~240 ms, ~100
+# rows. Regenerating 32 conversations: 75.2 tok/CPU-s at 24, 78.9 at 60, 80.8 at 100. With chunked
+# SDPA attention (padded per chunk, so it grows with the rows) a step cost ~100 + 4.2 B ms: ~24 rows.
+FIXED_ROWS = {"kernel": 100.0, "sdpa": 24.0}
 
 
 class SpecRegenerator(FastRegenerator):
     """``FastRegenerator`` whose decode step verifies suffix-lookup drafts (see the module doc)."""
 
     def __init__(self, *args, num_drafts: int = 4, min_reach: float = 0.3, max_match: int = 32,
-                 fixed_rows: Optional[float] = FIXED_ROWS, **kw):
+                 fixed_rows: Union[float, str, None] = "auto", **kw):
         super().__init__(*args, **kw)
         self._init_spec(num_drafts, min_reach, max_match, fixed_rows)
 
-    def _init_spec(self, num_drafts, min_reach, max_match, fixed_rows=FIXED_ROWS):
+    def _init_spec(self, num_drafts, min_reach, max_match, fixed_rows="auto"):
+        """``fixed_rows``: a step's fixed cost in verified rows ("auto": ``FIXED_ROWS`` of the
+        engine's attention path; None or < 0: verify every candidate)."""
         if num_drafts < 1:
             raise ValueError(f"num_drafts must be >= 1 (got {num_drafts}).")
         self.num_drafts, self.min_reach, self.max_match = int(num_drafts), float(min_reach), int(max_match)
+        if fixed_rows == "auto":
+            fixed_rows = FIXED_ROWS["kernel" if self.engine.kernel_attention else "sdpa"]
         self.fixed_rows = None if fixed_rows is None or fixed_rows < 0 else float(fixed_rows)
         self.cal = default_calibration()
         self._index: dict = {}
