@@ -20,36 +20,32 @@
 #include "common.h"
 #include "ops.h"
 
+#include <utility>
+
 namespace dlite {
 namespace {
 
 typedef int32_t vi16 __attribute__((vector_size(64)));
 
-// m[r][c] -> m[c][r]: four butterfly stages; stage B swaps the off-diagonal BxB blocks of rows r, r|B.
+// One butterfly stage of a 16x16 transpose: rows r and r|B swap their off-diagonal BxB blocks
+// (lane I of the new row r: x[I] where bit B of I is clear, else y[I - B]; of row r|B: x[I + B] or y[I]).
+template <int B, int... I>
+inline void transpose_stage(vf16 (&m)[16], std::integer_sequence<int, I...>) {
+  for (int r = 0; r < 16; ++r) {
+    if (r & B) continue;
+    const vf16 x = m[r], y = m[r | B];
+    m[r] = __builtin_shufflevector(x, y, ((I & B) ? 16 + I - B : I)...);
+    m[r | B] = __builtin_shufflevector(x, y, ((I & B) ? 16 + I : I + B)...);
+  }
+}
+
+// m[r][c] -> m[c][r]
 inline void transpose16(vf16 (&m)[16]) {
-  for (int r = 0; r < 16; ++r) {
-    if (r & 1) continue;
-    const vf16 x = m[r], y = m[r | 1];
-    m[r] = __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-    m[r | 1] = __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  }
-  for (int r = 0; r < 16; ++r) {
-    if (r & 2) continue;
-    const vf16 x = m[r], y = m[r | 2];
-    m[r] = __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-    m[r | 2] = __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  }
-  for (int r = 0; r < 16; ++r) {
-    if (r & 4) continue;
-    const vf16 x = m[r], y = m[r | 4];
-    m[r] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-    m[r | 4] = __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  }
-  for (int r = 0; r < 8; ++r) {
-    const vf16 x = m[r], y = m[r | 8];
-    m[r] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    m[r | 8] = __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
+  constexpr auto lanes = std::make_integer_sequence<int, 16>{};
+  transpose_stage<1>(m, lanes);
+  transpose_stage<2>(m, lanes);
+  transpose_stage<4>(m, lanes);
+  transpose_stage<8>(m, lanes);
 }
 
 inline vf16 vsplat(float x) { return vf16{} + x; }
