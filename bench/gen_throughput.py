@@ -66,6 +66,7 @@ def main(argv=None) -> int:
 
     from tqdm.auto import tqdm
 
+    from sglang_dlite import ops
     from sglang_dlite.target import load_target
     from sglang_dlite.training.exactness import count_disagreements, first_disagreement, reference_greedy
     from sglang_dlite.training.fast_regen import FastRegenerator
@@ -124,6 +125,8 @@ def main(argv=None) -> int:
             results[name]["prefill"] = {"cpu_s": round(gen.prefill_cpu_s, 2), "tokens": gen.prefill_tokens,
                                         "share_of_cpu": round(gen.prefill_cpu_s / cpu, 3)}
             print(f"  {name}: prefill {results[name]['prefill']}")
+        if hasattr(gen, "engine"):  # the fast engines: which attention path ran
+            results[name]["attention"] = "kernel" if gen.engine.kernel_attention else "sdpa"
         if hasattr(gen, "summary"):
             results[name]["spec"] = gen.summary()
             print(f"  {name}: {results[name]['spec']}")
@@ -168,7 +171,7 @@ def main(argv=None) -> int:
             "tokens_dropped_by_cut": int(dropped), "sequences_identical_to_" + base: same_as_base,
             "feature_max_abs_diff": round(fdiff, 4), "feature_max_rel_diff": round(frel, 5),
         }
-        for k in ("spec", "engine_info", "prefill", "prompt_tokens"):
+        for k in ("spec", "engine_info", "prefill", "prompt_tokens", "attention"):
             if k in r:
                 row[k] = r[k]
         rows.append(row)
@@ -179,7 +182,7 @@ def main(argv=None) -> int:
     out = {
         "config": {k: v for k, v in vars(args).items()}, "sources": sources, "conversations": len(convs),
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg(), "rows": rows,
+        "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg(), "ops": ops.build_status(), "rows": rows,
         "exactness_reference": "teacher-forced float32 HF forward over each finished sequence (argmax at every position)",
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
