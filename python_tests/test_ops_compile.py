@@ -33,6 +33,8 @@ def _op_cases():
     )
     yield "lowrank_rnn_scan", (torch.randn(B, K, 24), torch.randn(B, K, 24))
     yield "lm_head_argmax", (torch.randn(B, K, H), torch.rand(H) + 0.5, 1e-5, torch.randn(100, H))
+    yield "kv_cache_attention", (torch.randn(6, 4, 16), torch.randn(3, 2, 40, 16), torch.randn(3, 2, 40, 16),
+                                 torch.tensor([0, 7, 30]), torch.tensor([1, 3, 2]), 0.25)
 
 
 @pytest.mark.parametrize("name,args", list(_op_cases()), ids=[n for n, _ in _op_cases()])
