@@ -79,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-min-reach", type=float, default=0.3,
                    help="fast engine with --spec-drafts: a row's drafts stop where the calibrated chance of reaching "
                         "them drops below this")
+    p.add_argument("--fast-attention", choices=("auto", "kernel", "sdpa"), default="auto",
+                   help="fast engine: decode/verify attention by the C++ kv_cache_attention kernel (auto: when the "
+                        "compiled ops are built and the dtype is float32; `make build-ext`) or torch's chunked SDPA")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="fast/sglang engine compute dtype (bfloat16 is not the float32 target's greedy text: it implies --relabel)")
     p.add_argument("--feature-device", default="cpu",
@@ -319,7 +322,8 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     do_relabel = args.relabel or dtype != torch.float32
     kw = dict(capture_layers=None if do_relabel else layers, batch_size=args.batch_size, dtype=dtype,
-              continue_truncated=getattr(args, "continue_truncated_turns", False))
+              continue_truncated=getattr(args, "continue_truncated_turns", False),
+              attention=getattr(args, "fast_attention", "auto"))
     if (getattr(args, "spec_drafts", 0) or 0) > 0:
         from .spec_regen import SpecRegenerator
 
@@ -327,6 +331,8 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
                               num_drafts=args.spec_drafts, min_reach=getattr(args, "spec_min_reach", 0.3), **kw)
     else:
         gen = FastRegenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens, **kw)
+    print(f"gen-data[fast]: {args.batch_size} slots, attention "
+          f"{'C++ kv_cache_attention' if gen.engine.kernel_attention else 'chunked SDPA'}, {args.dtype}", flush=True)
     t0 = time.time()
     budget_s = None if getattr(args, "budget_min", None) is None else args.budget_min * 60
     pending = {}
