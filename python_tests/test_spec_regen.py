@@ -70,8 +70,8 @@ def test_spec_features_equal_hf_hidden_states(tiny):
 
 @pytest.mark.parametrize("attention", ["auto", "sdpa"])
 def test_verify_equals_decode(tiny, attention):
-    """verify with rows of 1..4 tokens == the same tokens decoded one step at a time (the C++
-    kernel's verify == chunked SDPA's decode, and each path against itself)."""
+    """verify with rows of 1..4 tokens == the same tokens decoded one step at a time (auto: the
+    C++ kernel's verify against chunked SDPA's decode; sdpa: SDPA's verify against its decode)."""
     torch.manual_seed(0)
     V = tiny.config.vocab_size
     prompts = [torch.randint(3, V, (n,)).tolist() for n in (5, 17, 9)]

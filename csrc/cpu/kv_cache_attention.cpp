@@ -71,7 +71,7 @@ inline vf16 vexp(vf16 x) {
   return p * scale;
 }
 
-inline float hmax(vf16 v) {
+inline float hmax(vf16 v) {  // the max twin of common.h's hsum
   float m = v[0];
   for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
   return m;
@@ -84,6 +84,7 @@ constexpr int64_t kPrefetchKeys = 32;
 // Scratch of one worker, reused across its work items.
 struct Scratch {
   std::vector<float> q, sc, acc;  // [Gp, D] scaled queries, [Gp, S16] scores / probs, [Gp, D] outputs
+  std::vector<float> inv_sum;     // [Gp] 1 / softmax denominator
 };
 
 template <int D>
@@ -139,7 +140,7 @@ void attend_one(const float* Q, int64_t q_tok_stride, int64_t q_head_stride, con
   }
   // 2. softmax, query r over keys 0 .. start + r / g
   const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  std::vector<float> inv_sum(Gp, 0.f);
+  w.inv_sum.assign(Gp, 0.f);
   for (int64_t r = 0; r < G; ++r) {
     float* s = w.sc.data() + r * S16;
     const int32_t L = static_cast<int32_t>(start + r / g + 1);  // visible keys
@@ -156,9 +157,7 @@ void attend_one(const float* Q, int64_t q_tok_stride, int64_t q_head_stride, con
       std::memcpy(s + j0, &e, sizeof(vf16));
       sum += e;
     }
-    float tot = 0.f;
-    for (int i = 0; i < 16; ++i) tot += sum[i];
-    inv_sum[r] = 1.0f / tot;
+    w.inv_sum[r] = 1.0f / hsum(sum);
   }
   // 3. P @ V
   for (int64_t j0 = 0; j0 < S; j0 += kKB) {
@@ -184,7 +183,7 @@ void attend_one(const float* Q, int64_t q_tok_stride, int64_t q_head_stride, con
   for (int64_t r = 0; r < G; ++r) {
     float* dst = O + (r / g) * q_tok_stride + (r % g) * q_head_stride;
     const float* a = w.acc.data() + r * D;
-    for (int d = 0; d < D; ++d) dst[d] = a[d] * inv_sum[r];
+    for (int d = 0; d < D; ++d) dst[d] = a[d] * w.inv_sum[r];
   }
 }
 

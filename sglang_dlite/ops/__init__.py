@@ -176,8 +176,7 @@ def kv_cache_attention(q, k_cache, v_cache, starts, lens, scale: float):
     args = (q, k_cache, v_cache, starts, lens, float(scale))
     floats = (q, k_cache, v_cache)
     impl = _pick("kv_cache_attention", floats, q.device)
-    if impl == "cpp" and ops_mode() == "auto" and not (
-            q.dtype == torch.float32 and _kv_kernel_head_dim(q.shape[2]) and _ext.has_op("kv_cache_attention")):
+    if impl == "cpp" and ops_mode() == "auto" and not _kv_kernel_takes(q.dtype, q.shape[2]):
         impl = "torch"
     _last_impl["kv_cache_attention"] = impl
     if impl == "cuda":
@@ -190,13 +189,14 @@ def kv_cache_attention(q, k_cache, v_cache, starts, lens, scale: float):
 
 def kv_cache_attention_kernel_available(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether ``kv_cache_attention`` would run the C++ kernel for CPU tensors of this kind."""
-    mode = ops_mode()
-    return mode in ("auto", "cpp") and dtype == torch.float32 and _kv_kernel_head_dim(head_dim) \
+    return ops_mode() in ("auto", "cpp") and _kv_kernel_takes(dtype, head_dim)
+
+
+def _kv_kernel_takes(dtype: torch.dtype, head_dim: int) -> bool:
+    """What the C++ kernel accepts (float32, head_dim a multiple of 16 up to 256) and that the
+    loaded library has it."""
+    return dtype == torch.float32 and head_dim % 16 == 0 and 16 <= head_dim <= 256 \
         and _ext.has_op("kv_cache_attention")
-
-
-def _kv_kernel_head_dim(d: int) -> bool:
-    return d % 16 == 0 and 16 <= d <= 256
 
 
 def nvtx_range(name: str):

@@ -16,7 +16,7 @@ LIB_NAME = "sglang_dlite_ops"
 OPS = ("assemble_round_inputs", "round_attention", "lowrank_rnn_scan", "lm_head_argmax")
 BUILD_HINT = "build it with `make build-ext` (or `python -m sglang_dlite.ops.build`)"
 
-_state: dict = {"tried": False, "path": None, "error": None, "ok": False, "cuda": None}
+_state: dict = {"tried": False, "path": None, "error": None, "ok": False, "cuda": None, "ops": {}}
 
 
 def repo_root() -> Path:
@@ -67,7 +67,7 @@ def load() -> bool:
 
 def reset() -> None:
     """Forget the load attempt (the builder calls this after building)."""
-    _state.update(tried=False, path=None, error=None, ok=False, cuda=None)
+    _state.update(tried=False, path=None, error=None, ok=False, cuda=None, ops={})
 
 
 def has_cpu() -> bool:
@@ -76,13 +76,17 @@ def has_cpu() -> bool:
 
 def has_op(name: str) -> bool:
     """Whether the loaded library has a CPU kernel for ``name`` (a library built from older
-    sources lacks the newer ops until ``make build-ext`` runs again)."""
+    sources lacks the newer ops until ``make build-ext`` runs again). Cached: the engine asks on
+    every layer of every step."""
     if not load():
         return False
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"sglang_dlite::{name}", "CPU")
-    except Exception:  # pragma: no cover - private API moved
-        return hasattr(torch.ops.sglang_dlite, name)
+    known = _state["ops"]
+    if name not in known:
+        try:
+            known[name] = torch._C._dispatch_has_kernel_for_dispatch_key(f"sglang_dlite::{name}", "CPU")
+        except Exception:  # pragma: no cover - private API moved
+            known[name] = hasattr(torch.ops.sglang_dlite, name)
+    return known[name]
 
 
 def has_cuda() -> bool:
