@@ -59,7 +59,7 @@ train-smoke: venv
 BASELINE_DATA ?= artifacts/train/data
 BASELINES ?= eagle3 dflash dspark dlite-teacher dlite-window128 dlite-window512 dlite-single
 # Equal footing with DLite's default recipe: same data, vocabulary subset, bf16, wall budget (min).
-BASELINE_ARGS ?= --vocab-subset 8192 --bf16 --budget-min 45 --batch-size 32 --seqs-per-batch 2 --threads 1
+BASELINE_ARGS ?= --vocab-subset 8192 --budget-min 45 --batch-size 32 --seqs-per-batch 2 --threads 1
 train-baselines: venv
 	$(PY) -m sglang_dlite.training.features --data $(BASELINE_DATA) --layer-sets 2,15,27 1,7,14,21,27
 	@for n in $(BASELINES); do $(PY) -m sglang_dlite.baselines.train --drafter-type $$n --data $(BASELINE_DATA) $(BASELINE_ARGS) || exit 1; done

@@ -36,6 +36,7 @@ from sglang_dlite.baselines.train import heldout_scores
 from sglang_dlite.drafters import load_dlite
 from sglang_dlite.model import DLiteDrafter
 from sglang_dlite.errors import DLiteInputError
+from sglang_dlite.training.precision import warn_if_emulated_bf16
 from sglang_dlite.target import load_target
 from sglang_dlite.training.dataset import FeatureData, eval_groups
 from sglang_dlite.training.evaluation import greedy_scores
@@ -106,6 +107,8 @@ def drop_seen_prompts(data: FeatureData, data_dir: str, specs, seed: int) -> dic
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.bf16:
+        warn_if_emulated_bf16("heldout_tau")
     target, _ = load_target(args.target)
     specs = []
     for item in args.drafter:

@@ -681,5 +681,30 @@ def test_train_default_recipe_wiring():
     opts = options_from_args(recipe.train_args(args, "out"))
     assert opts.stages == ["stabilize"] and opts.anchor_tokens == "all"
     assert opts.config_overrides["target_layer_ids"] == [2, 15, 27]
-    assert opts.time_budget_s["stabilize"] == 55 * 60 and opts.bf16 and opts.vocab_subset == 8192
+    assert opts.time_budget_s["stabilize"] == 55 * 60 and opts.vocab_subset == 8192
+    # bf16 is the device's default: autocast on a GPU, float32 on a CPU (emulated bf16 is ~3x slower there)
+    from sglang_dlite.training.loop import use_bf16
+    assert opts.bf16 is None and not use_bf16(opts, torch.device("cpu")) and use_bf16(opts, torch.device("cuda"))
     assert args.draft_vocab == 8192  # as many most-frequent tokens as the training losses cover
+
+
+# ---- bf16 autocast on CPUs without bf16 instructions (training/precision.py) ----
+
+def _cpuinfo(tmp_path, text):
+    p = tmp_path / "cpuinfo"
+    p.write_text(text)
+    return str(p)
+
+
+def test_cpu_native_bf16_reads_the_cpu_flags(tmp_path):
+    from sglang_dlite.training.precision import cpu_native_bf16, emulated_bf16_note
+
+    no_bf16 = _cpuinfo(tmp_path, "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw avx512_vnni\n")
+    assert cpu_native_bf16(no_bf16) is False
+    note = emulated_bf16_note("train[stabilize]", no_bf16)
+    assert note.startswith("train[stabilize]: --bf16 on a CPU without bf16 instructions") and "drop --bf16" in note
+    for flags in ("flags\t: avx512f avx512_bf16\n", "flags\t: amx_bf16 amx_tile\n", "Features\t: fp asimd bf16 i8mm\n"):
+        has = _cpuinfo(tmp_path, flags)
+        assert cpu_native_bf16(has) is True and emulated_bf16_note("x", has) is None
+    missing = str(tmp_path / "absent")
+    assert cpu_native_bf16(missing) is None and emulated_bf16_note("x", missing) is None

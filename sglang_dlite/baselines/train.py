@@ -35,6 +35,7 @@ import torch
 
 from ..errors import DLiteInputError
 from ..spec.accept import greedy_accept_length
+from ..training.precision import warn_if_emulated_bf16
 from .common import anchor_targets
 from .registry import BASELINE_NAMES, DLITE_ABLATIONS, KV_BASELINES, new_model, training_output_dir
 
@@ -164,6 +165,8 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
     t0 = time.time()
     base_vocab = data.frequent_tokens(vocab_subset) if vocab_subset else None
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else None
+    if bf16:
+        warn_if_emulated_bf16(f"train[{name}]")
     step = 0
     while step < steps:
         step += 1

@@ -34,6 +34,7 @@ from .dataset import FeatureData, _hist_mode, batch_vocab_subset, concat_groups,
 from .evaluation import evaluate, model_forward
 from .losses import forward_kl, kl_to_target, position_weights, tv_distance, weighted_ce
 from .options import STAGES, StageSpec, TrainOptions
+from .precision import warn_if_emulated_bf16
 
 # the target's frozen tensors bound into the drafter: never trained, identical on every rank
 _FROZEN = ("embed_weight", "lm_head_weight", "draft_head_weight")
@@ -138,6 +139,8 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
                 note += f" (extended: {st.get('requested')} -> {spec.steps} steps requested)"
             print(f"train[{spec.name}]: resumed at step {step}/{total}, written by {was} process(es){note}")
     bf16 = use_bf16(opts, dev)
+    if bf16 and dev.type == "cpu" and main:
+        warn_if_emulated_bf16(f"train[{spec.name}]")
 
     def autocast():
         return torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 else nullcontext()
