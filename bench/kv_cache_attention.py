@@ -2,7 +2,7 @@
 
     python bench/kv_cache_attention.py [--slots 32] [--contexts 300 900] [--lens 1 2 3 5] [--out FILE]
 
-Times ``FastLlama.verify`` (training/fast_regen.py) on a random Llama with SmolLM2-135M's attention
+Times ``FastLlama.verify`` (training/fast_llama.py) on a random Llama with SmolLM2-135M's attention
 shapes (hidden 576, 9 query heads, 3 KV heads, head_dim 64) and tiny MLPs: a step is its attention plus
 the QKV/O projections and element-wise work, the same in both paths. Every slot's static fp32 KV cache
 is filled to a context drawn from ``--contexts``; rows of 1..L new tokens.
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from sglang_dlite import ops
-    from sglang_dlite.training.fast_regen import FastLlama
+    from sglang_dlite.training.fast_llama import FastLlama
 
     if not ops.kv_cache_attention_kernel_available(torch.float32, 64):
         raise SystemExit(f"the C++ kv_cache_attention kernel is not available ({ops.build_status()}); run `make build-ext`.")

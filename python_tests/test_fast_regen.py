@@ -18,7 +18,8 @@ import torch
 from sglang_dlite import ops
 from sglang_dlite.training.exactness import count_disagreements, first_disagreement, reference_greedy, relabel
 from sglang_dlite.ops.cpu_linear import MklPackedLinear, mkl_available
-from sglang_dlite.training.fast_regen import FastLlama, FastRegenerator
+from sglang_dlite.training.fast_llama import FastLlama
+from sglang_dlite.training.fast_regen import FastRegenerator
 
 LAYERS = [1, 2]  # (not the last layer: HF reports the final-norm output as hidden_states[-1])
 
@@ -296,11 +297,11 @@ def test_agent_prompt_source_avoids_eval_sources():
 def test_attention_choice_errors(tiny, monkeypatch):
     """attention='kernel' without the C++ op says what is missing; an unknown choice is named."""
     from sglang_dlite.errors import DLiteInputError, MissingDependencyError
-    from sglang_dlite.training import fast_regen
+    from sglang_dlite.training import fast_llama
 
     with pytest.raises(DLiteInputError, match="attention must be one of"):
         FastLlama(tiny, 2, 32, attention="flash")
-    monkeypatch.setattr(fast_regen.ops, "kv_cache_attention_kernel_available", lambda dtype, head_dim: False)
+    monkeypatch.setattr(fast_llama.ops, "kv_cache_attention_kernel_available", lambda dtype, head_dim: False)
     with pytest.raises(MissingDependencyError, match="needs the C.. ops"):
         FastLlama(tiny, 2, 32, attention="kernel")
     assert not FastLlama(tiny, 2, 32).kernel_attention  # auto falls back to SDPA

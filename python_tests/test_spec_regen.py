@@ -10,7 +10,7 @@ import torch
 
 from test_fast_regen import LAYERS, _convs, _fast, hf_greedy_conv, tiny  # noqa: F401  (fixture)
 
-from sglang_dlite.training.fast_regen import FastLlama
+from sglang_dlite.training.fast_llama import FastLlama
 from sglang_dlite.training.spec_regen import SpecRegenerator
 
 

@@ -164,7 +164,7 @@ def kv_cache_attention(
     scale: float,
 ) -> torch.Tensor:
     """Not a draft-step op: the fast regeneration engine's decode / speculative-verify attention
-    (``training/fast_regen.py``). Token t of row b attends causally to keys 0..starts[b]+t of cache
+    (``training/fast_llama.py``). Token t of row b attends causally to keys 0..starts[b]+t of cache
     slot b; query head i uses KV head i // (Hq // Hkv). Returns [N, Hq, D]."""
     out = torch.empty_like(q)
     g = q.shape[1] // k_cache.shape[1]
