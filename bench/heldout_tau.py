@@ -18,6 +18,11 @@ target's greedy continuation (what a greedy round commits at that anchor), plus 
 rate per draft position and a bootstrap 95 % interval. Drafters with different captured layers
 read their own feature cache (``X.feat-l<ids>.npy``; computed with the target when missing).
 Threads are pinned (``--threads``). Writes JSON and prints a markdown table.
+
+The set is drawn from the held-out sequences the folder holds *now*: a folder that is still
+growing gives another set tomorrow. ``--anchor-set FILE`` pins it: the first run writes the set
+there (by sequence name, ``shard:index``), later runs read it back, so A/Bs made in different
+sessions score the same anchors.
 """
 
 from __future__ import annotations
@@ -56,9 +61,48 @@ def parse_args(argv=None):
                    help="drop held-out sequences whose prompt another run trained on: that run's gen-data "
                         "--prompts (e.g. the shipped v3's `sharegpt:480 bfcl:192 stdlib:192`), with --exclude-seed")
     p.add_argument("--exclude-seed", type=int, default=0, help="the --seed of the run named by --exclude-prompts")
+    p.add_argument("--anchor-set", default=None, metavar="JSON",
+                   help="pin the held-out anchors across runs: read them from JSON when it exists (every sequence "
+                        "it names must be in --data), else write the set chosen now there. Without it the set "
+                        "depends on which shards --data holds today")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="JSON file")
     return p.parse_args(argv)
+
+
+def save_anchor_set(path: str, data: FeatureData, groups, meta: dict) -> None:
+    """The held-out anchors of ``groups`` by sequence name (``shard file:index``), for --anchor-set."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    seqs = [{"name": data.seqs[si][4], "anchors": [int(x) for x in a]} for si, a in groups]
+    with open(path, "w") as f:
+        json.dump({"format": 1, **meta, "sequences": seqs}, f, indent=1)
+
+
+def load_anchor_set(path: str, data: FeatureData, data_dir: str):
+    """Groups ``[(sequence index in data, anchors)]`` from an --anchor-set file; a sequence that is
+    missing from ``data`` or whose anchors are no longer anchors there is an error that says so."""
+    with open(path) as f:
+        pinned = json.load(f)
+    by_name = {s[4]: i for i, s in enumerate(data.seqs)}
+    groups, missing, changed = [], [], []
+    for e in pinned.get("sequences", []):
+        si = by_name.get(e["name"])
+        if si is None:
+            missing.append(e["name"])
+            continue
+        a = np.asarray(e["anchors"], dtype=np.int64)
+        if not np.isin(a, data.seqs[si][3]).all():
+            changed.append(e["name"])
+        groups.append((si, a))
+    if missing or changed or not groups:
+        raise DLiteInputError(
+            f"--anchor-set {path} does not fit --data {data_dir}: "
+            + (f"{len(missing)} pinned sequence(s) are not there (e.g. {missing[0]}); " if missing else "")
+            + (f"{len(changed)} sequence(s) changed (e.g. {changed[0]}: a pinned anchor is not an anchor now); "
+               if changed else "")
+            + ("it names no sequence; " if not pinned.get("sequences") else "")
+            + "score on the folder the set was made from, or pass a new --anchor-set path to pin a new set.")
+    return groups
 
 
 def bootstrap_ci(x: np.ndarray, n: int = 1000, seed: int = 0):
@@ -130,12 +174,19 @@ def main(argv=None) -> int:
             if args.exclude_prompts:
                 excluded = drop_seen_prompts(datas[ids], args.data, args.exclude_prompts, args.exclude_seed)
         data = datas[ids]
-        groups = eval_groups(data, args.anchors, seed=args.seed)
+        if args.anchor_set and os.path.exists(args.anchor_set):
+            groups = load_anchor_set(args.anchor_set, data, args.data)
+        else:
+            groups = eval_groups(data, args.anchors, seed=args.seed)
+            if args.anchor_set:
+                save_anchor_set(args.anchor_set, data, groups, {"data": args.data, "anchors_requested": args.anchors,
+                                                                "seed": args.seed, "excluded_prompts": excluded})
+                print(f"held-out anchors pinned: {args.anchor_set} ({sum(len(a) for _, a in groups)} anchors)", flush=True)
         r = {"drafter": label, "path": path or "shipped", "layers": list(ids), **heldout_tau(model, data, groups, args.bf16)}
         rows.append(r)
         print(json.dumps(r), flush=True)
     res = {"data": args.data, "anchors_requested": args.anchors, "seed": args.seed, "threads": torch.get_num_threads(),
-           "bf16": args.bf16, "excluded_prompts": excluded, "rows": rows}
+           "bf16": args.bf16, "excluded_prompts": excluded, "anchor_set": args.anchor_set, "rows": rows}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

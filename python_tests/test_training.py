@@ -708,3 +708,34 @@ def test_cpu_native_bf16_reads_the_cpu_flags(tmp_path):
         assert cpu_native_bf16(has) is True and emulated_bf16_note("x", has) is None
     missing = str(tmp_path / "absent")
     assert cpu_native_bf16(missing) is None and emulated_bf16_note("x", missing) is None
+
+
+def test_bench_heldout_anchor_set_pins_the_anchors(tmp_path, tiny_target):
+    """--anchor-set: the set written is the set read back (same sequences, same anchors, same tau);
+    a folder that lacks a pinned sequence, or whose sequence no longer has a pinned anchor, is
+    refused with a message naming the sequence."""
+    import importlib.util
+
+    from sglang_dlite.errors import DLiteInputError
+
+    spec = importlib.util.spec_from_file_location("heldout_tau", os.path.join(os.path.dirname(__file__), "..", "bench", "heldout_tau.py"))
+    ht = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ht)
+    cfg, fd, model, groups = _heldout_setup(tmp_path, tiny_target)
+    path = str(tmp_path / "pinned" / "anchors.json")
+    ht.save_anchor_set(path, fd, groups, {"seed": 1234})
+    back = ht.load_anchor_set(path, fd, "DATA")
+    assert [si for si, _ in back] == [si for si, _ in groups]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(back, groups))
+    assert ht.heldout_tau(model, fd, back, bf16=False) == ht.heldout_tau(model, fd, groups, bf16=False)
+    pinned = json.load(open(path))
+    first = pinned["sequences"][0]["name"]
+    pinned["sequences"][0]["name"] = "gone_00099.npz:0"
+    json.dump(pinned, open(path, "w"))
+    with pytest.raises(DLiteInputError, match=r"1 pinned sequence\(s\) are not there \(e.g. gone_00099.npz:0\)"):
+        ht.load_anchor_set(path, fd, "DATA")
+    pinned["sequences"][0]["name"] = first
+    pinned["sequences"][0]["anchors"] = [10 ** 6]
+    json.dump(pinned, open(path, "w"))
+    with pytest.raises(DLiteInputError, match="changed"):
+        ht.load_anchor_set(path, fd, "DATA")
