@@ -160,7 +160,7 @@ def main(argv=None) -> int:
         if not sep:
             label, path = os.path.basename(item.rstrip("/")), item
         specs.append((label, None if path == "dlite" else path))
-    datas, rows, excluded = {}, [], None
+    datas, pinned, rows, excluded = {}, {}, [], None  # per captured-layer set: its features, its anchors
     for label, path in specs:
         kind, _, kv_path = (path or "").partition(":")
         if kind in KV_BASELINES:
@@ -173,15 +173,17 @@ def main(argv=None) -> int:
             datas[ids] = FeatureData(args.data, list(ids), model_loader=lambda: target, progress=False)
             if args.exclude_prompts:
                 excluded = drop_seen_prompts(datas[ids], args.data, args.exclude_prompts, args.exclude_seed)
-        data = datas[ids]
-        if args.anchor_set and os.path.exists(args.anchor_set):
-            groups = load_anchor_set(args.anchor_set, data, args.data)
-        else:
-            groups = eval_groups(data, args.anchors, seed=args.seed)
-            if args.anchor_set:
-                save_anchor_set(args.anchor_set, data, groups, {"data": args.data, "anchors_requested": args.anchors,
-                                                                "seed": args.seed, "excluded_prompts": excluded})
-                print(f"held-out anchors pinned: {args.anchor_set} ({sum(len(a) for _, a in groups)} anchors)", flush=True)
+            if args.anchor_set and os.path.exists(args.anchor_set):
+                pinned[ids] = load_anchor_set(args.anchor_set, datas[ids], args.data)
+            else:
+                pinned[ids] = eval_groups(datas[ids], args.anchors, seed=args.seed)
+                if args.anchor_set:
+                    save_anchor_set(args.anchor_set, datas[ids], pinned[ids],
+                                    {"data": args.data, "anchors_requested": args.anchors, "seed": args.seed,
+                                     "excluded_prompts": excluded})
+                    print(f"held-out anchors pinned: {args.anchor_set} "
+                          f"({sum(len(a) for _, a in pinned[ids])} anchors)", flush=True)
+        data, groups = datas[ids], pinned[ids]
         r = {"drafter": label, "path": path or "shipped", "layers": list(ids), **heldout_tau(model, data, groups, args.bf16)}
         rows.append(r)
         print(json.dumps(r), flush=True)
