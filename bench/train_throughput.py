@@ -26,10 +26,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from sglang_dlite.training.precision import cpu_native_bf16  # noqa: E402
-from sglang_dlite.training.smoke import training_throughput  # noqa: E402
+from sglang_dlite.training.precision import cpu_native_bf16
+from sglang_dlite.training.smoke import training_throughput
 
 CONFIG_RE = re.compile(r"^(fp32|bf16):(\d+)x(\d+)$")
 DEFAULT_TRAIN_ARGS = ["--single-stage", "--vocab-subset", "8192", "--stream-window", "8", "--eval-shards", "2",
