@@ -23,11 +23,10 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 import time
 
 from sglang_dlite.training.precision import cpu_native_bf16
-from sglang_dlite.training.smoke import training_throughput
+from sglang_dlite.training.smoke import train_command, training_throughput
 
 CONFIG_RE = re.compile(r"^(fp32|bf16):(\d+)x(\d+)$")
 DEFAULT_TRAIN_ARGS = ["--single-stage", "--vocab-subset", "8192", "--stream-window", "8", "--eval-shards", "2",
@@ -58,7 +57,7 @@ def train_argv(cfg: dict, args, out: str) -> list:
 def run_config(cfg: dict, args) -> dict:
     out = os.path.join(args.work, cfg["name"].replace(":", "_"))
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "sglang_dlite", *train_argv(cfg, args, out)]
+    cmd = train_command(train_argv(cfg, args, out), procs=1, launcher="torchrun")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -73,12 +72,11 @@ def run_config(cfg: dict, args) -> dict:
 
 
 def table(rows: list) -> str:
-    base = rows[0]["anchors_per_s"] or float("nan")
     lines = ["| config | precision | batch x seqs | steps | anchors/s | vs first |", "|---|---|---|---|---|---|"]
     for r in rows:
-        a = r["anchors_per_s"]
+        ratio = r.get("ratio_to_first")
         lines.append(f"| {r['name']} | {'bf16' if r['bf16'] else 'fp32'} | {r['batch_size']} x {r['seqs_per_batch']} "
-                     f"| {r['steps']} | {a} | {a / base:.2f}x |" if a else f"| {r['name']} | - | - | - | - | - |")
+                     f"| {r['steps']} | {r['anchors_per_s']} | {ratio:.2f}x |" if ratio else f"| {r['name']} | - | - | - | - | - |")
     return "\n".join(lines)
 
 
