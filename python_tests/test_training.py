@@ -139,6 +139,10 @@ def test_tiny_end_to_end_lowers_loss(tmp_path, tiny_target):
     assert "head r = " in card and "head_input=token" not in card
     token = render_card({**summarize(out, data), "drafter_config": {"head_input": "token", "num_layers": 3}})
     assert "3 backbone layers" in token and "fed the previous draft token (`head_input=token`" in token
+    from sglang_dlite.training.model_card import _autocast_label
+
+    # training.json's bf16=None (the trainer's device default) is said in words, not printed as "None"
+    assert _autocast_label(None) == "default (on with --device cuda, off on the CPU)" and _autocast_label(True) == "True"
     dest = export(done["stabilize"], str(tmp_path / "export"), card, data, draft_vocab=40)
     exported = DLiteDrafter.from_pretrained(dest)
     assert exported.config.history == "none" and exported.config.draft_vocab_size == 40

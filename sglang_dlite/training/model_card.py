@@ -70,6 +70,13 @@ def _fmt(x, spec=".2f"):
     return "–" if x is None else format(x, spec)
 
 
+def _autocast_label(flag) -> str:
+    """training.json's ``bf16`` option as the card says it (None: the trainer's device default)."""
+    if flag is None:
+        return "default (on with --device cuda, off on the CPU)"
+    return str(flag)
+
+
 def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> str:
     d = s.get("data", {})
     rec = d.get("recipe", {})
@@ -149,7 +156,7 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
         + " to the target's distribution, same weights.",
         f"- AdamW (betas 0.9/0.95, wd {opts.get('weight_decay')}), lr {opts.get('lr')} (stabilize after distill: half), linear warm-up "
         f"{opts.get('warmup_frac')} + cosine to 0.1x, grad clip {opts.get('clip')}, {batch}, "
-        f"bf16 autocast: {opts.get('bf16')}."
+        f"bf16 autocast: {_autocast_label(opts.get('bf16'))}."
         + (f" Backbone layers initialized from the target's layers {', '.join(map(str, opts['init_layers']))}."
            if opts.get("init_layers") else ""),
         f"- Training-time vocabulary subset: {opts.get('vocab_subset')} most frequent data tokens + the batch's labels "
