@@ -418,6 +418,51 @@ def test_init_from_target_layers_copies_weights_and_checks_shapes(tiny_target):
         init_from_target_layers(other, tiny_target, [3, 4])
 
 
+def test_init_from_drafter_continues_a_trained_run_and_refuses_another_drafter(tmp_path, tiny_target):
+    """--init-from-drafter: a second run starts from the first run's trained weights (its first loss is
+    the first run's last, not a fresh drafter's), and a checkpoint of another shape is refused by name."""
+    import argparse
+
+    from sglang_dlite.errors import DLiteConfigError, DLiteInputError
+    from sglang_dlite.model import DLiteDrafter
+    from sglang_dlite.training.train import add_arguments, init_from_drafter, options_from_args, train_pipeline
+
+    data = _tiny_data(tmp_path, tiny_target, n_seqs=3)
+
+    def losses_of(out):
+        return [json.loads(x)["loss"] for x in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in x]
+
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    train_pipeline(tiny_target, data, first, _opts(stages=["stabilize"], steps={"stabilize": 40}))
+    trained = os.path.join(first, "stabilize", "model")
+    train_pipeline(tiny_target, data, second, _opts(stages=["stabilize"], steps={"stabilize": 10}, init_drafter=trained))
+    a, b = losses_of(first), losses_of(second)
+    assert b[0] < a[0] and abs(b[0] - a[-1]) < 0.5 * (a[0] - a[-1])
+    with open(os.path.join(second, "stabilize", "model", "training.json")) as f:
+        assert json.load(f)["run"]["options"]["init_drafter"] == trained
+
+    src = DLiteDrafter.from_pretrained(trained)
+    fresh = DLiteDrafter(src.config)
+    init_from_drafter(fresh, trained)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in src.state_dict().items())
+    other = DLiteDrafter(tiny_dlite_config(tiny_target, rnn_rank=4))
+    with pytest.raises(DLiteConfigError, match="different drafter.*rnn_rank"):
+        init_from_drafter(other, trained)
+    with pytest.raises(DLiteConfigError, match="no DLite checkpoint folder"):
+        init_from_drafter(fresh, str(tmp_path / "nowhere"))
+
+    def parse(*argv):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return options_from_args(p.parse_args(["--data", "d", "--out", "o", *argv]))
+
+    assert parse("--single-stage", "--init-from-drafter", trained).init_drafter == trained
+    with pytest.raises(DLiteInputError, match="add --single-stage"):
+        parse("--init-from-drafter", trained)
+    with pytest.raises(DLiteInputError, match="pass one"):
+        parse("--single-stage", "--init-from-drafter", trained, "--init-from-target-layers", "1,2")
+
+
 def test_time_budget_replans_warmup_and_cosine(tmp_path, tiny_target):
     """A stage whose step count is an upper bound (budget-bound): the warm-up is 5 % of the schedule
     as re-planned for the budget, so the learning rate peaks early and the cosine completes.

@@ -46,6 +46,7 @@ class TrainOptions:
     seed: int = 0
     student_history: str = "none"
     init_layers: Optional[list] = None  # target layer ids the fresh backbones start from (None: random)
+    init_drafter: Optional[str] = None  # a trained DLite checkpoint the stabilize stage starts from
     vocab_subset: int = 0  # >0: train over the N most frequent data tokens + batch labels (0: full vocab)
     anchor_tokens: str = "generated"  # train anchors: "generated" spans only, or "all" positions
     distill_init: str = "teacher"
@@ -137,6 +138,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-from-target-layers", default=None,
                    help="comma-separated target layer ids copied into the fresh drafter's backbone layers "
                         "(e.g. 13,14: the layers right after the captured layer 12); default: random init")
+    p.add_argument("--init-from-drafter", default=None, metavar="CKPT",
+                   help="start the stabilize stage from this trained DLite checkpoint (same drafter options; "
+                        "a second epoch or a fine-tune on new data); excludes --init-from-target-layers")
     p.add_argument("--engine-eval-convs", type=int, default=0,
                    help="at the end of each stage, measure tau through the reference engine on this many "
                         "conversations of each --engine-eval-workloads (0: off)")
@@ -178,6 +182,12 @@ def options_from_args(args) -> TrainOptions:
     if any(w < 0 for w in weights.values()) or not any(weights.values()):
         raise DLiteInputError("the stabilize loss weights must be >= 0 and not all 0 (got "
                               + ", ".join(f"{k} {v:g}" for k, v in weights.items()) + ").")
+    if getattr(args, "init_from_drafter", None):
+        if getattr(args, "init_from_target_layers", None):
+            raise DLiteInputError("--init-from-drafter and --init-from-target-layers both set the starting weights; "
+                                  "pass one.")
+        if list(stages) != ["stabilize"]:
+            raise DLiteInputError("--init-from-drafter starts the stabilize stage alone; add --single-stage.")
     return TrainOptions(
         stages=stages, steps={s: getattr(args, f"steps_{s}") for s in STAGES},
         lr=args.lr, batch_size=args.batch_size, seqs_per_batch=args.seqs_per_batch, warmup_frac=args.warmup_frac,
@@ -186,6 +196,7 @@ def options_from_args(args) -> TrainOptions:
         device=getattr(args, "device", _D.device), log_every=getattr(args, "log_every", _D.log_every),
         eval_every=args.eval_every, eval_anchors=args.eval_anchors, save_every=args.save_every, seed=args.seed,
         init_layers=[int(x) for x in args.init_from_target_layers.split(",")] if getattr(args, "init_from_target_layers", None) else None,
+        init_drafter=getattr(args, "init_from_drafter", None),
         student_history=args.history, vocab_subset=args.vocab_subset,
         anchor_tokens=getattr(args, "anchor_tokens", "generated"), resume=args.resume, progress=not args.no_progress, config_overrides=ov,
         time_budget_s=budget, stream_window=getattr(args, "stream_window", 0), eval_shards=getattr(args, "eval_shards", 32),

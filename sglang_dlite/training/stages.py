@@ -31,6 +31,26 @@ def make_config(target_cfg, history: str, overrides: dict) -> DLiteConfig:
     return DLiteConfig.for_target(target_cfg, **{**overrides, "history": history})
 
 
+def init_from_drafter(model: DLiteDrafter, path: str) -> DLiteDrafter:
+    """Start from a trained DLite checkpoint's weights (a second epoch, a fine-tune on new data): the
+    checkpoint must describe this very drafter (same config but for its drafting vocabulary, which
+    training does not use); the target's embedding and LM head stay the bound ones."""
+    src = DLiteDrafter.from_pretrained(path)  # names what is wrong with a bad folder
+    mine, theirs = model.config.to_dict(), src.config.to_dict()
+    diff = {k: (theirs.get(k), v) for k, v in mine.items()
+            if k != "draft_vocab_size" and theirs.get(k) != v}
+    if diff:
+        shown = ", ".join(f"{k}: checkpoint {a!r} vs this run {b!r}" for k, (a, b) in sorted(diff.items())[:6])
+        raise DLiteConfigError(f"--init-from-drafter {path!r} is a different drafter ({shown}); pass the "
+                               f"options it was trained with (its config.json).")
+    own = model.state_dict()
+    state = {k: v for k, v in src.state_dict().items() if k in own and k != "draft_vocab"}
+    with torch.no_grad():
+        for k, v in state.items():
+            own[k].copy_(v.to(own[k].dtype))
+    return model
+
+
 def init_from_target_layers(model: DLiteDrafter, target, layer_ids) -> DLiteDrafter:
     """Copy the target's decoder layers ``layer_ids`` (attention, MLP and norms) into the drafter's
     backbone layers, one for one: a drafter that reads layer-12 states starts as the target's own
@@ -216,7 +236,9 @@ def _run_stages(stages, opts, target, tc, student_cfg, data, out_dir, embed_w, h
         else:
             if student is None:
                 student = bind(DLiteDrafter(student_cfg), embed_w, head_w)
-                if opts.init_layers:
+                if opts.init_drafter:
+                    init_from_drafter(student, opts.init_drafter)
+                elif opts.init_layers:
                     init_from_target_layers(student, target, opts.init_layers)
             lr = opts.lr if "distill" not in stages else opts.lr * 0.5
             student = run_stage(StageSpec("stabilize", opts.steps["stabilize"], lr, "ce+tv", opts.student_history),
