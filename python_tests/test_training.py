@@ -515,6 +515,16 @@ def test_bench_heldout_tau_matches_the_trainers_evaluation(tmp_path, tiny_target
     assert got["tau"] == pytest.approx(ref["tau_proxy"], abs=1e-4)
     assert got["acc_per_pos"] == pytest.approx(ref["acc_per_pos"], abs=1e-4)
     assert got["tau_ci95"][0] <= got["tau"] <= got["tau_ci95"][1]
+    # per prompt source (the shard name's prefix): one source here, so the same numbers as the pool
+    (name, src), = got["by_source"].items()
+    assert name == "tiny" and src["anchors"] == got["anchors"]
+    assert src["tau"] == pytest.approx(got["tau"], abs=1e-4) and src["pos1"] == pytest.approx(got["acc_per_pos"][0], abs=1e-4)
+    # two sources: each mean over its own anchors; a score count that does not match gives no breakdown
+    fake = type("D", (), {"seqs": [(0, 0, 0, 0, "agent_00001.npz:3"), (0, 0, 0, 0, "sharegpt_00000.npz:0")]})()
+    two = ht.by_source(np.array([3.0, 1.0, 1.0, 2.0, 1.0]), fake, [(0, [5, 9]), (1, [4, 6, 8])])
+    assert two == {"agent": {"tau": 2.0, "pos1": 0.5, "anchors": 2},
+                   "sharegpt": {"tau": pytest.approx(4 / 3, abs=1e-4), "pos1": pytest.approx(1 / 3, abs=1e-4), "anchors": 3}}
+    assert ht.by_source(np.array([1.0]), fake, [(0, [5, 9])]) == {}
     teacher = DLiteDrafter(tiny_dlite_config(tiny_target, history="full")).bind_hf_target(tiny_target)
     with pytest.raises(DLiteInputError, match="history-free"):
         ht.heldout_tau(teacher, fd, groups, bf16=False)
