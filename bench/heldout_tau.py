@@ -39,6 +39,7 @@ import torch
 from sglang_dlite.baselines.registry import KV_BASELINES, load_kv_baseline
 from sglang_dlite.baselines.train import heldout_scores
 from sglang_dlite.drafters import load_dlite
+from sglang_dlite.training.data import shard_source
 from sglang_dlite.model import DLiteDrafter
 from sglang_dlite.errors import DLiteInputError
 from sglang_dlite.training.precision import warn_if_emulated_bf16
@@ -114,7 +115,7 @@ def bootstrap_ci(x: np.ndarray, n: int = 1000, seed: int = 0):
 def source_of(name: str) -> str:
     """A held-out sequence's prompt source: its shard file's prefix (gen-data writes
     ``<source>_<n>.npz``, e.g. ``agent_00003.npz:5`` -> ``agent``)."""
-    return os.path.basename(name.split(":")[0]).split("_")[0]
+    return shard_source(name.split(":")[0])
 
 
 def by_source(tau: np.ndarray, data: FeatureData, groups) -> dict:

@@ -34,6 +34,11 @@ def shard_file(source: str, conv_index: int, shard_size: int) -> str:
     return f"{source}_{conv_index // shard_size:05d}.npz"
 
 
+def shard_source(file: str) -> str:
+    """The prompt source of a gen-data shard file (``shard_file``'s inverse: ``agent_00003.npz`` -> ``agent``)."""
+    return os.path.basename(file).rsplit("_", 1)[0]
+
+
 def save_shard(path: str, seqs: list, masks: list) -> dict:
     if len(seqs) != len(masks):
         raise ValueError("seqs and masks differ in length")

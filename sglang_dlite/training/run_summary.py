@@ -9,7 +9,7 @@ import json
 import os
 from typing import Optional
 
-from .data import read_manifest
+from .data import read_manifest, shard_source
 
 def summarize_run(out_dir: str) -> dict:
     """Stages (DONE files), final held-out eval and loss per stage, train_info of a run folder."""
@@ -52,7 +52,7 @@ def summarize(out_dir: str, data_dir: str) -> dict:
                   "generated_tokens": sum(x["num_loss_tokens"] for x in shards),
                   "by_source": {}, "recipe": man.get("recipe", {}), "runs": man.get("runs", [])}}
     for x in shards:
-        src = x.get("source") or x["file"].rsplit("_", 1)[0]
+        src = x.get("source") or shard_source(x["file"])
         d = s["data"]["by_source"].setdefault(src, {"sequences": 0, "generated_tokens": 0})
         d["sequences"] += x["num_seqs"]
         d["generated_tokens"] += x["num_loss_tokens"]
