@@ -440,6 +440,11 @@ def test_init_from_drafter_continues_a_trained_run_and_refuses_another_drafter(t
     assert b[0] < a[0] and abs(b[0] - a[-1]) < 0.5 * (a[0] - a[-1])
     with open(os.path.join(second, "stabilize", "model", "training.json")) as f:
         assert json.load(f)["run"]["options"]["init_drafter"] == trained
+    from sglang_dlite.training.model_card import render_card
+    from sglang_dlite.training.run_summary import summarize
+
+    card = render_card(summarize(second, data))
+    assert f"Started from the trained drafter {trained} (`--init-from-drafter`)." in card
 
     src = DLiteDrafter.from_pretrained(trained)
     fresh = DLiteDrafter(src.config)

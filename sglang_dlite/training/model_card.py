@@ -158,7 +158,9 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
         f"{opts.get('warmup_frac')} + cosine to 0.1x, grad clip {opts.get('clip')}, {batch}, "
         f"bf16 autocast: {_autocast_label(opts.get('bf16'))}."
         + (f" Backbone layers initialized from the target's layers {', '.join(map(str, opts['init_layers']))}."
-           if opts.get("init_layers") else ""),
+           if opts.get("init_layers") else "")
+        + (f" Started from the trained drafter {opts['init_drafter']} (`--init-from-drafter`)."
+           if opts.get("init_drafter") else ""),
         f"- Training-time vocabulary subset: {opts.get('vocab_subset')} most frequent data tokens + the batch's labels "
         "(the frozen LM head's rows for them; the losses are computed over that subset, 6x cheaper on CPU). "
         "Held-out evaluation uses the full vocabulary; serving drafts over the drafting vocabulary "
