@@ -294,6 +294,53 @@ def test_agent_prompt_source_avoids_eval_sources():
     assert load_prompts("agent:12", 0, 3)[1] == convs  # deterministic: resumable plans
 
 
+def test_codegen_prompt_source_is_signature_and_docstring_only():
+    """codegen: a function's signature + docstring (never its body) from the agent traces' files
+    (no evaluation package, no agent-stdlib module), under one of the instructions; deterministic."""
+    import ast
+
+    from sglang_dlite.training.prompts import CODEGEN_INSTRUCTIONS, EVAL_PACKAGES, _eval_stdlib_files, load_prompts
+
+    name, convs = load_prompts("codegen:10", 0, 3)
+    assert name == "codegen" and len(convs) == 10
+    excl = _eval_stdlib_files()
+    for c in convs:
+        (user,) = c["users"]
+        assert c["system"] is None and user.startswith(CODEGEN_INSTRUCTIONS)
+        code = user.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+        fn = ast.parse(code + "\n    ...").body[0]  # header + docstring parse once a body is added
+        assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(fn)
+        assert len(fn.body) == 2  # the docstring and our `...`: no statement of the real body leaked
+        _, rel, fname = c["id"].split(":")
+        assert fname == fn.name and rel.split("/")[0] not in EVAL_PACKAGES
+        assert rel[:-3].replace("/", ".").removesuffix(".__init__") not in excl
+    assert load_prompts("codegen:10", 0, 3)[1] == convs
+
+
+def test_toolchat_prompt_source_renders_tools_like_the_workloads():
+    """toolchat: 2-4 single-turn bfcl questions per conversation, never a multi-turn (evaluation)
+    entry, their functions as tool schemas written exactly as workloads.render writes them."""
+    import json
+
+    pytest.importorskip("bfcl_eval")
+    from sglang_dlite.training.prompts import load_prompts
+    from sglang_dlite.workloads.render import DEFAULT_TOOL_SYSTEM, TOOLS_SYSTEM_FOOTER, TOOLS_SYSTEM_HEADER
+
+    name, convs = load_prompts("toolchat:8", 0, 3)
+    assert name == "toolchat" and len(convs) == 8
+    for c in convs:
+        ids = c["id"].split(":", 1)[1].split("+")
+        assert 1 <= len(c["users"]) == len(ids) <= 4 and not any("multi_turn" in i for i in ids)
+        assert c["system"].startswith(DEFAULT_TOOL_SYSTEM + "\n\n" + TOOLS_SYSTEM_HEADER)
+        assert c["system"].endswith(TOOLS_SYSTEM_FOOTER)
+        body = c["system"][len(DEFAULT_TOOL_SYSTEM + "\n\n" + TOOLS_SYSTEM_HEADER):-len(TOOLS_SYSTEM_FOOTER)]
+        tools = [json.loads(line) for line in body.split("\n")]
+        assert tools and all(t["type"] == "function" and t["function"]["name"] for t in tools)
+        assert all(t["function"]["parameters"].get("type") != "dict" for t in tools)  # JSON schema types
+    assert sum(len(c["users"]) for c in convs) > len(convs)  # multi-turn
+    assert load_prompts("toolchat:8", 0, 3)[1] == convs
+
+
 def test_attention_choice_errors(tiny, monkeypatch):
     """attention='kernel' without the C++ op says what is missing; an unknown choice is named."""
     from sglang_dlite.errors import DLiteInputError, MissingDependencyError

@@ -15,6 +15,13 @@ Prompt sources (``--prompts name[:count] ...``, in order):
   that carry real tool results (directory listing, grep matches, numbered source, an outline
   of the file, a unified diff of an edit), each answered by the target, and a last "answer now"
   turn: 4-6 turns, so later turns see long contexts (``--max-turns`` does not apply).
+* ``codegen``   "complete this function" requests (the shape of a HumanEval prompt, none of its
+  problems): the signature and docstring of a documented top-level function from the same files
+  the agent traces read, its body left out, one of ``CODEGEN_INSTRUCTIONS`` above it.
+* ``toolchat``  multi-turn tool use (the shape of the bfcl-multiturn workload, none of its data): 2-4
+  single-turn bfcl-eval questions (the ``bfcl`` source's categories) in one conversation, the union
+  of their functions as OpenAI tool schemas in the system prompt, written exactly as the workload
+  renderer writes tools for a template without tool support (``workloads.render``).
 * ``jsonl:PATH`` a JSONL file of ``{"messages": [...]}`` records (roles user/assistant/system).
 """
 
@@ -256,10 +263,81 @@ def _agent_convs(n: int, rng: random.Random) -> list:
 
 
 def _bfcl_convs(n: int, rng: random.Random) -> list:
+    items = _bfcl_items(rng)
+    convs = []
+    for it in items:
+        if len(convs) >= n:
+            break
+        user = _first_user_turn(it)
+        if not user:
+            continue
+        funcs = json.dumps(it.get("function", []))
+        if len(funcs) > 6000:
+            continue
+        convs.append({"id": f"bfcl:{it.get('id')}", "system": TOOL_SYSTEM + funcs, "users": [user]})
+    return convs
+
+
+CODEGEN_INSTRUCTIONS = (
+    "Complete the following Python function. Reply with the full function in a Python code block.\n\n",
+    "Implement the body of this Python function.\n\n",
+    "Write the implementation of the function below. Keep the signature and the docstring.\n\n",
+    "Fill in this function so that it does what its docstring says.\n\n",
+)
+
+
+def _documented_functions(source: str) -> list:
+    """(signature + docstring text, name) of the top-level functions with a docstring of >= 40
+    characters and a body of >= 3 statements after it."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    lines = source.splitlines()
+    out = []
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node)
+        if not doc or len(doc) < 40 or len(node.body) < 4:
+            continue
+        head_end = node.body[0].end_lineno  # the docstring statement's last line
+        text = "\n".join(lines[node.lineno - 1:head_end])
+        if node.decorator_list or len(text) > 3000:
+            continue
+        out.append((text, node.name))
+    return out
+
+
+def _codegen_convs(n: int, rng: random.Random) -> list:
+    files = agent_files()
+    rng.shuffle(files)
+    convs = []
+    for root, rel in files:
+        if len(convs) >= n:
+            break
+        try:
+            with open(os.path.join(root, rel), encoding="utf-8") as f:
+                fns = _documented_functions(f.read())
+        except (OSError, UnicodeDecodeError):
+            continue
+        if not fns:
+            continue
+        text, name = rng.choice(fns)
+        prompt = rng.choice(CODEGEN_INSTRUCTIONS) + "```python\n" + text.rstrip() + "\n```"
+        convs.append({"id": f"codegen:{rel.replace(os.sep, '/')}:{name}", "system": None, "users": [prompt]})
+    return convs
+
+
+def _bfcl_items(rng: random.Random) -> list:
+    """bfcl-eval's single-turn questions (``BFCL_CATEGORIES``), shuffled."""
     try:
         import bfcl_eval
     except ImportError as exc:
-        raise DLiteInputError("the bfcl prompt source needs `bfcl-eval` (pip install --no-deps bfcl-eval==2026.3.23).") from exc
+        raise DLiteInputError("the bfcl and toolchat prompt sources need `bfcl-eval` "
+                              "(pip install --no-deps bfcl-eval==2026.3.23).") from exc
     data = os.path.join(os.path.dirname(bfcl_eval.__file__), "data")
     items = []
     for cat in BFCL_CATEGORIES:
@@ -276,19 +354,41 @@ def _bfcl_convs(n: int, rng: random.Random) -> list:
                 except json.JSONDecodeError:
                     continue
     rng.shuffle(items)
-    convs = []
-    for it in items:
-        if len(convs) >= n:
-            break
-        q = it.get("question") or []
-        turn = q[0] if q and isinstance(q[0], list) else q
-        users = [m["content"] for m in turn if isinstance(m, dict) and m.get("role") == "user" and m.get("content")]
-        if not users:
+    return items
+
+
+def _first_user_turn(item: dict):
+    q = item.get("question") or []
+    turn = q[0] if q and isinstance(q[0], list) else q
+    users = [m["content"] for m in turn if isinstance(m, dict) and m.get("role") == "user" and m.get("content")]
+    return users[0] if users else None
+
+
+def _toolchat_convs(n: int, rng: random.Random) -> list:
+    from ..workloads.converters import _json_schema
+    from ..workloads.render import DEFAULT_TOOL_SYSTEM, TOOLS_SYSTEM_FOOTER, TOOLS_SYSTEM_HEADER
+
+    items = [(it, _first_user_turn(it)) for it in _bfcl_items(rng)]
+    items = [(it, u) for it, u in items if u and it.get("function")]
+    convs, i = [], 0
+    while len(convs) < n and i < len(items):
+        group = items[i:i + rng.choice((2, 3, 4))]
+        i += len(group)
+        tools, seen = [], set()
+        for it, _ in group:
+            for fn in it["function"]:
+                name = fn.get("name")
+                if not name or name in seen:
+                    continue
+                seen.add(name)
+                schema = {"name": name, "description": fn.get("description", ""),
+                          "parameters": _json_schema(fn.get("parameters", {"type": "object", "properties": {}}))}
+                tools.append({"type": "function", "function": schema})
+        block = TOOLS_SYSTEM_HEADER + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools) + TOOLS_SYSTEM_FOOTER
+        if len(block) > 8000:
             continue
-        funcs = json.dumps(it.get("function", []))
-        if len(funcs) > 6000:
-            continue
-        convs.append({"id": f"bfcl:{it.get('id')}", "system": TOOL_SYSTEM + funcs, "users": users[:1]})
+        convs.append({"id": "toolchat:" + "+".join(str(it.get("id")) for it, _ in group),
+                      "system": DEFAULT_TOOL_SYSTEM + "\n\n" + block, "users": [u for _, u in group]})
     return convs
 
 
@@ -332,13 +432,17 @@ def _jsonl_convs(path: str, n: int, max_turns: int) -> list:
     return convs
 
 
+SOURCES = ("sharegpt", "bfcl", "stdlib", "agent", "codegen", "toolchat")
+
+
 def parse_source(spec: str):
     name, _, rest = spec.partition(":")
     if name == "jsonl":
         path, _, cnt = rest.rpartition(":") if rest.count(":") and rest.rsplit(":", 1)[1].isdigit() else (rest, "", "")
         return "jsonl", path, int(cnt) if cnt else 10**9
-    if name not in ("sharegpt", "bfcl", "stdlib", "agent"):
-        raise DLiteInputError(f"unknown prompt source {spec!r}; use sharegpt[:N], bfcl[:N], stdlib[:N], agent[:N] or jsonl:PATH[:N].")
+    if name not in SOURCES:
+        raise DLiteInputError(f"unknown prompt source {spec!r}; use "
+                              + ", ".join(f"{s}[:N]" for s in SOURCES) + " or jsonl:PATH[:N].")
     try:
         n = int(rest) if rest else 10**9
     except ValueError:
@@ -358,6 +462,10 @@ def load_prompts(spec: str, seed: int, max_turns: int) -> tuple:
         convs = _stdlib_convs(n, rng)
     elif name == "agent":
         convs = _agent_convs(n, rng)
+    elif name == "codegen":
+        convs = _codegen_convs(n, rng)
+    elif name == "toolchat":
+        convs = _toolchat_convs(n, rng)
     else:
         convs = _jsonl_convs(path, n, max_turns)
         name = "jsonl_" + hashlib.sha1(path.encode()).hexdigest()[:6]
