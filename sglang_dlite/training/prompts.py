@@ -365,8 +365,8 @@ def _first_user_turn(item: dict):
 
 
 def _toolchat_convs(n: int, rng: random.Random) -> list:
-    from ..workloads.converters import _json_schema
-    from ..workloads.render import DEFAULT_TOOL_SYSTEM, TOOLS_SYSTEM_FOOTER, TOOLS_SYSTEM_HEADER
+    from ..workloads.converters import function_tool
+    from ..workloads.render import DEFAULT_TOOL_SYSTEM, tools_system_prompt
 
     items = [(it, _first_user_turn(it)) for it in _bfcl_items(rng)]
     items = [(it, u) for it, u in items if u and it.get("function")]
@@ -381,14 +381,12 @@ def _toolchat_convs(n: int, rng: random.Random) -> list:
                 if not name or name in seen:
                     continue
                 seen.add(name)
-                schema = {"name": name, "description": fn.get("description", ""),
-                          "parameters": _json_schema(fn.get("parameters", {"type": "object", "properties": {}}))}
-                tools.append({"type": "function", "function": schema})
-        block = TOOLS_SYSTEM_HEADER + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools) + TOOLS_SYSTEM_FOOTER
-        if len(block) > 8000:
+                tools.append(function_tool(fn))
+        system = tools_system_prompt(tools)
+        if len(system) - len(DEFAULT_TOOL_SYSTEM) - 2 > 8000:  # the tool block alone over 8 000 characters
             continue
         convs.append({"id": "toolchat:" + "+".join(str(it.get("id")) for it, _ in group),
-                      "system": DEFAULT_TOOL_SYSTEM + "\n\n" + block, "users": [u for _, u in group]})
+                      "system": system, "users": [u for _, u in group]})
     return convs
 
 

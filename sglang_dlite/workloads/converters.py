@@ -103,10 +103,15 @@ def bfcl_tools(involved_classes, excluded=()) -> list:
         for doc in _jsonl(os.path.join(root, "data", "multi_turn_func_doc", fname)):
             if doc["name"] in excluded or f"{cls}.{doc['name']}" in excluded:
                 continue
-            fn = {"name": doc["name"], "description": doc.get("description", ""),
-                  "parameters": _json_schema(doc.get("parameters", {"type": "object", "properties": {}}))}
-            tools.append({"type": "function", "function": fn})
+            tools.append(function_tool(doc))
     return tools
+
+
+def function_tool(doc: dict) -> dict:
+    """A BFCL function doc as an OpenAI tool schema ({"type": "function", "function": ...})."""
+    fn = {"name": doc["name"], "description": doc.get("description", ""),
+          "parameters": _json_schema(doc.get("parameters", {"type": "object", "properties": {}}))}
+    return {"type": "function", "function": fn}
 
 
 def convert_bfcl_multiturn(category: str = "multi_turn_base") -> list:

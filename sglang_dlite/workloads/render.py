@@ -122,12 +122,18 @@ def adapt_messages(messages: list, tools: Optional[list], caps: TemplateCaps) ->
             msg["name"] = m["name"]
         out.append(msg)
     if tools and not caps.tools:
-        block = TOOLS_SYSTEM_HEADER + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools) + TOOLS_SYSTEM_FOOTER
         if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + block}
+            out[0] = {"role": "system", "content": tools_system_prompt(tools, out[0]["content"])}
         else:
-            out.insert(0, {"role": "system", "content": DEFAULT_TOOL_SYSTEM + "\n\n" + block})
+            out.insert(0, {"role": "system", "content": tools_system_prompt(tools)})
     return out
+
+
+def tools_system_prompt(tools: list, system: Optional[str] = None) -> str:
+    """The system prompt with the tools written in (for a template without tool support): the
+    conversation's own system prompt, or ``DEFAULT_TOOL_SYSTEM``, then one JSON schema per line."""
+    block = TOOLS_SYSTEM_HEADER + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools) + TOOLS_SYSTEM_FOOTER
+    return (DEFAULT_TOOL_SYSTEM if system is None else system) + "\n\n" + block
 
 
 def _encode_chat(tokenizer, messages: list, tools, caps: TemplateCaps, generation_prompt: bool) -> list:
