@@ -161,6 +161,10 @@ def _fake_unquant_module():
     return SimpleNamespace(UnquantizedLinearMethod=UnquantizedLinearMethod)
 
 
+NO_BF16_PACKING = "oneDNN's bf16 packing does not run on this CPU (needs avx512bw/vl/dq or avx_ne_convert)"
+
+
+@pytest.mark.skipif(not cpu_linear.available(), reason=NO_BF16_PACKING)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_matches_f_linear(with_bias):
     import torch.nn.functional as F
@@ -206,6 +210,7 @@ def test_mkl_packed_linear_equals_f_linear_at_every_row_count(with_bias):
     torch.testing.assert_close(plain(x.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
 
 
+@pytest.mark.skipif(not cpu_linear.available(), reason=NO_BF16_PACKING)
 def test_packed_linear_patch_routes_bf16_only_and_repacks_after_update(monkeypatch):
     import torch.nn.functional as F
 
@@ -229,6 +234,33 @@ def test_packed_linear_patch_routes_bf16_only_and_repacks_after_update(monkeypat
     with torch.no_grad():
         bf.weight.mul_(-2.0)  # an in-place weight update (e.g. update_weights_from_disk)
     torch.testing.assert_close(method.apply(bf, xb).float(), F.linear(xb, bf.weight).float(), atol=4e-2, rtol=2e-2)
+
+
+def test_packed_linear_falls_back_where_the_cpu_cannot_pack(monkeypatch):
+    """An AVX2-only CPU (e.g. AMD EPYC without AVX-512): oneDNN's bf16 reorder raises there, so
+    nothing is packed, sglang's linears and the drafter's run F.linear, and no call reaches oneDNN."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    monkeypatch.setenv("SGLANG_DLITE_CPU_PACKED_LINEAR", "1")
+    monkeypatch.setattr(cpu_linear, "available", lambda: False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("oneDNN packing called on a CPU that cannot run it")
+
+    monkeypatch.setattr(cpu_linear, "packed_linear", refuse)
+    w = (torch.randn(32, 16) * 0.1).bfloat16()
+    assert cpu_linear.pack_weight(w) is None and not cpu_linear.can_pack(w)
+    lin = nn.Linear(16, 32).bfloat16()
+    assert cpu_linear.pack_cpu_linears(lin) == 0
+    mod = _fake_unquant_module()
+    packed.patch(mod)
+    method = mod.UnquantizedLinearMethod()
+    layer = SimpleNamespace(weight=torch.nn.Parameter(w, requires_grad=False))
+    method.process_weights_after_loading(layer)
+    assert not hasattr(layer, "_dlite_packed")
+    x = torch.randn(4, 16).bfloat16()
+    assert torch.equal(method.apply(layer, x), F.linear(x, w)) and layer.plain_calls == 1
 
 
 def test_packed_linear_off_switch(monkeypatch):

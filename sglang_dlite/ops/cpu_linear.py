@@ -41,8 +41,16 @@ def cpu_has_native_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+@functools.lru_cache(maxsize=None)
 def available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """Whether oneDNN's packed bf16 linear runs here: torch has oneDNN and the op, and the CPU has
+    what oneDNN's bf16 path needs (avx512bw/vl/dq or avx_ne_convert; an AVX2-only CPU, e.g. an
+    AMD EPYC without AVX-512, has not: there ``_reorder_linear_weight`` raises, so nothing is
+    packed and ``F.linear`` runs)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    bf16_ok = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(bf16_ok()) if bf16_ok is not None else True
 
 
 def _eligible(w: torch.Tensor) -> bool:
@@ -50,7 +58,8 @@ def _eligible(w: torch.Tensor) -> bool:
 
 
 def can_pack(w) -> bool:
-    """Whether ``pack_weight`` applies: a [out, in] bf16 CPU weight, and torch has oneDNN."""
+    """Whether ``pack_weight`` applies: a [out, in] bf16 CPU weight, and oneDNN's bf16 path runs
+    on this CPU (``available``)."""
     return w is not None and available() and _eligible(w)
 
 
@@ -141,7 +150,7 @@ def packed_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w = self.weight
-    if (x.dtype != w.dtype or not _eligible(w) or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+    if (x.dtype != w.dtype or not can_pack(w) or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
         return F.linear(x, w, self.bias)
     return packed_linear(x, packed_for(self, w), self.bias)
 
