@@ -268,6 +268,41 @@ def test_gen_data_fast_engine_matches_hf_engine_and_resumes(tiny_ckpt, tmp_path)
     assert any(r.get("engine") == "fast-float32" for r in read_manifest(str(fast))["runs"])
 
 
+def test_gen_data_only_sources_keeps_the_full_plan(tiny_ckpt, tmp_path):
+    """--only-sources generates just that source's planned shards (same names as the full plan);
+    a later run without it fills in the rest and leaves them alone; an unknown source is refused."""
+    from sglang_dlite.training import gen_data
+    from sglang_dlite.training.data import DataError, read_manifest
+
+    files = []
+    for name in ("a", "b"):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{name} {i}: " + "w " * i}]}) + "\n"
+                                for i in range(4)))
+        files.append(f"jsonl:{path}")
+    out = tmp_path / "o"
+
+    def args(**kw):
+        a = _args(tiny_ckpt, "unused", out, shard_size=2, max_new_tokens=4, **kw)
+        a.prompts = files
+        return a
+
+    full = args()
+    plan = gen_data.plan_shards(full)
+    b_name = plan[1][1]
+    assert len(plan) == 4 and plan[0][1] != b_name
+    with pytest.raises(DataError, match="not a source of --prompts"):
+        gen_data.run(args(only_sources="nope"))
+    assert gen_data.run(args(only_sources=b_name, worker="1/2")) == 0  # worker 1 of 2: the second b shard
+    assert gen_data.run(args(only_sources=b_name, worker="0/2")) == 0
+    got = {s["file"]: s["source"] for s in read_manifest(str(out))["shards"]}
+    assert got == {f: src for f, src, _ in plan if src == b_name}
+    first = {f: os.path.getmtime(out / f) for f in got}
+    assert gen_data.run(full) == 0
+    assert sorted(s["file"] for s in read_manifest(str(out))["shards"]) == sorted(f for f, _, _ in plan)
+    assert all(os.path.getmtime(out / f) == t for f, t in first.items())
+
+
 def test_gen_data_fast_engine_refuses_sampling(tiny_ckpt, tmp_path):
     from sglang_dlite.errors import DLiteInputError
     from sglang_dlite.training import gen_data

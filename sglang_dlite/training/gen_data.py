@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", default="0/1", help="i/n: this process generates the shards with index %% n == i "
                    "(run n single-thread processes in parallel; they share --out safely)")
     p.add_argument("--reverse", action="store_true", help="work through the plan from its end (extra workers)")
+    p.add_argument("--only-sources", default=None, metavar="NAME[,NAME]",
+                   help="generate only the planned shards of these prompt sources (e.g. toolchat), split over "
+                        "the --worker processes; the plan, shard names and the folder stay those of the full "
+                        "--prompts list, so a later run without it fills in the rest")
     p.add_argument("--capture-layers", type=str, default=None,
                    help="comma-separated target layers whose outputs to cache as training features "
                         "(default: DLiteConfig's proportional choice, 10,12 for 30 layers)")
@@ -224,6 +228,14 @@ def run(args) -> int:
         write_manifest(args.out, manifest)
         fcntl.flock(lk, fcntl.LOCK_UN)
     wi, wn = (int(x) for x in getattr(args, "worker", "0/1").split("/"))
+    only = getattr(args, "only_sources", None)
+    if only:
+        wanted = {x.strip() for x in only.split(",") if x.strip()}
+        unknown = wanted - {src for _, src, _ in plan}
+        if unknown:
+            raise DataError(f"--only-sources {','.join(sorted(unknown))}: not a source of --prompts "
+                            f"({', '.join(dict.fromkeys(src for _, src, _ in plan))}).")
+        plan = [x for x in plan if x[1] in wanted]
     todo = [x for j, x in enumerate(plan) if x[0] not in done and j % wn == wi]
     if getattr(args, "reverse", False):
         todo = todo[::-1]
