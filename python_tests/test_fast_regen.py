@@ -315,7 +315,8 @@ def test_gen_data_fast_engine_refuses_sampling(tiny_ckpt, tmp_path):
 
 def test_agent_prompt_source_avoids_eval_sources():
     """agent traces: several turns each, never over an evaluation package or agent-stdlib module."""
-    from sglang_dlite.training.prompts import EVAL_PACKAGES, _eval_stdlib_files, load_prompts
+    from sglang_dlite.training.prompt_code import EVAL_PACKAGES, _eval_stdlib_files
+    from sglang_dlite.training.prompts import load_prompts
 
     name, convs = load_prompts("agent:12", 0, 3)
     assert name == "agent" and len(convs) == 12
@@ -334,7 +335,8 @@ def test_codegen_prompt_source_is_signature_and_docstring_only():
     (no evaluation package, no agent-stdlib module), under one of the instructions; deterministic."""
     import ast
 
-    from sglang_dlite.training.prompts import CODEGEN_INSTRUCTIONS, EVAL_PACKAGES, _eval_stdlib_files, load_prompts
+    from sglang_dlite.training.prompt_code import CODEGEN_INSTRUCTIONS, EVAL_PACKAGES, _eval_stdlib_files
+    from sglang_dlite.training.prompts import load_prompts
 
     name, convs = load_prompts("codegen:10", 0, 3)
     assert name == "codegen" and len(convs) == 10

@@ -32,7 +32,8 @@ from typing import Optional
 from ..errors import DLiteInputError
 from .data import DataError, load_shard, read_manifest, save_shard, shard_file, write_manifest, MANIFEST
 from .hf_regen import Regenerator
-from .prompts import BFCL_CATEGORIES, load_prompts
+from .prompt_tools import BFCL_CATEGORIES
+from .prompts import load_prompts
 
 
 # ---------------------------------------------------------------------------- CLI
