@@ -242,7 +242,9 @@ def run(args) -> int:
         todo = todo[::-1]
     if args.max_shards is not None:
         todo = todo[: args.max_shards]
-    print(f"gen-data: {len(plan)} shards planned, {len(done)} done, {len(todo)} to generate by worker {wi}/{wn} -> {args.out}")
+    n_done = sum(x[0] in done for x in plan)
+    print(f"gen-data: {len(plan)} shards planned{' of ' + only if only else ''}, {n_done} done, {len(todo)} to generate "
+          f"by worker {wi}/{wn} -> {args.out}")
     if not todo:
         return 0
     model, tok = load_target(target_path)
