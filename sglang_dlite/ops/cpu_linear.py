@@ -150,7 +150,7 @@ def packed_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w = self.weight
-    if (x.dtype != w.dtype or not can_pack(w) or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+    if (x.dtype != w.dtype or not _eligible(w) or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
         return F.linear(x, w, self.bias)
     return packed_linear(x, packed_for(self, w), self.bias)
 

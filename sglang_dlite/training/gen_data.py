@@ -202,6 +202,13 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     plan = plan_shards(args)
+    only = getattr(args, "only_sources", None)
+    if only:  # refused before the manifest is written
+        wanted = {x.strip() for x in only.split(",") if x.strip()}
+        planned = list(dict.fromkeys(src for _, src, _ in plan))
+        unknown = wanted.difference(planned)
+        if unknown:
+            raise DataError(f"--only-sources {','.join(sorted(unknown))}: not a source of --prompts ({', '.join(planned)}).")
     target_path = resolve_target(args.target)
     import fcntl
 
@@ -229,13 +236,7 @@ def run(args) -> int:
         write_manifest(args.out, manifest)
         fcntl.flock(lk, fcntl.LOCK_UN)
     wi, wn = (int(x) for x in getattr(args, "worker", "0/1").split("/"))
-    only = getattr(args, "only_sources", None)
     if only:
-        wanted = {x.strip() for x in only.split(",") if x.strip()}
-        unknown = wanted - {src for _, src, _ in plan}
-        if unknown:
-            raise DataError(f"--only-sources {','.join(sorted(unknown))}: not a source of --prompts "
-                            f"({', '.join(dict.fromkeys(src for _, src, _ in plan))}).")
         plan = [x for x in plan if x[1] in wanted]
     todo = [x for j, x in enumerate(plan) if x[0] not in done and j % wn == wi]
     if getattr(args, "reverse", False):
