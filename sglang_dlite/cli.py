@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "train": ("sglang_dlite.training.train", "train a drafter (two-stage DLite recipe)"),
     "train-default": ("sglang_dlite.training.recipe", "the whole default recipe for the shipped drafter"),
     "draft-vocab": ("sglang_dlite.training.draft_vocab", "give a drafter a drafting vocabulary (the data's N most frequent tokens)"),
+    "average-drafters": ("sglang_dlite.training.average", "weight-average DLite drafters of one lineage (a model soup)"),
     "serve": ("sglang_dlite.sglang_plugin.serve", "launch an sglang server with --speculative-algorithm DLITE"),
 }
 

@@ -184,21 +184,7 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
         lines.append("")
     if s.get("training"):
         lines += render_training_section(s["training"], K)
-    lines += [f"## Measured acceptance (reference engine, K = {K}, greedy, `--max-new-tokens 128`, `--check-lossless`)", ""]
-    if bench:
-        lines.append("| drafter | workload | convs | tau | tau 0-1k | tau 4-8k | lossless |")
-        lines.append("|---|---|---|---|---|---|---|")
-        for r in bench:
-            tb = r.get("tau_by_context", {}) or {}
-            lines.append(f"| {r.get('_label', r.get('drafter'))} | {r.get('workload')} | {r.get('conversations', '–')} | "
-                         f"{_fmt(r.get('tau'))} | {_fmt(tb.get('0-1k'))} | {_fmt(tb.get('4-8k'))} | "
-                         f"{r.get('lossless_mismatches', '–')}/{r.get('lossless_compared_turns', '–')} turns mismatched |")
-        lines.append("")
-    else:
-        lines.append("Not measured yet for this checkpoint (see the commands below).")
-        lines.append("")
-    if bench_note:
-        lines += [bench_note, ""]
+    lines += bench_lines(bench, K, bench_note)
     lines += [
         "Commands:",
         "```",
@@ -217,6 +203,71 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
     return "\n".join(lines) + "\n"
 
 
+def bench_lines(bench: Optional[list], K: int, note: str = "") -> list:
+    """The card's measured-acceptance section (rows from ``load_bench``)."""
+    lines = [f"## Measured acceptance (reference engine, K = {K}, greedy, `--max-new-tokens 128`, `--check-lossless`)", ""]
+    if bench:
+        lines.append("| drafter | workload | convs | tau | tau 0-1k | tau 4-8k | lossless |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in bench:
+            tb = r.get("tau_by_context", {}) or {}
+            lines.append(f"| {r.get('_label', r.get('drafter'))} | {r.get('workload')} | {r.get('conversations', '–')} | "
+                         f"{_fmt(r.get('tau'))} | {_fmt(tb.get('0-1k'))} | {_fmt(tb.get('4-8k'))} | "
+                         f"{r.get('lossless_mismatches', '–')}/{r.get('lossless_compared_turns', '–')} turns mismatched |")
+        lines.append("")
+    else:
+        lines.append("Not measured yet for this checkpoint.")
+        lines.append("")
+    if note:
+        lines += [note, ""]
+    return lines
+
+
+def render_average_card(dc: dict, record: dict, bench: Optional[list] = None, bench_note: str = "",
+                        name: str = "dlite-smollm2-135m", target: str = "SmolLM2-135M-Instruct") -> str:
+    """The card of a weight-averaged drafter (``sglang-dlite average-drafters``): its architecture,
+    the sources with their weights and their own training records, measured acceptance."""
+    K = dc.get("block_size", 7)
+    srcs = (record.get("average") or {}).get("sources") or []
+    lines = [
+        f"# DLite drafter for {target} (`{name}`)",
+        "",
+        f"A history-free DLite drafter (`history=none`, K = {K} draft positions, C = "
+        f"{dc.get('num_context_positions')} context positions, captured target layers "
+        f"{', '.join(map(str, dc.get('target_layer_ids') or []))} along the sequence axis, {dc.get('num_layers')} "
+        f"backbone layers, low-rank RNN head r = {dc.get('rnn_rank')}, head input `{dc.get('head_input')}`"
+        + (f", drafting vocabulary of {dc.get('draft_vocab_size')} tokens" if dc.get("draft_vocab_size") else "")
+        + f") for the {target} target. The token embedding and LM head are the target's own (frozen, not "
+        "stored here)."
+        + (" `--drafter dlite` with no path loads this checkpoint." if name == "dlite-smollm2-135m" else ""),
+        "",
+        "## Weight average",
+        "",
+        f"The {(record.get('average') or {}).get('method', 'uniform')} average of {len(srcs)} drafters of one lineage "
+        "(each fine-tuned from the one before with `--init-from-drafter`), taken in float32 "
+        f"(`sglang-dlite average-drafters --out DEST {' '.join(s['path'] for s in srcs)}`):",
+        "",
+    ]
+    for i, s in enumerate(srcs, 1):
+        lines.append(f"{i}. `{s['path']}`, weight {s['weight']:.3f}")
+    lines.append("")
+    h = record.get("heldout_tau")
+    if h:
+        ci = h.get("tau_ci95") or [float("nan")] * 2
+        lines += [f"Held-out tau of the average (expected, greedy, K = {K}; `bench/heldout_tau.py`, {h.get('anchors')} anchors "
+                  f"of `{h.get('data')}`): **{h['tau']:.3f}** (95 % CI {ci[0]:.3f}-{ci[1]:.3f}), P[accept] per position "
+                  f"{h.get('acc_per_pos')}"
+                  + ("; by source: " + ", ".join(f"{k} {v['tau']:.2f}" for k, v in sorted(h["by_source"].items()))
+                     if h.get("by_source") else "") + ".", ""]
+    for i, s in enumerate(srcs, 1):
+        t = s.get("training")
+        if not t:
+            continue
+        sec = render_training_section(t, K)
+        lines += [f"### Source {i}: `{s['path']}`"] + sec[1:]
+    return "\n".join(lines + bench_lines(bench, K, bench_note)) + "\n"
+
+
 def ablation_rows(run_dirs: dict) -> str:
     """Markdown rows comparing the final held-out tau (expected, greedy) of several runs."""
 
@@ -232,24 +283,22 @@ def ablation_rows(run_dirs: dict) -> str:
 
 def main(argv=None) -> int:
     """Re-render a model card: python -m sglang_dlite.training.model_card --run OUT --data DATA
-    --dest CKPT_DIR [--bench label=result.json ...] [--ablation label=OUT ...] [--note TEXT]."""
+    --dest CKPT_DIR [--bench label=result.json ...] [--ablation label=OUT ...] [--note TEXT].
+    A weight-averaged checkpoint (its training.json names its sources) needs only --dest."""
     import argparse
 
-
     p = argparse.ArgumentParser()
-    p.add_argument("--run", required=True)
-    p.add_argument("--data", required=True)
+    p.add_argument("--run", default=None, help="the training run folder (not for a weight-averaged checkpoint)")
+    p.add_argument("--data", default=None, help="its gen-data folder (not for a weight-averaged checkpoint)")
     p.add_argument("--dest", required=True)
     p.add_argument("--bench", nargs="*", default=[])
     p.add_argument("--ablation", nargs="*", default=[])
     p.add_argument("--note", default="")
     p.add_argument("--wall", default=None, help="JSON dict of wall times to record")
+    p.add_argument("--heldout", default=None, metavar="RESULT.json:LABEL",
+                   help="record this checkpoint's held-out tau (the LABEL row of a bench/heldout_tau.py JSON) "
+                        "in its training.json (a weight-averaged checkpoint's card shows it)")
     a = p.parse_args(argv)
-    s = summarize(a.run, a.data)
-    s["training"] = read_training_json(a.dest) or s.get("training")
-    s["drafter_config"] = read_drafter_config(a.dest)
-    if a.wall:
-        s["wall_s"] = json.loads(a.wall)
     rows = []
     for spec in a.bench:
         label, _, path = spec.partition("=")
@@ -260,7 +309,31 @@ def main(argv=None) -> int:
     if a.ablation:
         runs = dict(x.partition("=")[::2] for x in a.ablation)
         note = (note + "\n\n" if note else "") + "### Held-out tau of the runs compared (same data, same held-out anchors)\n\n" + ablation_rows(runs)
-    card = render_card(s, rows, note)
+    record = read_training_json(a.dest) or {}
+    if a.heldout:
+        # the held-out measurement of this checkpoint (a bench/heldout_tau.py row) joins its training.json
+        path, _, label = a.heldout.rpartition(":")
+        with open(path) as f:
+            res = json.load(f)
+        row = next((r for r in res.get("rows", []) if r.get("drafter") == label), None)
+        if row is None:
+            p.error(f"--heldout: {path!r} has no row {label!r} (rows: {[r.get('drafter') for r in res.get('rows', [])]})")
+        record["heldout_tau"] = {"data": res.get("data"), "source": path, **{k: row[k] for k in
+                                 ("tau", "tau_ci95", "anchors", "acc_per_pos", "by_source") if k in row}}
+        from .run_summary import write_training_json
+
+        write_training_json(a.dest, record)
+    if "average" in record:
+        card = render_average_card(read_drafter_config(a.dest), record, rows, note)
+    else:
+        if not a.run or not a.data:
+            p.error(f"--run and --data are required: {a.dest!r} is not a weight-averaged checkpoint")
+        s = summarize(a.run, a.data)
+        s["training"] = record or s.get("training")
+        s["drafter_config"] = read_drafter_config(a.dest)
+        if a.wall:
+            s["wall_s"] = json.loads(a.wall)
+        card = render_card(s, rows, note)
     with open(os.path.join(a.dest, "README.md"), "w") as f:
         f.write(card)
     print(card)
