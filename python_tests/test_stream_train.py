@@ -153,6 +153,47 @@ def test_train_resume_mid_run_equals_uninterrupted_run(shard_dir, target, tmp_pa
     assert info["streaming"]["window"] == 2 and info["streaming"]["shards"] == 8
 
 
+def test_ema_is_updated_each_step_resumed_and_is_what_the_run_saves(shard_dir, target, tmp_path):
+    """--ema-decay: after every step the average moves toward the new weights by the warmed-up
+    decay (checked by hand across a pause/resume boundary), the paused + resumed run ends with the
+    uninterrupted run's weights, and the saved drafter is the average, not the last raw weights."""
+    from sglang_dlite.model import DLiteDrafter
+    from sglang_dlite.training.ema import warmed_decay
+    from sglang_dlite.training.train import train_pipeline
+
+    d, _, _ = shard_dir
+    full = train_pipeline(target, d, str(tmp_path / "a"), _opts(ema_decay=0.9))
+    run = str(tmp_path / "b")
+    ck_path = tmp_path / "b" / "stabilize" / "ckpt.pt"
+    train_pipeline(target, d, run, _opts(ema_decay=0.9, stop_after_steps=6))
+    ck6 = torch.load(ck_path, weights_only=False)
+    train_pipeline(target, d, run, _opts(ema_decay=0.9, stop_after_steps=1, resume=True))
+    ck7 = torch.load(ck_path, weights_only=False)
+    assert (ck6["step"], ck7["step"]) == (6, 7)
+    names = [n for n, p in DLiteDrafter(tiny_dlite_config(target, **_opts().config_overrides)).named_parameters()
+             if p.requires_grad]
+    assert len(names) == len(ck7["ema"]["shadow"])
+    dt = warmed_decay(0.9, 6)
+    assert dt == 7 / 16  # still warming up
+    for n, e6, e7 in zip(names, ck6["ema"]["shadow"], ck7["ema"]["shadow"]):
+        torch.testing.assert_close(e7, dt * e6 + (1 - dt) * ck7["model"][n], atol=1e-6, rtol=1e-5, msg=n)
+    r = train_pipeline(target, d, run, _opts(ema_decay=0.9, resume=True))
+    ck = torch.load(ck_path, weights_only=False)
+    saved = DLiteDrafter.from_pretrained(r["stabilize"]).state_dict()
+    moved = 0
+    for n, e in zip(names, ck["ema"]["shadow"]):
+        torch.testing.assert_close(saved[n], e, msg=f"{n}: the saved drafter is not the average")
+        moved += not torch.allclose(e, ck["model"][n])
+    assert moved, "the average equals the raw weights: the EMA did nothing"
+    ref = DLiteDrafter.from_pretrained(full["stabilize"]).state_dict()
+    for k in ref:
+        torch.testing.assert_close(ref[k], saved[k], atol=1e-6, rtol=1e-5, msg=f"{k} differs after resume")
+    from sglang_dlite.training.model_card import render_card
+    from sglang_dlite.training.run_summary import summarize
+
+    assert "exponential moving average, decay 0.9" in render_card(summarize(run, d))
+
+
 def test_training_json_written_and_read_back_by_the_card(shard_dir, target, tmp_path, monkeypatch):
     """training.json lands beside the model's config.json (data + run + held-out tau with CI and
     every command of a run resumed across invocations), the export copies it, and the model card

@@ -726,6 +726,9 @@ def test_stabilize_loss_weights_are_checked():
         opts("--tv-weight", "-1")
     # the head's input is a config override of the drafter (the token-feedback head ablation)
     assert opts("--head-input", "token").config_overrides["head_input"] == "token"
+    assert opts("--ema-decay", "0.999").ema_decay == 0.999 and opts().ema_decay == 0.0
+    with pytest.raises(DLiteInputError, match=r"--ema-decay must be in \[0, 1\)"):
+        opts("--ema-decay", "1")
     assert "head_input" not in opts().config_overrides
 
 

@@ -31,6 +31,7 @@ from . import distributed as dist
 from .checkpoint import load_checkpoint, log_metrics, plot_curves, save_checkpoint
 from .data import DataError
 from .dataset import FeatureData, _hist_mode, batch_vocab_subset, concat_groups, eval_groups, sample_batch, to_device
+from .ema import WeightEMA
 from .evaluation import evaluate, model_forward
 from .losses import forward_kl, kl_to_target, position_weights, tv_distance, weighted_ce
 from .options import STAGES, StageSpec, TrainOptions
@@ -96,6 +97,7 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
     no_decay = [p for p in params if p.dim() < 2]
     optim = torch.optim.AdamW([{"params": decay, "weight_decay": opts.weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}], lr=spec.lr, betas=(0.9, 0.95))
+    ema = WeightEMA(params, opts.ema_decay) if opts.ema_decay > 0 else None
     step = 0
     # the global batch generator: the same stream on every rank, whatever the world size
     rng = np.random.default_rng([opts.seed, STAGES.index(spec.name), 0])
@@ -124,6 +126,11 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
         extended = st.get("requested", spec.steps) != spec.steps
         total = max(spec.steps, step) if extended else st.get("total", spec.steps)
         rng.bit_generator.state = st["rng"]
+        if ema is not None:
+            if "ema" in st:
+                ema.load_state_dict(st["ema"])
+            elif main:
+                print(f"train[{spec.name}]: the checkpoint has no weight average; --ema-decay starts one at step {step}")
         torch.set_rng_state(st["torch_rng"])
         if stream is not None:
             if "stream" not in st:
@@ -151,7 +158,8 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
                                "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "wall": wall_used,
                                "requested": spec.steps,
                                "world_size": world, "global_batch": opts.batch_size * world,
-                               "global_seqs_per_batch": S * world, **extra})
+                               "global_seqs_per_batch": S * world, **extra,
+                               **({"ema": ema.state_dict()} if ema is not None else {})})
 
     fwd = dist.wrap(_Forward(model), ignore=_FROZEN)
     egroups = eval_groups(data, opts.eval_anchors, seed=opts.seed + 99)
@@ -236,6 +244,8 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
         n_anchor += world * sum(len(a) for _, a in groups)
         gn = torch.nn.utils.clip_grad_norm_(params, opts.clip)
         optim.step()
+        if ema is not None:
+            ema.update(step)
         step += 1
         wall_used += time.time() - t0
         loss_acc = loss_acc + step_loss
@@ -259,11 +269,12 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
             total = dist.min_int(total)
             bar.total = total
         if (step % opts.eval_every == 0 or step >= total) and main:
-            ev = evaluate(model, data, egroups, autocast, device=dev)
-            rec = {"stage": spec.name, "step": step, **ev,
-                   **({"epochs": round(stream.epochs_done, 4)} if stream is not None else {})}
-            if opts.engine_eval is not None and step >= total and spec.name in opts.engine_eval_stages:
-                rec.update(opts.engine_eval(model, spec.name, step) or {})
+            with (ema.swapped() if ema is not None else nullcontext()):  # the average is what ships
+                ev = evaluate(model, data, egroups, autocast, device=dev)
+                rec = {"stage": spec.name, "step": step, **ev,
+                       **({"epochs": round(stream.epochs_done, 4)} if stream is not None else {})}
+                if opts.engine_eval is not None and step >= total and spec.name in opts.engine_eval_stages:
+                    rec.update(opts.engine_eval(model, spec.name, step) or {})
             log_metrics(out_dir, rec)
             bar.write(f"train[{spec.name}] step {step}: held-out tau~{ev['tau_proxy']:.3f} acc/pos {ev['acc_per_pos']}")
             plot_curves(out_dir)
@@ -283,6 +294,8 @@ def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: 
                 print(f"train[{spec.name}]: paused at step {step}/{total} (checkpoint saved); rerun with --resume to continue")
             raise Paused(spec.name)
     bar.close()
+    if ema is not None:
+        ema.copy_to_params()  # the saved drafter and the next stage's start are the average
     if main:
         model.save_pretrained(os.path.join(sdir, "model"))
         with open(os.path.join(sdir, "DONE.json"), "w") as f:

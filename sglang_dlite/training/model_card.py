@@ -160,7 +160,9 @@ def render_card(s: dict, bench: Optional[list] = None, bench_note: str = "") -> 
         + (f" Backbone layers initialized from the target's layers {', '.join(map(str, opts['init_layers']))}."
            if opts.get("init_layers") else "")
         + (f" Started from the trained drafter {opts['init_drafter']} (`--init-from-drafter`)."
-           if opts.get("init_drafter") else ""),
+           if opts.get("init_drafter") else "")
+        + (f" Saved weights: their exponential moving average, decay {opts['ema_decay']} (`--ema-decay`)."
+           if opts.get("ema_decay") else ""),
         f"- Training-time vocabulary subset: {opts.get('vocab_subset')} most frequent data tokens + the batch's labels "
         "(the frozen LM head's rows for them; the losses are computed over that subset, 6x cheaper on CPU). "
         "Held-out evaluation uses the full vocabulary; serving drafts over the drafting vocabulary "

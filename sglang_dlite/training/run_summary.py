@@ -94,7 +94,7 @@ def training_record(s: dict, stage: Optional[str] = None) -> dict:
             "heldout_tau": {"mean": ev.get("tau_proxy"), "ci95": ev.get("tau_ci95"), "anchors": ev.get("eval_anchors"),
                             "acc_per_pos": ev.get("acc_per_pos")},
             "options": {k: opts.get(k) for k in ("lr", "batch_size", "seqs_per_batch", "anchor_tokens", "vocab_subset",
-                                                 "stream_window", "bf16", "gamma", "init_layers", "init_drafter", "kl_weight",
+                                                 "stream_window", "bf16", "gamma", "init_layers", "init_drafter", "kl_weight", "ema_decay",
                                                  "config_overrides") if k in opts},
             "processes": info.get("processes", 1),
             # every command that wrote the run folder (a run resumed across working periods has several)
