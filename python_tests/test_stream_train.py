@@ -41,11 +41,15 @@ def test_stream_epoch_covers_every_anchor_once_within_window(shard_dir):
     d, layers, files = shard_dir
     st = ShardStream(d, layers, files, window=2, per=8)
     st.start([0, 2])
-    seen = []
+    seen, progress = [], [st.epochs_done]
     while st.epoch == 0:
         refs = st.next_batch(2)
         seen += [(_key(r), st.epoch) for r in refs]
         assert len(st.open) <= 2
+        progress.append(st.epochs_done)
+    # the epoch counter moves with every batch (not only when a shard closes) and never backwards
+    assert progress[0] == 0.0 and all(b > a for a, b in zip(progress, progress[1:]))
+    assert 0.9 < progress[-2] <= 1.0 <= progress[-1] < 1.5
     assert st.max_open <= 2
     # the shards each loaded once in epoch 0, then epoch 1 began
     assert sorted(f for e, f in st.opened_log if e == 0) == sorted(files)

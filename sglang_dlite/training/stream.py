@@ -79,8 +79,10 @@ class ShardStream:
 
     @property
     def epochs_done(self) -> float:
-        """Completed epochs + the fraction of shards of the current epoch already finished."""
-        return self.epoch + (self.next - len(self.open)) / max(1, len(self.files))
+        """Completed epochs + the fraction of the current epoch's shards consumed: finished shards
+        count whole, open ones by the share of their chunks drawn (moves with every batch)."""
+        part = sum(c / len(sh.work) for sh, c in self.open if sh.work)
+        return self.epoch + (self.next - len(self.open) + part) / max(1, len(self.files))
 
     # ------------------------------------------------------------------ shards
     def _order(self, epoch: int) -> np.ndarray:
