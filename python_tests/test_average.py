@@ -112,3 +112,24 @@ def test_average_cli_reports_bad_input_without_a_traceback(tiny_target, tmp_path
     assert "is one of the checkpoints being averaged" in capsys.readouterr().err
     assert cli_main(["average-drafters", "--out", str(tmp_path / "o"), str(tmp_path / "a"), str(tmp_path / "nope")]) == 2
     assert "no DLite checkpoint folder" in capsys.readouterr().err
+
+
+def test_the_card_of_a_soup_of_a_soup_lists_the_inner_sources_records(tiny_target, tmp_path):
+    vocab = torch.arange(0, tiny_target.config.vocab_size, 3)
+    for i, n in enumerate("abc"):
+        _save(tiny_target, tmp_path / n, i, vocab=vocab)
+    rec_b = {"format": 1, "data": {"sequences": 7, "generated_tokens": 99}, "run": {"steps": 5, "heldout_tau": {}}}
+    rec_c = {"format": 1, "data": {"sequences": 11, "generated_tokens": 123}, "run": {"steps": 9, "heldout_tau": {}}}
+    (tmp_path / "b" / "training.json").write_text(json.dumps(rec_b))
+    (tmp_path / "c" / "training.json").write_text(json.dumps(rec_c))
+    inner, outer = tmp_path / "soup1", tmp_path / "soup2"
+    assert cli_main(["average-drafters", "--out", str(inner), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert cli_main(["average-drafters", "--out", str(outer), str(inner), str(tmp_path / "c")]) == 0
+    t = json.load(open(outer / "training.json"))
+    assert t["average"]["sources"][0]["training"]["average"]["sources"][1]["training"] == rec_b
+    card = (outer / "README.md").read_text()
+    assert f"### Source 1: `{inner}` (itself a weight average)" in card
+    assert f"`{tmp_path / 'a'}` (0.500), `{tmp_path / 'b'}` (0.500)" in card
+    assert f"#### Source 1.2: `{tmp_path / 'b'}`" in card and "- Data: 7 sequences" in card
+    assert f"### Source 2: `{tmp_path / 'c'}`" in card and "- Data: 11 sequences" in card
+    assert "- Data: None" not in card  # the inner average is not rendered as if it were a training run

@@ -261,13 +261,32 @@ def render_average_card(dc: dict, record: dict, bench: Optional[list] = None, be
                   f"{h.get('acc_per_pos')}"
                   + ("; by source: " + ", ".join(f"{k} {v['tau']:.2f}" for k, v in sorted(h["by_source"].items()))
                      if h.get("by_source") else "") + ".", ""]
+    lines += _source_sections(srcs, K)
+    return "\n".join(lines + bench_lines(bench, K, bench_note)) + "\n"
+
+
+def _source_sections(srcs: list, K: int, prefix: str = "", depth: int = 3) -> list:
+    """Each source's own training record under a heading; a source that is itself a weight average
+    (a soup of a soup) lists its sources and their records one heading level down."""
+    lines = []
     for i, s in enumerate(srcs, 1):
         t = s.get("training")
         if not t:
             continue
-        sec = render_training_section(t, K)
-        lines += [f"### Source {i}: `{s['path']}`"] + sec[1:]
-    return "\n".join(lines + bench_lines(bench, K, bench_note)) + "\n"
+        label = f"{prefix}{i}"
+        head = "#" * min(depth, 6) + f" Source {label}: `{s['path']}`"
+        inner = (t.get("average") or {}).get("sources")
+        if inner is None:
+            lines += [head] + render_training_section(t, K)[1:]
+            continue
+        h = t.get("heldout_tau") or {}
+        lines += [head + " (itself a weight average)", "",
+                  f"The {t['average'].get('method', 'uniform')} average of "
+                  + ", ".join(f"`{x['path']}` ({x['weight']:.3f})" for x in inner)
+                  + (f"; its held-out tau {h['tau']:.3f} on {h.get('anchors')} anchors of `{h.get('data')}`"
+                     if h.get("tau") is not None else "") + ".", ""]
+        lines += _source_sections(inner, K, prefix=f"{label}.", depth=depth + 1)
+    return lines
 
 
 def ablation_rows(run_dirs: dict) -> str:
