@@ -285,3 +285,61 @@ def test_compare_runs_puts_runs_on_one_compute_axis(tmp_path, capsys):
         cr.run_curve(str(tmp_path))
     with pytest.raises(SystemExit, match="LABEL=THREAD_MINUTES"):
         cr.main([f"A={a}", "--mark", "eagle3"])
+
+
+def test_select_shards_by_source_range_glob_and_refuses_a_spec_that_picks_nothing():
+    from sglang_dlite.training.data import DataError, select_shards
+
+    shards = [{"file": f"{s}_{i:05d}.npz"} for s in ("sharegpt", "codegen", "agent") for i in range(6)]
+    names = lambda specs: [sh["file"] for sh in select_shards(shards, specs)]  # noqa: E731
+    assert names(None) == names([]) == [sh["file"] for sh in shards]
+    assert names(["sharegpt:2-4"]) == ["sharegpt_00002.npz", "sharegpt_00003.npz", "sharegpt_00004.npz"]
+    assert names(["codegen:5", "agent"]) == ["codegen_00005.npz"] + [f"agent_{i:05d}.npz" for i in range(6)]
+    assert names(["sharegpt_0000[01].npz", "sharegpt:1-2"]) == [f"sharegpt_{i:05d}.npz" for i in range(3)]  # no duplicates
+    with pytest.raises(DataError, match=r"'toolchat' matches none of the 18 .*sources: agent, codegen, sharegpt"):
+        select_shards(shards, ["sharegpt", "toolchat"])
+    with pytest.raises(DataError, match="sharegpt:7-9' matches none"):
+        select_shards(shards, ["sharegpt:7-9"])
+    with pytest.raises(DataError, match="is empty"):
+        select_shards(shards, ["sharegpt:4-2"])
+
+
+def test_train_on_a_shard_subset_streams_and_evaluates_only_those_shards(shard_dir, target, tmp_path, monkeypatch):
+    """``train --shards``: the stream opens only the selected shards, the held-out view is built from
+    them, train_info.json records the selection, and the CLI parses the specs into the options."""
+    from sglang_dlite.training import stages as stages_mod
+    from sglang_dlite.training import stream as stream_mod
+    from sglang_dlite.training.options import add_arguments, options_from_args
+    from sglang_dlite.training.train import train_pipeline
+
+    d, layers, files = shard_dir
+    picked = files[2:5]
+    loaded, held = [], []
+    orig_load, orig_fd = stream_mod.ShardStream._load, stages_mod.FeatureData
+
+    def spy(self, fname):
+        loaded.append(fname)
+        return orig_load(self, fname)
+
+    def spy_fd(*a, **kw):
+        held.extend(kw.get("shard_files") or [])
+        return orig_fd(*a, **kw)
+
+    monkeypatch.setattr(stream_mod.ShardStream, "_load", spy)
+    monkeypatch.setattr(stages_mod, "FeatureData", spy_fd)
+    out = tmp_path / "sub"
+    done = train_pipeline(target, d, str(out), _opts(steps={"teacher": 0, "distill": 0, "stabilize": 6}, shards=["tiny:2-4"]))
+    assert "stabilize" in done
+    assert loaded and set(loaded) <= set(picked) and set(held) <= set(picked) and held
+    info = json.load(open(out / "train_info.json"))
+    assert info["streaming"]["shards"] == 3 and info["streaming"]["selected"] == ["tiny:2-4"]
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--data", d, "--out", str(out), "--shards", "tiny:2-4", "tiny_00007.npz"])
+    assert options_from_args(args).shards == ["tiny:2-4", "tiny_00007.npz"]
+    from sglang_dlite.training.data import DataError
+
+    with pytest.raises(DataError, match="'sharegpt' matches none"):
+        train_pipeline(target, d, str(tmp_path / "bad"), _opts(shards=["sharegpt"]))

@@ -82,6 +82,38 @@ def load_shard(path: str):
     return ids, mask, offsets
 
 
+def select_shards(shards: list, specs) -> list:
+    """The manifest entries (in manifest order) picked by ``specs``: each spec is a prompt source
+    (``agent``: all its shards), ``SOURCE:I`` or ``SOURCE:LO-HI`` (shard indices, inclusive), or a
+    file name / glob (``sharegpt_001*.npz``). None or empty: every shard. A spec that picks nothing
+    is an error, so a typo never silently trains on less data."""
+    if not specs:
+        return list(shards)
+    import fnmatch
+    import re
+
+    picked = set()
+    for spec in specs:
+        spec = spec.strip()
+        m = re.fullmatch(r"([A-Za-z][\w-]*?)(?::(\d+)(?:-(\d+))?)?", spec)
+        if m and not any(c in spec for c in "*?["):
+            src, lo, hi = m.group(1), m.group(2), m.group(3)
+            lo = None if lo is None else int(lo)
+            hi = lo if hi is None else int(hi)
+            if lo is not None and hi < lo:
+                raise DataError(f"shard range {spec!r} is empty (the end {hi} is below the start {lo}); write SOURCE:LO-HI.")
+            hit = [sh["file"] for sh in shards if shard_source(sh["file"]) == src
+                   and (lo is None or lo <= int(os.path.basename(sh["file"]).rsplit("_", 1)[1].split(".")[0]) <= hi)]
+        else:
+            hit = [sh["file"] for sh in shards if fnmatch.fnmatchcase(sh["file"], spec)]
+        if not hit:
+            sources = sorted({shard_source(sh["file"]) for sh in shards})
+            raise DataError(f"--shards {spec!r} matches none of the {len(shards)} finished shards (sources: "
+                            f"{', '.join(sources) or 'none'}); write SOURCE, SOURCE:LO-HI or a file glob.")
+        picked.update(hit)
+    return [sh for sh in shards if sh["file"] in picked]
+
+
 def read_manifest(data_dir: str) -> dict:
     path = os.path.join(data_dir, MANIFEST)
     if not os.path.isfile(path):

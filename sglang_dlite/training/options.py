@@ -59,6 +59,7 @@ class TrainOptions:
     time_budget_s: Optional[dict] = None  # per stage wall budget: stop early (cosine compressed)
     stream_window: int = 0  # >0: stream the training batches from W shards at a time (stream.py)
     eval_shards: int = 32  # streaming: shards (evenly spaced) whose held-out sequences are evaluated
+    shards: Optional[list] = None  # train on these manifest shards only (data.select_shards specs); None: all
     stop_after_s: Optional[float] = None  # pause this process (checkpoint, no re-planning) after this wall time
     stop_after_steps: Optional[int] = None  # pause after this many steps of this process
     started_at: Optional[float] = None  # when this process started training (for stop_after_s)
@@ -134,6 +135,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stream training batches from W shards at a time (seeded shard order per epoch, every anchor "
                         "once per epoch; the position is saved in the checkpoint, so --resume continues the same data "
                         "order); 0 = sample from the whole set (small data)")
+    p.add_argument("--shards", nargs="+", default=None, metavar="SPEC",
+                   help="train (and evaluate) on these shards of --data only: SOURCE (all of it), SOURCE:LO-HI "
+                        "(shard indices, inclusive) or a file glob, e.g. `--shards sharegpt:94-121 codegen:16-43 "
+                        "agent` (a fine-tune on the shards a checkpoint has not seen, without copying data)")
     p.add_argument("--eval-shards", type=int, default=_D.eval_shards,
                    help="with --stream-window: evaluate on the held-out sequences of this many evenly spaced shards")
     p.add_argument("--stop-after-min", type=float, default=None,
@@ -208,7 +213,7 @@ def options_from_args(args) -> TrainOptions:
         init_drafter=getattr(args, "init_from_drafter", None),
         student_history=args.history, vocab_subset=args.vocab_subset,
         anchor_tokens=getattr(args, "anchor_tokens", "generated"), resume=args.resume, progress=not args.no_progress, config_overrides=ov,
-        time_budget_s=budget, stream_window=getattr(args, "stream_window", 0), eval_shards=getattr(args, "eval_shards", 32),
+        time_budget_s=budget, stream_window=getattr(args, "stream_window", 0), eval_shards=getattr(args, "eval_shards", 32), shards=getattr(args, "shards", None),
         stop_after_s=None if getattr(args, "stop_after_min", None) is None else args.stop_after_min * 60,
         stop_after_steps=getattr(args, "stop_after_steps", None),
     )

@@ -15,7 +15,7 @@ from ..errors import DLiteConfigError, DLiteInputError
 from ..model import DLiteDrafter
 from . import distributed as dist
 from .checkpoint import plot_curves
-from .data import DataError, read_manifest
+from .data import DataError, read_manifest, select_shards
 from .dataset import FeatureData
 from .loop import Paused, run_stage
 from .options import STAGES, StageSpec, TrainOptions
@@ -120,12 +120,14 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
     if opts.stream_window:
         data, stream_info = _streaming_data(target, data_dir, layer_ids, opts)
     else:
+        files = ([sh["file"] for sh in select_shards(read_manifest(data_dir).get("shards", []), opts.shards)]
+                 if opts.shards else None)
         if main:  # missing features are computed once, by rank 0
             data = FeatureData(data_dir, layer_ids, model_loader=lambda: target, progress=opts.progress,
-                               anchor_tokens=opts.anchor_tokens)
+                               anchor_tokens=opts.anchor_tokens, shard_files=files)
         dist.barrier()
         if not main:
-            data = FeatureData(data_dir, layer_ids, anchor_tokens=opts.anchor_tokens)
+            data = FeatureData(data_dir, layer_ids, anchor_tokens=opts.anchor_tokens, shard_files=files)
     embed_w = target.get_input_embeddings().weight.detach()
     head_w = target.get_output_embeddings().weight.detach()
     stages = list(opts.stages)
@@ -187,7 +189,7 @@ def _streaming_data(target, data_dir: str, layer_ids, opts):
     from .features import ensure_features
     from .stream import ShardStream
 
-    shards = read_manifest(data_dir).get("shards", [])
+    shards = select_shards(read_manifest(data_dir).get("shards", []), opts.shards)
     if not shards:
         raise DataError(f"{data_dir!r} lists no finished shards; run `sglang-dlite gen-data` first.")
     if dist.is_main():
@@ -201,7 +203,7 @@ def _streaming_data(target, data_dir: str, layer_ids, opts):
     gen = sum(sh["num_loss_tokens"] for sh in shards)
     info = {"streaming": {"window": opts.stream_window, "shards": len(files), "eval_shards": len(files[::step][:opts.eval_shards]),
                           "sequences": sum(sh["num_seqs"] for sh in shards), "tokens": sum(sh["num_tokens"] for sh in shards),
-                          "generated_tokens": gen}}
+                          "generated_tokens": gen, "selected": opts.shards}}
     return data, info
 
 
