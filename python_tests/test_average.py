@@ -112,6 +112,32 @@ def test_average_cli_reports_bad_input_without_a_traceback(tiny_target, tmp_path
     assert "is one of the checkpoints being averaged" in capsys.readouterr().err
     assert cli_main(["average-drafters", "--out", str(tmp_path / "o"), str(tmp_path / "a"), str(tmp_path / "nope")]) == 2
     assert "no DLite checkpoint folder" in capsys.readouterr().err
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert cli_main(["average-drafters", "--out", str(tmp_path / "o"), "--weights", "1", a, "2", b]) == 2
+    assert "the number '2' follows the checkpoint" in capsys.readouterr().err
+    assert cli_main(["average-drafters", "--out", str(tmp_path / "o"), "--weights", a, b]) == 2
+    assert "--weights needs numbers" in capsys.readouterr().err
+    assert cli_main(["average-drafters", "--out", str(tmp_path / "o")]) == 2
+    assert "at least 2 drafters, got 0" in capsys.readouterr().err
+
+
+def test_weights_may_stand_before_or_after_the_checkpoints(tiny_target, tmp_path):
+    """`--weights 0.7 0.3 A B` (the argparse trap: --weights swallows A and B) averages the same as
+    `A B --weights 0.7 0.3` and `A --weights 0.7 0.3 B`, in the checkpoints' command-line order."""
+    a, b = _save(tiny_target, tmp_path / "a", 0), _save(tiny_target, tmp_path / "b", 1)
+    pa, pb = str(tmp_path / "a"), str(tmp_path / "b")
+    outs = []
+    for i, argv in enumerate([[pa, pb, "--weights", "0.7", "0.3"], ["--weights", "0.7", "0.3", pa, pb],
+                              [pa, "--weights", "0.7", "0.3", pb]]):
+        out = tmp_path / f"o{i}"
+        assert cli_main(["average-drafters", "--out", str(out)] + argv) == 0
+        outs.append(load_file(str(out / "model.safetensors")))
+        rec = json.load(open(out / "training.json"))["average"]["sources"]
+        assert [(r["path"], round(r["weight"], 3)) for r in rec] == [(pa, 0.7), (pb, 0.3)]
+    k = next(k for k, v in a.items() if v.is_floating_point() and not torch.equal(v, b[k]))
+    want = (0.7 * a[k].float() + 0.3 * b[k].float()).to(a[k].dtype)
+    for got in outs:
+        torch.testing.assert_close(got[k], want)
 
 
 def test_the_card_of_a_soup_of_a_soup_lists_the_inner_sources_records(tiny_target, tmp_path):

@@ -110,16 +110,40 @@ def training_record(paths: Sequence[str], weights: Sequence[float]) -> dict:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("drafters", nargs="+", metavar="CKPT", help="DLite checkpoint folders of one architecture")
+    p.add_argument("drafters", nargs="*", metavar="CKPT", help="DLite checkpoint folders of one architecture")
     p.add_argument("--out", required=True, help="folder for the averaged checkpoint")
-    p.add_argument("--weights", type=float, nargs="+", default=None,
-                   help="one weight per checkpoint (normalized to sum 1; default: uniform)")
+    p.add_argument("--weights", nargs="+", default=None, metavar="W",
+                   help="one weight per checkpoint (normalized to sum 1; default: uniform); may stand before or "
+                        "after the checkpoints")
+
+
+def split_weights(drafters: Sequence[str], weights: Optional[Sequence[str]]) -> tuple:
+    """(checkpoint folders, float weights or None) from the CLI: ``--weights`` takes every word after
+    it, so in ``--weights 0.7 0.3 A B`` the folders A, B land in it; its leading numbers are the
+    weights and the words after them are checkpoints, in command-line order after the positional ones."""
+    if weights is None:
+        return list(drafters), None
+    ws, extra = [], []
+    for w in weights:
+        try:
+            val = float(w)
+        except ValueError:
+            extra.append(w)
+            continue
+        if extra:
+            raise DLiteInputError(f"--weights: the number {w!r} follows the checkpoint {extra[-1]!r}; give all weights "
+                                  "together, one per checkpoint in the checkpoints' order.")
+        ws.append(val)
+    if not ws:
+        raise DLiteInputError(f"--weights needs numbers, one per checkpoint; got {list(weights)}.")
+    return list(drafters) + extra, ws
 
 
 def run(args) -> int:
     from .model_card import render_average_card
     from .run_summary import write_training_json
 
+    args.drafters, args.weights = split_weights(args.drafters, args.weights)
     out = os.path.abspath(args.out)
     if any(os.path.abspath(p) == out for p in args.drafters):
         raise DLiteInputError(f"--out {args.out!r} is one of the checkpoints being averaged; write elsewhere.")
