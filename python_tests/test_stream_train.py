@@ -333,6 +333,9 @@ def test_train_on_a_shard_subset_streams_and_evaluates_only_those_shards(shard_d
     assert loaded and set(loaded) <= set(picked) and set(held) <= set(picked) and held
     info = json.load(open(out / "train_info.json"))
     assert info["streaming"]["shards"] == 3 and info["streaming"]["selected"] == ["tiny:2-4"]
+    # the drafter's training.json counts the data it trained on, not the whole folder
+    rec = json.load(open(out / "stabilize" / "model" / "training.json"))["data"]
+    assert rec["shards"] == 3 and rec["sequences"] == 6 and rec["selected"] == ["tiny:2-4"]
     import argparse
 
     p = argparse.ArgumentParser()

@@ -9,7 +9,7 @@ import json
 import os
 from typing import Optional
 
-from .data import read_manifest, shard_source
+from .data import read_manifest, select_shards, shard_source
 
 def summarize_run(out_dir: str) -> dict:
     """Stages (DONE files), final held-out eval and loss per stage, train_info of a run folder."""
@@ -44,9 +44,12 @@ def summarize_run(out_dir: str) -> dict:
 
 
 def summarize(out_dir: str, data_dir: str) -> dict:
-    """Numbers for the model card, from the manifest, train_info, DONE files and metrics."""
+    """Numbers for the model card, from the manifest, train_info, DONE files and metrics. The data
+    counts are those of the shards the run trained on (``train --shards``, saved in train_info)."""
+    run = summarize_run(out_dir)
     man = read_manifest(data_dir)
-    shards = man.get("shards", [])
+    selected = run.get("train_info", {}).get("options", {}).get("shards")
+    shards = select_shards(man.get("shards", []), selected)
     s = {"data": {"shards": len(shards), "sequences": sum(x["num_seqs"] for x in shards),
                   "tokens": sum(x["num_tokens"] for x in shards),
                   "generated_tokens": sum(x["num_loss_tokens"] for x in shards),
@@ -56,7 +59,9 @@ def summarize(out_dir: str, data_dir: str) -> dict:
         d = s["data"]["by_source"].setdefault(src, {"sequences": 0, "generated_tokens": 0})
         d["sequences"] += x["num_seqs"]
         d["generated_tokens"] += x["num_loss_tokens"]
-    s.update(summarize_run(out_dir))
+    if selected:
+        s["data"]["selected"] = list(selected)
+    s.update(run)
     return s
 
 
@@ -84,6 +89,7 @@ def training_record(s: dict, stage: Optional[str] = None) -> dict:
             "shards": d.get("shards"), "prompt_sources": rec.get("prompts", []), "by_source": d.get("by_source", {}),
             "engine": rec.get("engine"), "decoding": rec.get("decoding"), "max_len": rec.get("max_len"),
             "max_new_tokens_per_turn": rec.get("max_new_tokens_per_turn"), "feature_layers": rec.get("feature_layers"),
+            **({"selected": d["selected"]} if d.get("selected") else {}),
         },
         "run": {
             "stages": {n: {"steps": stages[n].get("steps"), "wall_s": stages[n].get("wall_s")} for n in names},
