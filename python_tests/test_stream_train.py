@@ -336,6 +336,20 @@ def test_train_on_a_shard_subset_streams_and_evaluates_only_those_shards(shard_d
     # the drafter's training.json counts the data it trained on, not the whole folder
     rec = json.load(open(out / "stabilize" / "model" / "training.json"))["data"]
     assert rec["shards"] == 3 and rec["sequences"] == 6 and rec["selected"] == ["tiny:2-4"]
+    # --resume continues the checkpoint's shard schedule: another selection is refused, not silently ignored
+    from sglang_dlite.errors import DLiteInputError
+
+    more = {"teacher": 0, "distill": 0, "stabilize": 8}
+    with pytest.raises(DLiteInputError, match=r"trained with --shards tiny:2-4, this command asks for --shards tiny:2-3"):
+        train_pipeline(target, d, str(out), _opts(steps=more, shards=["tiny:2-3"], resume=True))
+    with pytest.raises(DLiteInputError, match=r"asks for no --shards \(every shard of --data\)"):
+        train_pipeline(target, d, str(out), _opts(steps=more, resume=True))
+    loaded.clear()
+    train_pipeline(target, d, str(out), _opts(steps=more, shards=["tiny:2-4"], resume=True))  # the same selection resumes
+    assert json.load(open(out / "stabilize" / "DONE.json"))["requested"] == 8
+    assert set(loaded) <= set(picked)
+    # a fresh run (no --resume) into the folder may pick anything
+    train_pipeline(target, d, str(out), _opts(steps={"teacher": 0, "distill": 0, "stabilize": 4}, shards=["tiny:2-3"]))
     import argparse
 
     p = argparse.ArgumentParser()

@@ -103,10 +103,35 @@ def previous_invocations(out_dir: str) -> list:
         return []
 
 
+def check_resume_selection(out_dir: str, opts: TrainOptions) -> None:
+    """A --resume run continues the data schedule saved in its checkpoint, the shard list included,
+    so a --shards selection other than the one the folder was trained with would be silently
+    ignored: refuse it, naming both and the ways on."""
+    if not opts.resume:
+        return
+    try:
+        with open(os.path.join(out_dir, "train_info.json")) as f:
+            before = json.load(f).get("options", {})
+    except (OSError, ValueError):
+        return
+    if "shards" not in before:  # a folder written before --shards existed trained on every shard
+        before = {"shards": None}
+    was, now = list(before["shards"] or []), list(opts.shards or [])
+    if was != now:
+        def show(specs):
+            return "--shards " + " ".join(specs) if specs else "no --shards (every shard of --data)"
+        raise DLiteInputError(
+            f"--resume into {out_dir!r}: that run was trained with {show(was)}, this command asks for {show(now)}. "
+            "A resumed run continues the shard schedule saved in its checkpoint, so the new selection would be "
+            f"ignored. Resume with {show(was)}, or train the new selection into a new --out "
+            f"(--init-from-drafter {os.path.join(out_dir, 'STAGE', 'model')} starts from this run's weights).")
+
+
 def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> dict:
     """Run the stages; returns {stage: model folder}. ``target``: a HF causal LM (frozen, on the
     CPU). Runs on ``opts.device``; under torchrun, as one rank of the data-parallel group."""
     dist.setup(opts.device)
+    check_resume_selection(out_dir, opts)  # every rank reads train_info.json before rank 0 rewrites it
     main = dist.is_main()
     if main:
         os.makedirs(out_dir, exist_ok=True)
