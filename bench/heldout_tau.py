@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from contextlib import nullcontext
 
 import numpy as np
@@ -62,6 +63,9 @@ def parse_args(argv=None):
                    help="drop held-out sequences whose prompt another run trained on: that run's gen-data "
                         "--prompts (e.g. the shipped v3's `sharegpt:480 bfcl:192 stdlib:192`), with --exclude-seed")
     p.add_argument("--exclude-seed", type=int, default=0, help="the --seed of the run named by --exclude-prompts")
+    p.add_argument("--exclude-run", nargs="+", action="append", default=None, metavar="SEED SPEC",
+                   help="like --exclude-prompts for one more run, its gen-data --seed first: `--exclude-run 1 "
+                        "sharegpt:2000 agent:400`; repeat it for every run a compared drafter's lineage trained on")
     p.add_argument("--anchor-set", default=None, metavar="JSON",
                    help="pin the held-out anchors across runs: read them from JSON when it exists (every sequence "
                         "it names must be in --data), else write the set chosen now there. Without it the set "
@@ -165,8 +169,33 @@ def drop_seen_prompts(data: FeatureData, data_dir: str, specs, seed: int) -> dic
     return info
 
 
+def exclusion_runs(args) -> list:
+    """[(seed, specs)] of every run named by --exclude-prompts/--exclude-seed and --exclude-run."""
+    runs = [(args.exclude_seed, list(args.exclude_prompts))] if args.exclude_prompts else []
+    for item in args.exclude_run or []:
+        try:
+            seed = int(item[0])
+        except ValueError:
+            seed = None
+        if seed is None or len(item) < 2:
+            raise DLiteInputError(f"--exclude-run {' '.join(item)}: give the run's gen-data --seed first, then its "
+                                  "--prompts, e.g. `--exclude-run 1 sharegpt:2000 agent:400`.")
+        runs.append((seed, list(item[1:])))
+    return runs
+
+
+def drop_seen_runs(data: FeatureData, data_dir: str, runs) -> list:
+    """drop_seen_prompts for each (seed, specs) run; returns what each dropped."""
+    return [drop_seen_prompts(data, data_dir, specs, seed) for seed, specs in runs]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        runs = exclusion_runs(args)
+    except DLiteInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     if args.bf16:
         warn_if_emulated_bf16("heldout_tau")
@@ -188,8 +217,9 @@ def main(argv=None) -> int:
         ids = tuple(model.config.target_layer_ids)
         if ids not in datas:
             datas[ids] = FeatureData(args.data, list(ids), model_loader=lambda: target, progress=False)
-            if args.exclude_prompts:
-                excluded = drop_seen_prompts(datas[ids], args.data, args.exclude_prompts, args.exclude_seed)
+            if runs:
+                excluded = drop_seen_runs(datas[ids], args.data, runs)
+                excluded = excluded[0] if len(excluded) == 1 else excluded  # one run: the JSON shape it always had
             if args.anchor_set and os.path.exists(args.anchor_set):
                 pinned[ids] = load_anchor_set(args.anchor_set, datas[ids], args.data)
             else:

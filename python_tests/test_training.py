@@ -671,6 +671,7 @@ def test_bench_heldout_tau_drops_prompts_another_run_trained_on(tmp_path, tiny_t
     import importlib.util
 
     from sglang_dlite.errors import DLiteInputError
+    from sglang_dlite.training.prompts import prompt_ids, sequence_prompt_ids
     from sglang_dlite.training.train import FeatureData
 
     spec = importlib.util.spec_from_file_location("heldout_tau", os.path.join(os.path.dirname(__file__), "..", "bench", "heldout_tau.py"))
@@ -685,6 +686,19 @@ def test_bench_heldout_tau_drops_prompts_another_run_trained_on(tmp_path, tiny_t
     fd.eval_idx = list(range(6))
     with pytest.raises(DLiteInputError, match="nothing clean"):
         ht.drop_seen_prompts(fd, data, ["bfcl:6"], 3)
+    # several runs (each with its own seed): --exclude-prompts/--exclude-seed and every --exclude-run
+    args = ht.parse_args(["--drafter", "x", "--exclude-prompts", "bfcl:2", "--exclude-seed", "3",
+                          "--exclude-run", "3", "bfcl:4", "--exclude-run", "9", "bfcl:1"])
+    runs = ht.exclusion_runs(args)
+    assert runs == [(3, ["bfcl:2"]), (3, ["bfcl:4"]), (9, ["bfcl:1"])]
+    fd.eval_idx = list(range(6))
+    infos = ht.drop_seen_runs(fd, data, runs)
+    seed9 = {k for k, v in sequence_prompt_ids(recipe).items() if v in prompt_ids(["bfcl:1"], 9)}
+    kept = [i for i in range(4, 6) if f"bfcl_00000.npz:{i}" not in seed9]
+    assert fd.eval_idx == kept and [i["heldout_sequences_after"] for i in infos][:2] == [4, 2]
+    for bad in (["--exclude-run", "bfcl:4"], ["--exclude-run", "3"]):
+        with pytest.raises(DLiteInputError, match="seed first"):
+            ht.exclusion_runs(ht.parse_args(["--drafter", "x", *bad]))
 
 
 def test_stage_budget_minutes_parse():
