@@ -40,11 +40,11 @@ import torch
 from sglang_dlite.baselines.registry import KV_BASELINES, load_kv_baseline
 from sglang_dlite.baselines.train import heldout_scores
 from sglang_dlite.drafters import load_dlite
-from sglang_dlite.training.data import shard_source
 from sglang_dlite.model import DLiteDrafter
 from sglang_dlite.errors import DLiteInputError
 from sglang_dlite.training.precision import warn_if_emulated_bf16
 from sglang_dlite.target import load_target
+from sglang_dlite.training.data import MANIFEST, read_manifest, save_shard, shard_source, write_manifest
 from sglang_dlite.training.dataset import FeatureData, eval_groups
 from sglang_dlite.training.evaluation import greedy_scores
 
@@ -70,6 +70,10 @@ def parse_args(argv=None):
                    help="pin the held-out anchors across runs: read them from JSON when it exists (every sequence "
                         "it names must be in --data), else write the set chosen now there. Without it the set "
                         "depends on which shards --data holds today")
+    p.add_argument("--pack", default=None, metavar="DIR",
+                   help="also write the held-out set chosen now (its sequences' token ids and generated-span "
+                        "masks, no features, and the anchors) as a self-contained folder; `--data DIR` then scores "
+                        "on exactly those anchors on any machine, after the gen-data folder is gone")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="JSON file")
     return p.parse_args(argv)
@@ -189,10 +193,67 @@ def drop_seen_runs(data: FeatureData, data_dir: str, runs) -> list:
     return [drop_seen_prompts(data, data_dir, specs, seed) for seed, specs in runs]
 
 
+PACK_FORMAT = "dlite-heldout-pack/1"
+PACK_FEATURES_NOTE = "features are recomputed from the target into this folder on first use (X.feat-l*.npy)"
+
+
+def is_pack(data_dir: str) -> bool:
+    """Whether ``data_dir`` is a held-out pack written by --pack (not a gen-data folder)."""
+    try:
+        with open(os.path.join(data_dir, MANIFEST)) as f:
+            return json.load(f).get("format") == PACK_FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def write_pack(out_dir: str, data: FeatureData, groups, meta: dict) -> dict:
+    """The held-out sequences of ``groups`` (token ids + generated-span masks, ~5 bytes a token; the
+    target's features are recomputed on first use) with their anchors, as a folder that --data
+    reads back: an A/B made on another machine, after the gen-data folder is gone, scores the same
+    anchors. One shard per prompt source (the by-source breakdown keeps working); every sequence
+    records the gen-data sequence it came from. Never overwrites a pack."""
+    if os.path.exists(os.path.join(out_dir, MANIFEST)):
+        raise DLiteInputError(f"--pack {out_dir}: a pack is already there; pick a new folder (a pack is never "
+                              "overwritten: its anchors are what later A/Bs compare on).")
+    os.makedirs(out_dir, exist_ok=True)
+    by_src = {}
+    for si, a in groups:
+        k, start, n, _, name = data.seqs[si]
+        ids, mask, _ = data.shards[k]
+        by_src.setdefault(source_of(name), []).append((name, ids[start:start + n], mask[start:start + n], a))
+    shards, seqs = [], []
+    for src, items in sorted(by_src.items()):
+        fname = f"{src}_00000.npz"
+        shards.append(save_shard(os.path.join(out_dir, fname), [x[1] for x in items], [x[2] for x in items]))
+        seqs += [{"name": f"{fname}:{j}", "origin": x[0], "anchors": [int(v) for v in x[3]]} for j, x in enumerate(items)]
+    manifest = {"format": PACK_FORMAT, **meta, "features": PACK_FEATURES_NOTE, "shards": shards, "sequences": seqs}
+    write_manifest(out_dir, manifest)
+    return manifest
+
+
+def load_pack(data_dir: str, layer_ids, target):
+    """(FeatureData over every sequence of a pack, its pinned anchor groups)."""
+    data = FeatureData(data_dir, list(layer_ids), heldout_mod=0, model_loader=lambda: target, progress=False)
+    data.eval_idx = list(range(len(data.seqs)))  # a pack is all held-out
+    return data, load_anchor_set(os.path.join(data_dir, MANIFEST), data, data_dir)
+
+
+def check_pack_options(args, runs) -> None:
+    """A pack is already a fixed, clean set: options that choose or filter a set do not apply."""
+    if not is_pack(args.data):
+        return
+    clash = [name for name, on in (("--exclude-prompts/--exclude-run", bool(runs)), ("--anchor-set", bool(args.anchor_set)),
+                                   ("--pack", bool(args.pack))) if on]
+    if clash:
+        raise DLiteInputError(f"--data {args.data} is a held-out pack (its sequences and anchors are fixed and were "
+                              f"filtered when it was written): drop {', '.join(clash)}.")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         runs = exclusion_runs(args)
+        check_pack_options(args, runs)
     except DLiteInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -207,6 +268,7 @@ def main(argv=None) -> int:
             label, path = os.path.basename(item.rstrip("/")), item
         specs.append((label, None if path == "dlite" else path))
     datas, pinned, rows, excluded = {}, {}, [], None  # per captured-layer set: its features, its anchors
+    pack, packed = is_pack(args.data), False
     for label, path in specs:
         kind, _, kv_path = (path or "").partition(":")
         if kind in KV_BASELINES:
@@ -215,7 +277,10 @@ def main(argv=None) -> int:
         else:
             model = load_dlite(path, target).eval()
         ids = tuple(model.config.target_layer_ids)
-        if ids not in datas:
+        if ids not in datas and pack:
+            datas[ids], pinned[ids] = load_pack(args.data, ids, target)
+            excluded = read_manifest(args.data).get("excluded_prompts")
+        elif ids not in datas:
             datas[ids] = FeatureData(args.data, list(ids), model_loader=lambda: target, progress=False)
             if runs:
                 excluded = drop_seen_runs(datas[ids], args.data, runs)
@@ -230,6 +295,14 @@ def main(argv=None) -> int:
                                      "excluded_prompts": excluded})
                     print(f"held-out anchors pinned: {args.anchor_set} "
                           f"({sum(len(a) for _, a in pinned[ids])} anchors)", flush=True)
+            if args.pack and not packed:
+                m = write_pack(args.pack, datas[ids], pinned[ids],
+                               {"data": args.data, "anchors_requested": args.anchors, "seed": args.seed,
+                                "excluded_prompts": excluded})
+                packed = True
+                print(f"held-out pack written: {args.pack} ({len(m['sequences'])} sequences, "
+                      f"{sum(sh['num_tokens'] for sh in m['shards'])} tokens, "
+                      f"{sum(len(e['anchors']) for e in m['sequences'])} anchors)", flush=True)
         data, groups = datas[ids], pinned[ids]
         r = {"drafter": label, "path": path or "shipped", "layers": list(ids), **heldout_tau(model, data, groups, args.bf16)}
         rows.append(r)

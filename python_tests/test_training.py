@@ -820,3 +820,41 @@ def test_bench_heldout_anchor_set_pins_the_anchors(tmp_path, tiny_target):
     json.dump(pinned, open(path, "w"))
     with pytest.raises(DLiteInputError, match="changed"):
         ht.load_anchor_set(path, fd, "DATA")
+
+
+def test_bench_heldout_pack_scores_the_same_anchors_without_the_gen_data_folder(tmp_path, tiny_target):
+    """--pack: the held-out sequences and anchors chosen now, written as a folder of token ids (no
+    features), read back on their own (features recomputed from the target) give the same tau and
+    per-position acceptance as the gen-data folder they came from; a pack is never overwritten, and
+    options that choose or filter a set are refused on a pack."""
+    import importlib.util
+    import shutil
+
+    from sglang_dlite.errors import DLiteInputError
+
+    spec = importlib.util.spec_from_file_location("heldout_tau", os.path.join(os.path.dirname(__file__), "..", "bench", "heldout_tau.py"))
+    ht = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ht)
+    cfg, fd, model, _ = _heldout_setup(tmp_path, tiny_target)
+    fd.eval_idx = [0, 2, 3]
+    groups = ht.eval_groups(fd, 48)
+    pack = str(tmp_path / "pack")
+    m = ht.write_pack(pack, fd, groups, {"data": fd.data_dir, "seed": 1234})
+    assert ht.is_pack(pack) and not ht.is_pack(fd.data_dir)
+    assert [e["origin"] for e in m["sequences"]] == [fd.seqs[si][4] for si, _ in groups]
+    assert not any(f.endswith(".npy") for f in os.listdir(pack))  # ids only: the features are not shipped
+    shutil.rmtree(fd.data_dir)  # the gen-data folder is gone (a new machine)
+    pdata, pgroups = ht.load_pack(pack, cfg.target_layer_ids, tiny_target)
+    assert [len(a) for _, a in pgroups] == [len(a) for _, a in groups]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(pgroups, groups))
+    got, ref = ht.heldout_tau(model, pdata, pgroups, bf16=False), ht.heldout_tau(model, fd, groups, bf16=False)
+    assert got["anchors"] == ref["anchors"] and got["tau"] == pytest.approx(ref["tau"], abs=1e-4)
+    assert got["acc_per_pos"] == pytest.approx(ref["acc_per_pos"], abs=1e-4)
+    assert list(got["by_source"]) == ["tiny"]
+    with pytest.raises(DLiteInputError, match="a pack is already there"):
+        ht.write_pack(pack, fd, groups, {})
+    for extra in (["--exclude-run", "1", "bfcl:4"], ["--anchor-set", "a.json"], ["--pack", "p2"]):
+        args = ht.parse_args(["--drafter", "x", "--data", pack, *extra])
+        with pytest.raises(DLiteInputError, match="is a held-out pack"):
+            ht.check_pack_options(args, ht.exclusion_runs(args))
+    ht.check_pack_options(ht.parse_args(["--drafter", "x", "--data", pack]), [])
