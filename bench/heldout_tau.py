@@ -200,9 +200,8 @@ PACK_FEATURES_NOTE = "features are recomputed from the target into this folder o
 def is_pack(data_dir: str) -> bool:
     """Whether ``data_dir`` is a held-out pack written by --pack (not a gen-data folder)."""
     try:
-        with open(os.path.join(data_dir, MANIFEST)) as f:
-            return json.load(f).get("format") == PACK_FORMAT
-    except (OSError, ValueError):
+        return read_manifest(data_dir).get("format") == PACK_FORMAT
+    except DLiteInputError:  # no manifest or not JSON: not a pack (FeatureData says what is wrong with it)
         return False
 
 

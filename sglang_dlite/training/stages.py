@@ -96,11 +96,16 @@ def previous_invocations(out_dir: str) -> list:
     """The commands that wrote this run folder before (a run resumed across working periods keeps
     every invocation in train_info.json; a folder without that record gives []). Only a --resume
     run inherits them: a fresh run into the same folder starts its own list."""
+    return list(previous_train_info(out_dir).get("invocations", []))
+
+
+def previous_train_info(out_dir: str) -> dict:
+    """The train_info.json an earlier invocation wrote into this run folder ({} if none)."""
     try:
         with open(os.path.join(out_dir, "train_info.json")) as f:
-            return list(json.load(f).get("invocations", []))
+            return json.load(f)
     except (OSError, ValueError):
-        return []
+        return {}
 
 
 def check_resume_selection(out_dir: str, opts: TrainOptions) -> None:
@@ -109,14 +114,11 @@ def check_resume_selection(out_dir: str, opts: TrainOptions) -> None:
     ignored: refuse it, naming both and the ways on."""
     if not opts.resume:
         return
-    try:
-        with open(os.path.join(out_dir, "train_info.json")) as f:
-            before = json.load(f).get("options", {})
-    except (OSError, ValueError):
+    before = previous_train_info(out_dir).get("options")
+    if before is None:  # nothing trained here yet
         return
-    if "shards" not in before:  # a folder written before --shards existed trained on every shard
-        before = {"shards": None}
-    was, now = list(before["shards"] or []), list(opts.shards or [])
+    # a folder written before --shards existed trained on every shard
+    was, now = list(before.get("shards") or []), list(opts.shards or [])
     if was != now:
         def show(specs):
             return "--shards " + " ".join(specs) if specs else "no --shards (every shard of --data)"
