@@ -268,6 +268,93 @@ def test_gen_data_fast_engine_matches_hf_engine_and_resumes(tiny_ckpt, tmp_path)
     assert any(r.get("engine") == "fast-float32" for r in read_manifest(str(fast))["runs"])
 
 
+def _seven_prompts(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(7):
+            msgs = [{"role": "user", "content": f"Question {i}: " + "word " * (3 + 5 * i)},
+                    {"role": "assistant", "content": "x"}, {"role": "user", "content": f"And then {i}?"}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return prompts
+
+
+_FAST_STREAM = FastRegenerator.stream
+
+
+class _Killed(Exception):
+    """Stands for the end of a run from outside (a kill, the end of a working period)."""
+
+
+def _admitting_stream(monkeypatch, admitted, stop_after=None):
+    """FastRegenerator.stream, recording the conversations it is given; with ``stop_after`` the run
+    is stopped (``_Killed``) once that many conversations have finished."""
+    real = _FAST_STREAM  # (not FastRegenerator.stream: an earlier patch of this test may sit there)
+
+    def stream(self, items):
+        def recorded():
+            for key, conv in items:
+                admitted.append(key)
+                yield key, conv
+        for n, out in enumerate(real(self, recorded())):
+            if stop_after is not None and n == stop_after:
+                raise _Killed
+            yield out
+    monkeypatch.setattr(FastRegenerator, "stream", stream)
+
+
+def test_gen_data_fast_engine_keeps_finished_conversations_of_a_stopped_run(tiny_ckpt, tmp_path, monkeypatch):
+    """A run stopped mid-shard leaves its finished conversations in <shard>.parts/; the rerun reads
+    them back, generates only the others, writes the same shards as an uninterrupted run and
+    removes the parts. Parts made under other generation settings are not reused."""
+    from sglang_dlite.training import gen_data
+    from sglang_dlite.training.data import load_shard, read_manifest
+    from sglang_dlite.training.features import load_features
+
+    prompts = _seven_prompts(tmp_path)
+    ref, out, other = tmp_path / "ref", tmp_path / "out", tmp_path / "other"
+    assert gen_data.run(_args(tiny_ckpt, prompts, ref)) == 0  # uninterrupted: shards of 3, 3, 1
+
+    first = []
+    _admitting_stream(monkeypatch, first, stop_after=4)
+    with pytest.raises(_Killed):
+        gen_data.run(_args(tiny_ckpt, prompts, out))
+    written = {s["file"]: s["num_seqs"] for s in read_manifest(str(out))["shards"]}
+    parts = {d[: -len(".parts")]: sorted(os.listdir(out / d)) for d in os.listdir(out) if d.endswith(".parts")}
+    assert parts and not set(parts) & set(written)
+    assert sum(written.values()) + sum(len(v) for v in parts.values()) == 4  # every finished one is on disk
+    kept = {(f, int(n[:-3])) for f, names in parts.items() for n in names}
+
+    again = []
+    _admitting_stream(monkeypatch, again)
+    assert gen_data.run(_args(tiny_ckpt, prompts, out)) == 0
+    assert not set(again) & kept  # the saved conversations were not generated again
+    assert len(again) == 7 - 4
+    assert not [d for d in os.listdir(out) if d.endswith(".parts")]
+    ref_shards = read_manifest(str(ref))["shards"]
+    assert sorted(s["file"] for s in read_manifest(str(out))["shards"]) == sorted(s["file"] for s in ref_shards)
+    for sh in ref_shards:
+        a_ids, a_mask, a_off = load_shard(str(out / sh["file"]))
+        b_ids, b_mask, b_off = load_shard(str(ref / sh["file"]))
+        np.testing.assert_array_equal(a_ids, b_ids)
+        np.testing.assert_array_equal(a_mask, b_mask)
+        np.testing.assert_array_equal(a_off, b_off)
+        fa = load_features(str(out / sh["file"]), [1, 4], len(a_ids))
+        fb = load_features(str(ref / sh["file"]), [1, 4], len(b_ids))
+        np.testing.assert_allclose(np.asarray(fa, np.float32), np.asarray(fb, np.float32), atol=2e-3, rtol=2e-3)
+
+    # the parts of a stopped run with other settings are not read back
+    stopped = []
+    _admitting_stream(monkeypatch, stopped, stop_after=2)
+    with pytest.raises(_Killed):
+        gen_data.run(_args(tiny_ckpt, prompts, other))
+    assert [d for d in os.listdir(other) if d.endswith(".parts")]
+    fresh = []
+    _admitting_stream(monkeypatch, fresh)
+    assert gen_data.run(_args(tiny_ckpt, prompts, other, max_new_tokens=8)) == 0
+    assert len(fresh) == 7  # nothing was finished: every conversation is generated anew
+    assert not [d for d in os.listdir(other) if d.endswith(".parts")]
+
+
 def test_gen_data_only_sources_keeps_the_full_plan(tiny_ckpt, tmp_path):
     """--only-sources generates just that source's planned shards (same names as the full plan);
     a later run without it fills in the rest and leaves them alone; an unknown source is refused."""

@@ -17,7 +17,8 @@ one token per step (``spec_regen.SpecRegenerator``, the same greedy text); ``sgl
 offline engine (continuous batching, radix cache) + one float32 target pass for the features
 (``sglang_regen.py``); ``hf``: HF ``generate`` with left padding, batched over the conversations
 of a shard (needed for sampling). ``bench/gen_throughput.py`` compares them. Output is resumable:
-finished shards are skipped.
+finished shards are skipped, and the fast engine keeps each finished conversation of a shard still
+in flight (``shard_parts.py``), so a stopped run loses at most the conversations it was decoding.
 """
 
 from __future__ import annotations
@@ -328,12 +329,14 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
     """gen-data with ``fast_regen``: conversations of consecutive shards stream through one
     continuously batched decoder; a shard is written as soon as its last conversation finishes.
     Shards are claimed when their first conversation enters the queue (so ``--budget-min`` stops
-    claiming new ones and lets the claimed ones finish)."""
+    claiming new ones and lets the claimed ones finish). Every finished conversation is saved at
+    once beside its shard (``<shard>.parts/``) and read back when a later run claims that shard."""
     import torch
     from tqdm.auto import tqdm
 
     from .exactness import relabel
     from .fast_regen import FastRegenerator
+    from .shard_parts import conversation_key, drop_parts, load_parts, save_part
 
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     do_relabel = args.relabel or dtype != torch.float32
@@ -365,16 +368,22 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
             if not _claim(args.out, fname):
                 bar.update(1)
                 continue
-            pending[fname] = {"src": src, "n": len(convs), "res": {}}
+            keys = [conversation_key(c, args, layers) for c in convs]
+            # conversations a stopped run already finished (shard_parts.py): only the rest are generated
+            res = load_parts(args.out, fname, keys)
+            if res:
+                print(f"gen-data[{wi}/{wn}]: {fname}: {len(res)} of {len(convs)} conversations read back from "
+                      f"{fname}.parts", flush=True)
+            pending[fname] = {"src": src, "n": len(convs), "res": res, "keys": keys}
+            if len(res) == len(convs):
+                write_shard(fname)
+                continue
             for i, c in enumerate(convs):
-                yield (fname, i), c
+                if i not in res:
+                    yield (fname, i), c
 
-    for (fname, i), seq, mask, feats, margin in gen.stream(items()):
-        p = pending[fname]
-        p["res"][i] = (seq, mask, feats, margin)
-        if len(p["res"]) < p["n"]:
-            continue
-        del pending[fname]
+    def write_shard(fname):
+        p = pending.pop(fname)
         res = [p["res"][k] for k in range(p["n"])]
         seqs, masks = [r[0] for r in res], [r[1] for r in res]
         fts = [r[2] for r in res]
@@ -387,6 +396,7 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
         if fts is not None:
             fts = [None if f is None else f.numpy() for f in fts]
         info = _save_generated(args, model, fname, p["src"], seqs, masks, fts if layers else None, layers, extra)
+        drop_parts(args.out, fname)
         stats["shards"] += 1
         bar.update(1)
         el = time.time() - t0
@@ -394,6 +404,13 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
         print(f"gen-data[{wi}/{wn}]: {fname}: {info['num_seqs']} seqs, {info['num_tokens']} tokens "
               f"({info['num_loss_tokens']} generated); total {gen.new_tokens} new tokens, {gen.new_tokens / el:.1f} tok/s",
               flush=True)
+
+    for (fname, i), seq, mask, feats, margin in gen.stream(items()):
+        p = pending[fname]
+        save_part(args.out, fname, i, p["keys"][i], seq, mask, feats, margin)  # a stopped run keeps it
+        p["res"][i] = (seq, mask, feats, margin)
+        if len(p["res"]) == p["n"]:
+            write_shard(fname)
     bar.close()
     el = time.time() - t0
     run_rec = {"worker": f"{wi}/{wn}", "engine": _engine_tag(args), "new_shards": stats["shards"],
