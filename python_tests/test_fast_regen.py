@@ -236,17 +236,38 @@ def _args(tiny_ckpt, prompts, out, **kw):
     return a
 
 
-def test_gen_data_fast_engine_matches_hf_engine_and_resumes(tiny_ckpt, tmp_path):
-    from sglang_dlite.training import gen_data
-    from sglang_dlite.training.data import load_shard, read_manifest
-    from sglang_dlite.training.features import load_features
-
+def _seven_prompts(tmp_path):
     prompts = tmp_path / "p.jsonl"
     with open(prompts, "w") as f:
         for i in range(7):
             msgs = [{"role": "user", "content": f"Question {i}: " + "word " * (3 + 5 * i)},
                     {"role": "assistant", "content": "x"}, {"role": "user", "content": f"And then {i}?"}]
             f.write(json.dumps({"messages": msgs}) + "\n")
+    return prompts
+
+
+def _assert_same_shards(got, want):
+    """Every shard of gen-data folder ``want`` is in ``got`` with the same ids, masks and offsets,
+    and features within float rounding."""
+    from sglang_dlite.training.data import load_shard, read_manifest
+    from sglang_dlite.training.features import load_features
+
+    for sh in read_manifest(str(want))["shards"]:
+        a_ids, a_mask, a_off = load_shard(str(got / sh["file"]))
+        b_ids, b_mask, b_off = load_shard(str(want / sh["file"]))
+        np.testing.assert_array_equal(a_ids, b_ids)
+        np.testing.assert_array_equal(a_mask, b_mask)
+        np.testing.assert_array_equal(a_off, b_off)
+        fa = load_features(str(got / sh["file"]), [1, 4], len(a_ids))
+        fb = load_features(str(want / sh["file"]), [1, 4], len(b_ids))
+        np.testing.assert_allclose(np.asarray(fa, np.float32), np.asarray(fb, np.float32), atol=2e-3, rtol=2e-3)
+
+
+def test_gen_data_fast_engine_matches_hf_engine_and_resumes(tiny_ckpt, tmp_path):
+    from sglang_dlite.training import gen_data
+    from sglang_dlite.training.data import read_manifest
+
+    prompts = _seven_prompts(tmp_path)
     fast, hf = tmp_path / "fast", tmp_path / "hf"
     assert gen_data.run(_args(tiny_ckpt, prompts, fast, max_shards=2)) == 0
     man = read_manifest(str(fast))
@@ -257,25 +278,8 @@ def test_gen_data_fast_engine_matches_hf_engine_and_resumes(tiny_ckpt, tmp_path)
     man = read_manifest(str(fast))
     assert len(man["shards"]) == 3 and all(os.path.getmtime(fast / f) == t for f, t in first.items())
     assert gen_data.run(_args(tiny_ckpt, prompts, hf, engine="hf")) == 0
-    for sh in read_manifest(str(hf))["shards"]:
-        a_ids, a_mask, a_off = load_shard(str(fast / sh["file"]))
-        b_ids, b_mask, b_off = load_shard(str(hf / sh["file"]))
-        np.testing.assert_array_equal(a_ids, b_ids)
-        np.testing.assert_array_equal(a_mask, b_mask)
-        fa = load_features(str(fast / sh["file"]), [1, 4], len(a_ids))
-        fb = load_features(str(hf / sh["file"]), [1, 4], len(b_ids))
-        np.testing.assert_allclose(np.asarray(fa, np.float32), np.asarray(fb, np.float32), atol=2e-3, rtol=2e-3)
+    _assert_same_shards(fast, hf)
     assert any(r.get("engine") == "fast-float32" for r in read_manifest(str(fast))["runs"])
-
-
-def _seven_prompts(tmp_path):
-    prompts = tmp_path / "p.jsonl"
-    with open(prompts, "w") as f:
-        for i in range(7):
-            msgs = [{"role": "user", "content": f"Question {i}: " + "word " * (3 + 5 * i)},
-                    {"role": "assistant", "content": "x"}, {"role": "user", "content": f"And then {i}?"}]
-            f.write(json.dumps({"messages": msgs}) + "\n")
-    return prompts
 
 
 _FAST_STREAM = FastRegenerator.stream
@@ -307,8 +311,7 @@ def test_gen_data_fast_engine_keeps_finished_conversations_of_a_stopped_run(tiny
     them back, generates only the others, writes the same shards as an uninterrupted run and
     removes the parts. Parts made under other generation settings are not reused."""
     from sglang_dlite.training import gen_data
-    from sglang_dlite.training.data import load_shard, read_manifest
-    from sglang_dlite.training.features import load_features
+    from sglang_dlite.training.data import read_manifest
 
     prompts = _seven_prompts(tmp_path)
     ref, out, other = tmp_path / "ref", tmp_path / "out", tmp_path / "other"
@@ -332,15 +335,7 @@ def test_gen_data_fast_engine_keeps_finished_conversations_of_a_stopped_run(tiny
     assert not [d for d in os.listdir(out) if d.endswith(".parts")]
     ref_shards = read_manifest(str(ref))["shards"]
     assert sorted(s["file"] for s in read_manifest(str(out))["shards"]) == sorted(s["file"] for s in ref_shards)
-    for sh in ref_shards:
-        a_ids, a_mask, a_off = load_shard(str(out / sh["file"]))
-        b_ids, b_mask, b_off = load_shard(str(ref / sh["file"]))
-        np.testing.assert_array_equal(a_ids, b_ids)
-        np.testing.assert_array_equal(a_mask, b_mask)
-        np.testing.assert_array_equal(a_off, b_off)
-        fa = load_features(str(out / sh["file"]), [1, 4], len(a_ids))
-        fb = load_features(str(ref / sh["file"]), [1, 4], len(b_ids))
-        np.testing.assert_allclose(np.asarray(fa, np.float32), np.asarray(fb, np.float32), atol=2e-3, rtol=2e-3)
+    _assert_same_shards(out, ref)
 
     # the parts of a stopped run with other settings are not read back
     stopped = []

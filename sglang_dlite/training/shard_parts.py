@@ -25,6 +25,8 @@ from typing import Dict, Tuple
 
 import torch
 
+from .checkpoint import save_checkpoint
+
 # settings that change what a conversation's generated ids or features are
 _SETTINGS = ("max_new_tokens", "max_len", "max_user_tokens", "continue_truncated_turns", "dtype", "target")
 
@@ -44,11 +46,9 @@ def conversation_key(conv, args, layers) -> str:
 def save_part(out: str, fname: str, index: int, key: str, seq, mask, feats, margin: float) -> None:
     d = parts_dir(out, fname)
     os.makedirs(d, exist_ok=True)
-    path = os.path.join(d, f"{index:05d}.pt")
-    tmp = path + f".tmp{os.getpid()}"
-    torch.save({"key": key, "seq": [int(x) for x in seq], "mask": [int(x) for x in mask],
-                "feats": None if feats is None else feats.contiguous(), "margin": float(margin)}, tmp)
-    os.replace(tmp, path)
+    save_checkpoint(os.path.join(d, f"{index:05d}.pt"),  # atomic: a kill mid-write leaves no half part
+                    {"key": key, "seq": [int(x) for x in seq], "mask": [int(x) for x in mask],
+                     "feats": None if feats is None else feats.contiguous(), "margin": float(margin)})
 
 
 def load_parts(out: str, fname: str, keys) -> Dict[int, Tuple]:
