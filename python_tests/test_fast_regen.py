@@ -265,7 +265,7 @@ def _assert_same_shards(got, want):
 
 def test_gen_data_fast_engine_matches_hf_engine_and_resumes(tiny_ckpt, tmp_path):
     from sglang_dlite.training import gen_data
-    from sglang_dlite.training.data import read_manifest
+    from sglang_dlite.training.data import DataError, read_manifest
 
     prompts = _seven_prompts(tmp_path)
     fast, hf = tmp_path / "fast", tmp_path / "hf"
@@ -273,6 +273,11 @@ def test_gen_data_fast_engine_matches_hf_engine_and_resumes(tiny_ckpt, tmp_path)
     man = read_manifest(str(fast))
     assert len(man["shards"]) == 2
     first = {s["file"]: os.path.getmtime(fast / s["file"]) for s in man["shards"]}
+    # a rerun with other settings would mix two recipes in one folder: refused, naming the field
+    with pytest.raises(DataError, match=r"shard_size: folder 3, this run 2"):
+        gen_data.run(_args(tiny_ckpt, prompts, fast, shard_size=2))
+    with pytest.raises(DataError, match=r"feature_layers: folder \[1, 4\], this run \[1, 3\]"):
+        gen_data.run(_args(tiny_ckpt, prompts, fast, capture_layers="1,3"))
     # resume: the finished shards are skipped, the last one is generated
     assert gen_data.run(_args(tiny_ckpt, prompts, fast)) == 0
     man = read_manifest(str(fast))
@@ -311,7 +316,8 @@ def test_gen_data_fast_engine_keeps_finished_conversations_of_a_stopped_run(tiny
     them back, generates only the others, writes the same shards as an uninterrupted run and
     removes the parts. Parts made under other generation settings are not reused."""
     from sglang_dlite.training import gen_data
-    from sglang_dlite.training.data import read_manifest
+    from sglang_dlite.training.data import DataError, read_manifest
+    from sglang_dlite.training.shard_parts import conversation_key, load_parts
 
     prompts = _seven_prompts(tmp_path)
     ref, out, other = tmp_path / "ref", tmp_path / "out", tmp_path / "other"
@@ -337,17 +343,20 @@ def test_gen_data_fast_engine_keeps_finished_conversations_of_a_stopped_run(tiny
     assert sorted(s["file"] for s in read_manifest(str(out))["shards"]) == sorted(s["file"] for s in ref_shards)
     _assert_same_shards(out, ref)
 
-    # the parts of a stopped run with other settings are not read back
+    # a stopped run's folder is continued only with its own settings; its parts are keyed by them
     stopped = []
     _admitting_stream(monkeypatch, stopped, stop_after=2)
     with pytest.raises(_Killed):
         gen_data.run(_args(tiny_ckpt, prompts, other))
-    assert [d for d in os.listdir(other) if d.endswith(".parts")]
-    fresh = []
-    _admitting_stream(monkeypatch, fresh)
-    assert gen_data.run(_args(tiny_ckpt, prompts, other, max_new_tokens=8)) == 0
-    assert len(fresh) == 7  # nothing was finished: every conversation is generated anew
-    assert not [d for d in os.listdir(other) if d.endswith(".parts")]
+    parts = [d[: -len(".parts")] for d in os.listdir(other) if d.endswith(".parts")]
+    assert parts
+    with pytest.raises(DataError, match=r"other settings \(max_new_tokens_per_turn: folder 12, this run 8\)"):
+        gen_data.run(_args(tiny_ckpt, prompts, other, max_new_tokens=8))
+    plan = {f: convs for f, _, convs in gen_data.plan_shards(_args(tiny_ckpt, prompts, other))}
+    own, eight = _args(tiny_ckpt, prompts, other), _args(tiny_ckpt, prompts, other, max_new_tokens=8)
+    for f in parts:  # read back under the settings that made them, not under others
+        assert load_parts(str(other), f, [conversation_key(c, own, [1, 4]) for c in plan[f]])
+        assert load_parts(str(other), f, [conversation_key(c, eight, [1, 4]) for c in plan[f]]) == {}
 
 
 def test_gen_data_only_sources_keeps_the_full_plan(tiny_ckpt, tmp_path):
