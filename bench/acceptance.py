@@ -33,7 +33,8 @@ def parse_args(argv=None):
                    help="reference: the HF speculative engine (sglang_dlite.engine).")
     p.add_argument("--drafter", default="dlite",
                    help="dlite[:PATH] (shipped default / random), hybrid[:PATH] (DLite + suffix lookup, chosen "
-                        "per round), suffix (the lookup alone), or a baseline name (ngram, eagle3[:PATH], ...).")
+                        "per round), suffix (the lookup alone), a baseline name (ngram, eagle3[:PATH], ...), or a "
+                        "checkpoint folder (its config.json's model_type picks the drafter).")
     p.add_argument("--target", default="default", help="target checkpoint folder, or 'default' (SmolLM2-135M-Instruct).")
     p.add_argument("--workload", required=True, help=f"one of {', '.join(BUILTIN_WORKLOADS)}, or a .jsonl file.")
     p.add_argument("--max-convs", type=int, default=None, help="first N conversations (default: all).")

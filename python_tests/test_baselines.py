@@ -211,6 +211,17 @@ def test_registry_names_and_errors(tiny_target, tmp_path, monkeypatch):
     # a baseline checkpoint in the default folder is found without a path
     tiny_baseline("dflash", tiny_target).save_pretrained(str(tmp_path / "dflash"))
     assert make_engine_drafter("dflash", tiny_target).model.config.model_type == "dlite-dflash"
+    # a bare checkpoint folder is taken by its config.json's model_type; other folders are refused
+    assert make_engine_drafter(str(tmp_path / "dflash"), tiny_target).model.config.model_type == "dlite-dflash"
+    d = make_engine_drafter(str(tmp_path / "dlite-window128"), tiny_target)
+    assert isinstance(d, DLiteEngineDrafter) and d.hidden_rows_needed == 3 + 128
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DLiteInputError, match="a folder, but not a drafter checkpoint"):
+        make_engine_drafter(str(tmp_path / "empty"), tiny_target)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(DLiteInputError, match="model_type 'llama', not a drafter"):
+        make_engine_drafter(str(tmp_path / "hf"), tiny_target)
 
 
 def test_memory_per_request_grows_with_context_for_kv_baselines_not_dlite(tiny_target):

@@ -394,6 +394,26 @@ def test_gen_data_only_sources_keeps_the_full_plan(tiny_ckpt, tmp_path):
     assert all(os.path.getmtime(out / f) == t for f, t in first.items())
 
 
+def test_gen_data_sort_window_claims_shards_as_it_reads_ahead(tiny_ckpt, tmp_path, monkeypatch):
+    """--sort-window bounds the read-ahead: with one slot and a window of one shard, a run stopped
+    after its first conversation has claimed only that shard; the default window (64) has read,
+    and claimed, all three. A window below 1 is refused before anything is written."""
+    from sglang_dlite.errors import DLiteInputError
+    from sglang_dlite.training import gen_data
+
+    prompts = _seven_prompts(tmp_path)
+    with pytest.raises(DLiteInputError, match=r"--sort-window 0: must be >= 1"):
+        gen_data.run(_args(tiny_ckpt, prompts, tmp_path / "bad", sort_window=0))
+    assert not (tmp_path / "bad").exists()
+    for window, claimed, read in ((3, 1, 3), (64, 3, 7)):  # 7 prompts: shards of 3, 3 and 1
+        out, admitted = tmp_path / f"w{window}", []
+        _admitting_stream(monkeypatch, admitted, stop_after=0)
+        with pytest.raises(_Killed):
+            gen_data.run(_args(tiny_ckpt, prompts, out, batch_size=1, sort_window=window))
+        assert len([f for f in os.listdir(out) if f.endswith(".claim")]) == claimed, window
+        assert len(admitted) == read, window
+
+
 def test_gen_data_fast_engine_refuses_sampling(tiny_ckpt, tmp_path):
     from sglang_dlite.errors import DLiteInputError
     from sglang_dlite.training import gen_data

@@ -8,6 +8,9 @@ the DLite adapter), ``lookup/`` and ``baselines/``, so none of those imports ano
 
 from __future__ import annotations
 
+import json
+import os
+
 from .baselines.registry import BASELINE_NAMES, known_drafters_text, make_baseline_drafter
 from .drafters import DLiteEngineDrafter, Drafter, load_dlite
 from .errors import DLiteInputError
@@ -16,8 +19,11 @@ from .lookup.drafters import HybridEngineDrafter, SuffixEngineDrafter
 
 def make_engine_drafter(spec: str, target) -> Drafter:
     """``--drafter`` specs: ``dlite[:PATH]``, ``hybrid[:PATH]`` (DLite + suffix lookup, chosen per
-    round), ``suffix`` (the lookup alone), or a baseline/ablation name (``baselines/registry.py``)."""
+    round), ``suffix`` (the lookup alone), a baseline/ablation name (``baselines/registry.py``), or a
+    bare checkpoint folder (its config.json's ``model_type`` names the drafter)."""
     name, _, path = spec.partition(":")
+    if name not in ("dlite", "hybrid", "suffix") + BASELINE_NAMES and os.path.isdir(spec):
+        name, path = _kind_of_folder(spec), spec  # a bare checkpoint folder: its config.json says which drafter
     if name == "dlite":
         return DLiteEngineDrafter(load_dlite(path or None, target))
     if name == "hybrid":
@@ -28,3 +34,21 @@ def make_engine_drafter(spec: str, target) -> Drafter:
         return make_baseline_drafter(name, path or None, target)
     raise DLiteInputError(f"unknown drafter {spec!r}; known: dlite[:PATH], hybrid[:PATH], suffix[:K], "
                           f"{known_drafters_text()}.")
+
+
+def _kind_of_folder(path: str) -> str:
+    """The drafter name of a checkpoint folder, from its config.json's model_type ("dlite" or
+    "dlite-<baseline>", as written by `sglang-dlite train`)."""
+    cfg = os.path.join(path, "config.json")
+    try:
+        with open(cfg) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise DLiteInputError(f"--drafter {path!r}: a folder, but not a drafter checkpoint ({cfg}: {exc}); pass a "
+                              f"folder written by `sglang-dlite train`, or a name: dlite[:PATH], hybrid[:PATH], "
+                              f"suffix[:K], {known_drafters_text()}.") from None
+    name = "dlite" if model_type == "dlite" else str(model_type).removeprefix("dlite-")
+    if name == "dlite" or name in BASELINE_NAMES:
+        return name
+    raise DLiteInputError(f"--drafter {path!r}: its config.json has model_type {model_type!r}, not a drafter this "
+                          f"package knows; pass NAME:{path} with one of: dlite, {known_drafters_text()}.")

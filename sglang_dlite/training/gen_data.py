@@ -78,6 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(bench/gen_throughput.py compares them)")
     p.add_argument("--batch-size", type=int, default=32,
                    help="fast engine: conversations decoded at once (KV-cache slots); sglang: max running requests")
+    p.add_argument("--sort-window", type=int, default=64,
+                   help="fast engine: conversations read ahead and started shortest first; the shards they come "
+                        "from are claimed together, so a window of --shard-size finishes shards one at a time "
+                        "(long multi-turn conversations), a larger one packs slots with similar lengths")
     p.add_argument("--spec-drafts", type=int, default=4,
                    help="fast engine: verify up to this many suffix-lookup drafts per row and step (self-speculative, "
                         "same greedy text; training/spec_regen.py; 1.15-1.4x the plain loop in bench/gen_throughput.py); "
@@ -217,6 +221,8 @@ def run(args) -> int:
     from ..target import load_target, resolve_target
 
     torch.set_num_threads(args.threads)
+    if getattr(args, "sort_window", 64) < 1:  # refused before anything is written or loaded
+        raise DLiteInputError(f"--sort-window {args.sort_window}: must be >= 1 (conversations read ahead; 64 by default).")
     os.makedirs(args.out, exist_ok=True)
     plan = plan_shards(args)
     only = getattr(args, "only_sources", None)
@@ -362,7 +368,9 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
 
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     do_relabel = args.relabel or dtype != torch.float32
+    sort_window = getattr(args, "sort_window", 64)
     kw = dict(capture_layers=None if do_relabel else layers, batch_size=args.batch_size, dtype=dtype,
+              sort_window=sort_window,
               continue_truncated=getattr(args, "continue_truncated_turns", False),
               attention=getattr(args, "fast_attention", "auto"))
     if (getattr(args, "spec_drafts", 0) or 0) > 0:
@@ -372,7 +380,7 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
                               num_drafts=args.spec_drafts, min_reach=getattr(args, "spec_min_reach", 0.3), **kw)
     else:
         gen = FastRegenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens, **kw)
-    print(f"gen-data[fast]: {args.batch_size} slots, attention "
+    print(f"gen-data[fast]: {args.batch_size} slots, sort window {sort_window}, attention "
           f"{'C++ kv_cache_attention' if gen.engine.kernel_attention else 'chunked SDPA'}, {args.dtype}", flush=True)
     t0 = time.time()
     budget_s = None if getattr(args, "budget_min", None) is None else args.budget_min * 60
@@ -437,7 +445,7 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
     el = time.time() - t0
     run_rec = {"worker": f"{wi}/{wn}", "engine": _engine_tag(args), "new_shards": stats["shards"],
                "new_tokens": gen.new_tokens, "wall_s": round(el, 1), "tokens_per_s": round(gen.new_tokens / max(el, 1e-9), 1),
-               "threads": args.threads, "batch_size": args.batch_size}
+               "threads": args.threads, "batch_size": args.batch_size, "sort_window": sort_window}
     if do_relabel:
         run_rec.update(sequences_cut=stats["cut"], generated_tokens_dropped=stats["dropped"])
     if hasattr(gen, "summary"):
