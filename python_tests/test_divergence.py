@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from sglang_dlite.divergence import Fp32LogitGap, classify_divergences, first_divergence, is_mismatch
+from sglang_dlite.divergence import (Fp32LogitGap, classify_divergences, first_divergence, is_mismatch,
+                                     top2_gap_change)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -46,6 +47,35 @@ def test_classify_divergences_ties_and_mismatches():
         classify_divergences([[1], [2]], [[1]], [[1]], score, 0.25)
 
 
+def test_measured_bf16_noise_widens_the_margin_per_sequence():
+    """A flip at a float32 gap of 0.288 is a mismatch under the fixed 0.25 margin, a precision tie
+    where the bf16 error measured on that sequence reaches 0.5, and still a mismatch where it is 0.1
+    (the demo's bf16 check on a CPU with AMX: a flip at 0.288 on a sequence whose bf16 error went to 0.5)."""
+    asked = []
+
+    def noise(prefix):
+        asked.append(list(prefix))
+        return {1: 0.5, 2: 0.1}[prefix[0]]
+
+    prompts, outs, base = [[1], [2]], [[5, 7], [5, 7]], [[5, 8], [5, 8]]
+    score = lambda prefix, a, b: -0.288  # noqa: E731 (the baseline's token preferred by 0.288)
+    plain = classify_divergences(prompts, outs, base, score, tie_margin=0.25)
+    assert [r["tie"] for r in plain] == [False, False] and all(is_mismatch(r) for r in plain)
+    assert all("bf16_noise" not in r for r in plain)
+    measured = classify_divergences(prompts, outs, base, score, tie_margin=0.25, noise=noise)
+    assert [r["tie"] for r in measured] == [True, False]
+    assert [r["bf16_noise"] for r in measured] == [0.5, 0.1]
+    assert [is_mismatch(r) for r in measured] == [False, True]
+    assert asked == [[1, 5], [2, 5]]  # the sequence up to the divergence
+
+
+def test_top2_gap_change():
+    l32 = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.5]])
+    l16 = torch.tensor([[2.5, 1.25, 0.0], [0.0, 2.0, 2.0]])
+    # position 0: top-2 (0, 1), gap 2.0 -> 1.25; position 1: top-2 (1, 2), gap 0.5 -> 0.0
+    assert top2_gap_change(l32, l16).tolist() == [0.75, 0.5]
+
+
 def test_fp32_logit_gap_is_the_targets_logit_difference(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -61,6 +91,13 @@ def test_fp32_logit_gap_is_the_targets_logit_difference(tmp_path):
     assert gap(prefix, 7, 9) == pytest.approx(float(lg[7] - lg[9]), abs=1e-5)  # signed
     assert gap(prefix, 9, 7) == pytest.approx(float(lg[9] - lg[7]), abs=1e-5)
     assert gap(prefix, 9, 9) == 0.0
+    # the bf16 error of the top-2 gap, over every position of the prefix, from the same child process
+    with torch.no_grad():
+        want = float(top2_gap_change(m(torch.tensor([prefix])).logits[0],
+                                     m.to(torch.bfloat16)(torch.tensor([prefix])).logits[0]).max())
+    assert want > 0
+    assert gap.bf16_noise(prefix) == pytest.approx(want, abs=1e-5)
+    gap.close()
 
 
 def test_e2e_aggregate_takes_the_median_of_repeats():
