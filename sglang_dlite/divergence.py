@@ -145,16 +145,20 @@ def logit_gap_server(target_path: str, inp, out) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     model16 = None
+    last = (None, None)  # (prefix, its float32 logits): classify_divergences asks gap, then bf16_noise, of one prefix
     for line in inp:
         q = json.loads(line)
         x = torch.tensor([q["prefix"]])
         with torch.no_grad():
+            if last[0] != q["prefix"]:
+                last = (q["prefix"], model(x).logits[0].float())
+            logits32 = last[1]
             if q["op"] == "gap":
-                logits = model(x).logits[0, -1].float()
-                value = float(logits[q["a"]] - logits[q["b"]])
+                value = float(logits32[-1, q["a"]] - logits32[-1, q["b"]])
             elif q["op"] == "bf16_noise":
-                model16 = model16 or copy.deepcopy(model).to(torch.bfloat16)
-                value = float(top2_gap_change(model(x).logits[0].float(), model16(x).logits[0]).max())
+                if model16 is None:
+                    model16 = copy.deepcopy(model).to(torch.bfloat16)
+                value = float(top2_gap_change(logits32, model16(x).logits[0]).max())
             else:
                 raise ValueError(f"unknown query {q['op']!r}")
         out.write(f"{value!r}\n")
