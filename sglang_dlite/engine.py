@@ -53,7 +53,12 @@ class GenerationResult:
 
     @property
     def tau(self) -> float:
-        return sum(r.committed for r in self.rounds) / max(len(self.rounds), 1)
+        """τ of this request (``spec/tau.py``: committed tokens per verify round, the prefill's
+        token excluded, only the returned tokens); NaN when no verify round ran."""
+        from .spec.tau import tau_of_requests
+
+        t = tau_of_requests([(len(self.output_ids), len(self.rounds))])
+        return float("nan") if t is None else t
 
 
 class _Capture:
@@ -79,6 +84,23 @@ class _Capture:
     def close(self):
         for h in self.handles:
             h.remove()
+
+
+def _module_device(module) -> torch.device:
+    """The device of a module's first parameter (the CPU for a module without any)."""
+    p = next(iter(module.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _drafter_modules(drafter, depth: int = 0):
+    """The torch modules an engine drafter holds: its ``.model`` (DLite, the KV baselines), through
+    a hybrid drafter's ``.dlite``. Lookup drafters hold none."""
+    for name in ("model", "dlite"):
+        obj = getattr(drafter, name, None)
+        if isinstance(obj, torch.nn.Module):
+            yield obj
+        elif obj is not None and depth < 2:
+            yield from _drafter_modules(obj, depth + 1)
 
 
 def _decoder_layers(target):
@@ -137,7 +159,7 @@ class Session:
         """Run the target over ids at the end of the cache; returns logits [len(ids), V]."""
         eng = self.engine
         start = self.cache_len
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=eng.device)
         out = eng.target(input_ids=x, past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
         if eng.capture is not None:
@@ -184,8 +206,15 @@ class Session:
 
 
 class ReferenceEngine:
-    def __init__(self, target, drafter: Optional[Drafter] = None, eos_token_ids: Sequence[int] = ()):
+    """``device``: where the target runs (it is moved there); default: where its weights are. The
+    drafter's modules follow the target, and every tensor the engine makes is created there."""
+
+    def __init__(self, target, drafter: Optional[Drafter] = None, eos_token_ids: Sequence[int] = (),
+                 device=None):
+        if device is not None:
+            target.to(device)
         self.target = target
+        self.device = _module_device(target)
         self.drafter = drafter
         self.eos = set(int(t) for t in eos_token_ids)
         self.max_positions = getattr(target.config, "max_position_embeddings", None)
@@ -202,6 +231,8 @@ class ReferenceEngine:
                 raise DLiteInputError(f"block size K={drafter.block_size} must be >= 1.")
             self.capture = _Capture(target, drafter.capture_layer_ids)
             self.hidden_rows_needed = drafter.hidden_rows_needed
+            for m in _drafter_modules(drafter):
+                m.to(self.device)
 
     def close(self):
         if self.capture is not None:
@@ -231,7 +262,7 @@ class ReferenceEngine:
         self._check_len(len(prompt), max_new_tokens)
         if max_new_tokens < 1:
             raise DLiteInputError("max_new_tokens must be >= 1.")
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         sess = session or self.new_session()
         limit = max_new_tokens
         if self.max_positions is not None:
@@ -288,11 +319,12 @@ class ReferenceEngine:
         logits = sess.verify([sess.tokens[-1]] + drafts)  # [K+1, V]
         t2 = time.perf_counter()
         if temperature <= 0:
-            acc, bon = greedy_accept(torch.tensor([drafts], dtype=torch.int64), logits.argmax(-1)[None])
+            acc, bon = greedy_accept(torch.tensor([drafts], dtype=torch.int64, device=logits.device),
+                                     logits.argmax(-1)[None])
             a, bonus = int(acc[0]), int(bon[0])
         else:
             p = logits_to_probs(logits, temperature, top_p)
-            q = prop.probs[0] if prop.probs is not None else None
+            q = prop.probs[0].to(logits.device) if prop.probs is not None else None
             a, bonus = rejection_sample(p, q, drafts, gen)
         new = drafts[:a] + [bonus]
         sess.commit(new, a + 1)
