@@ -8,8 +8,9 @@ the same requests (every recorded turn of the first ``--max-convs`` conversation
 workload, rendered with the target's chat template) are run greedily at each concurrency:
 ``c`` requests in flight at a time (asyncio, ``Engine.async_generate``). Reported per
 (mode, concurrency): output tokens/s (all output tokens / wall time), mean latency per request,
-tau (completion tokens / verify rounds), the share of rounds per drafting source (hybrid modes: the
-worker's lookup trace), and whether the speculative outputs equal the
+tau (``sglang_dlite/spec/tau.py``: committed tokens per verify round, the prefill's token excluded;
+one function on the same counts for both engines: ``level_row``), the share of rounds per drafting
+source (hybrid modes: the worker's lookup trace), and whether the speculative outputs equal the
 no-speculation outputs (they must, greedy). ``ngram`` is sglang's own prompt-lookup drafter (its
 trie corpus, tree verify; W = 8 draft tokens by default): the training-free peer. Its corpus keeps
 the outputs of earlier levels (``flush_cache`` flushes the radix cache, not the corpus), and every
@@ -65,6 +66,7 @@ import time
 from pathlib import Path
 
 from sglang_dlite.divergence import DEFAULT_TIE_MARGIN, Fp32LogitGap, classify_divergences, is_mismatch
+from sglang_dlite.spec.tau import TAU_DEFINITION, tau_of_sglang
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -208,15 +210,8 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
             outs, lat, wall = e.loop.run_until_complete(_run_level(e, reqs, c, sp))
             shares, width = _trace_stats(trace, mark)
             round_ms = _round_stats(round_log, rmark)
-            toks = sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
-            verify = sum(int(o["meta_info"].get("spec_verify_ct") or 0) for o in outs)
-            rows.append({
-                "mode": mode, "concurrency": c, "requests": len(reqs), "output_tokens": toks,
-                "wall_s": round(wall, 3), "tokens_per_s": round(toks / wall, 2),
-                "mean_latency_s": round(sum(lat) / len(lat), 3),
-                "tau": round(toks / verify, 3) if verify else None,
-                "start_up_s": round(start_s, 1),
-            })
+            rows.append(level_row(mode, c, [o["meta_info"] for o in outs], wall, lat))
+            rows[-1]["start_up_s"] = round(start_s, 1)
             if shares:
                 rows[-1]["source_share"] = shares
             if width:
@@ -269,6 +264,25 @@ def _round_stats(path, offset):
             "verify_ms_per_round": round(sum(float(r["verify_ms"]) for r in recs) / n, 2)}
 
 
+def level_row(mode, concurrency, metas, wall, lat) -> dict:
+    """One (mode, concurrency) row from its requests' counts, for both engines: ``metas`` are
+    sglang's ``meta_info`` (``completion_tokens``, the prefill's token included; ``spec_verify_ct``)
+    or the reference engine's same counts (``reference_meta``); tau is ``spec.tau.tau_of_sglang``."""
+    toks = sum(int(m["completion_tokens"]) for m in metas)
+    t = tau_of_sglang(metas)
+    return {"mode": mode, "concurrency": concurrency, "requests": len(metas), "output_tokens": toks,
+            "verify_rounds": sum(int(m.get("spec_verify_ct") or 0) for m in metas),
+            "wall_s": round(wall, 3), "tokens_per_s": round(toks / wall, 2),
+            "mean_latency_s": round(sum(lat) / len(lat), 3),
+            "tau": None if t is None else round(t, 3)}
+
+
+def reference_meta(g) -> dict:
+    """A reference-engine ``GenerationResult``'s counts as sglang reports them: output tokens (the
+    prefill's included) and verify rounds (none for the prefill)."""
+    return {"completion_tokens": len(g.output_ids), "spec_verify_ct": len(g.rounds)}
+
+
 def run_reference(mode, target, draft, reqs, max_new):
     import torch
 
@@ -285,7 +299,7 @@ def run_reference(mode, target, draft, reqs, max_new):
 
         drafter = HybridEngineDrafter(drafter)
     eng = ReferenceEngine(model, drafter, eos_token_ids=[tok.eos_token_id])
-    outs, lat, rounds = [], [], 0
+    outs, lat, metas = [], [], []
     t0 = time.perf_counter()
     with torch.no_grad():
         for r in reqs:
@@ -293,13 +307,9 @@ def run_reference(mode, target, draft, reqs, max_new):
             g = eng.generate(r, max_new, speculative=mode.split(":")[0] in ("dlite", "hybrid", "hybrid-fixed", "dlite-only"))
             lat.append(time.perf_counter() - t1)
             outs.append(g.output_ids)
-            rounds += len(g.rounds)
+            metas.append(reference_meta(g))
     wall = time.perf_counter() - t0
-    toks = sum(len(o) for o in outs)
-    row = {"mode": mode, "concurrency": 1, "requests": len(reqs), "output_tokens": toks,
-           "wall_s": round(wall, 3), "tokens_per_s": round(toks / wall, 2),
-           "mean_latency_s": round(sum(lat) / len(lat), 3),
-           "tau": round((toks - len(reqs)) / rounds, 3) if rounds else None}
+    row = level_row(mode, 1, metas, wall, lat)
     print(json.dumps(row), flush=True)
     return [row], {1: outs}
 
@@ -408,7 +418,7 @@ def main(argv=None) -> int:
         "engine": args.engine, "device": device, "workload": args.workload, "target": str(target),
         "drafter": str(draft), "note": note, "max_new_tokens": args.max_new_tokens,
         "dtype": args.dtype if args.engine == "sglang" else "float32", "repeats": args.repeats,
-        "tie_margin": args.tie_margin,
+        "tie_margin": args.tie_margin, "tau_definition": TAU_DEFINITION,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "rows": rows, "runs": runs, "table": table, "divergences": divergences,
         "outputs": {m: {str(c): o for c, o in lv.items()} for m, lv in outs.items()},

@@ -13,7 +13,8 @@ installed (the ``dlite`` plugin entry point). Checks, each recorded as pass/fail
                         prompts of different lengths, submitted together.
 3. verify_in_graph    : DLITE's TARGET_VERIFY forwards replay the target's CUDA graphs
                         (``get_spec_info`` hook: FULL hidden-state capture inside the graph).
-4. speed              : output tokens/s at concurrency 1, 4, 16, DLITE vs no speculation, and tau.
+4. speed              : output tokens/s at concurrency 1, 4, 16, DLITE vs no speculation, and tau
+                        (sglang_dlite/spec/tau.py: committed tokens per verify round, prefill excluded).
 Exit code 0 when every check passes.
 """
 
@@ -87,6 +88,8 @@ def _check_engine(result, target, draft, budget_end):
 
     from transformers import AutoTokenizer
 
+    from sglang_dlite.spec.tau import tau_of_sglang
+
     tok = AutoTokenizer.from_pretrained(str(target))
     prompts = _prompts(tok)
     sp = {"temperature": 0.0, "max_new_tokens": 128, "ignore_eos": True}
@@ -100,8 +103,7 @@ def _check_engine(result, target, draft, budget_end):
             if mode == "dlite":
                 metas = [x["meta_info"] for x in o]
                 result["verify_in_graph"] = _verify_graph_status(e)
-                result["tau_batch"] = sum(m["completion_tokens"] for m in metas) / max(
-                    1, sum(m.get("spec_verify_ct", 0) for m in metas))
+                result["tau_batch"] = tau_of_sglang(metas)
             for c in (1, 4, 16):
                 if time.time() > budget_end:
                     break
@@ -120,9 +122,8 @@ def _check_engine(result, target, draft, budget_end):
                 res = e.loop.run_until_complete(run())
                 wall = time.perf_counter() - t0
                 toks = sum(r["meta_info"]["completion_tokens"] for r in res)
-                ver = sum(r["meta_info"].get("spec_verify_ct", 0) for r in res)
                 speed.setdefault(str(c), {})[mode] = {"tokens_per_s": toks / wall,
-                                                      "tau": (toks / ver) if ver else None}
+                                                      "tau": tau_of_sglang([r["meta_info"] for r in res])}
         finally:
             e.shutdown()
     same = outs.get("dlite") == outs.get("nospec")

@@ -42,6 +42,7 @@ from sglang_dlite.baselines.train import heldout_scores
 from sglang_dlite.drafters import load_dlite
 from sglang_dlite.model import DLiteDrafter
 from sglang_dlite.errors import DLiteInputError
+from sglang_dlite.spec.tau import tau_of_committed
 from sglang_dlite.training.precision import warn_if_emulated_bf16
 from sglang_dlite.target import load_target
 from sglang_dlite.training.data import MANIFEST, read_manifest, save_shard, shard_source, write_manifest
@@ -114,9 +115,11 @@ def load_anchor_set(path: str, data: FeatureData, data_dir: str):
     return groups
 
 
-def bootstrap_ci(x: np.ndarray, n: int = 1000, seed: int = 0):
+def bootstrap_ci(committed: np.ndarray, n: int = 1000, seed: int = 0):
+    """95 % bootstrap interval of τ over anchors (``committed``: each anchor's committed tokens)."""
     rng = np.random.default_rng(seed)
-    means = np.array([x[rng.integers(0, len(x), len(x))].mean() for _ in range(n)])
+    means = np.array([tau_of_committed(committed[rng.integers(0, len(committed), len(committed))])
+                      for _ in range(n)])
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
@@ -126,13 +129,15 @@ def source_of(name: str) -> str:
     return shard_source(name.split(":")[0])
 
 
-def by_source(tau: np.ndarray, data: FeatureData, groups) -> dict:
+def by_source(committed: np.ndarray, data: FeatureData, groups) -> dict:
     """tau, first-position acceptance and anchor count per prompt source (the pooled mean hides a
-    mix: a held-out set of mostly synthetic agent traces reads higher than a chat workload)."""
+    mix: a held-out set of mostly synthetic agent traces reads higher than a chat workload);
+    ``committed``: each anchor's committed tokens (1 + leading accepted drafts)."""
     src = np.concatenate([[source_of(data.seqs[si][4])] * len(a) for si, a in groups]) if groups else np.array([])
-    if len(src) != len(tau):  # not one score per pinned anchor: no breakdown rather than a wrong one
+    if len(src) != len(committed):  # not one score per pinned anchor: no breakdown rather than a wrong one
         return {}
-    return {s: {"tau": round(float(tau[src == s].mean()), 4), "pos1": round(float((tau[src == s] >= 2).mean()), 4),
+    return {s: {"tau": round(tau_of_committed(committed[src == s]), 4),
+                "pos1": round(float((committed[src == s] >= 2).mean()), 4),
                 "anchors": int((src == s).sum())} for s in sorted(set(src.tolist()))}
 
 
@@ -143,13 +148,14 @@ def heldout_tau(model, data: FeatureData, groups, bf16: bool) -> dict:
         if cfg.history_window != 0:
             raise DLiteInputError("heldout_tau evaluates history-free DLite checkpoints (history=none), "
                                   f"not history={cfg.history!r}.")
-        tau, acc = greedy_scores(model, data, groups, ctx)
+        committed, acc = greedy_scores(model, data, groups, ctx)
     else:  # a KV baseline
-        tau, acc = heldout_scores(model, data, groups, ctx)
-    tau = tau.numpy()
-    lo, hi = bootstrap_ci(tau)
-    return {"tau": round(float(tau.mean()), 4), "tau_ci95": [round(lo, 4), round(hi, 4)], "anchors": int(len(tau)),
-            "acc_per_pos": [round(float(x), 4) for x in acc], "by_source": by_source(tau, data, groups)}
+        committed, acc = heldout_scores(model, data, groups, ctx)
+    committed = committed.numpy()  # per anchor: the committed tokens of one greedy round there
+    lo, hi = bootstrap_ci(committed)
+    return {"tau": round(tau_of_committed(committed), 4), "tau_ci95": [round(lo, 4), round(hi, 4)],
+            "anchors": int(len(committed)), "acc_per_pos": [round(float(x), 4) for x in acc],
+            "by_source": by_source(committed, data, groups)}
 
 
 def drop_seen_prompts(data: FeatureData, data_dir: str, specs, seed: int) -> dict:

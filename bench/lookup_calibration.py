@@ -157,10 +157,12 @@ def fit(rounds):
 
 
 def simulate(rounds, cal, K):
-    """The chooser on the logged rounds: tau, per-source rounds, calibration pairs."""
+    """The chooser on the logged rounds: tau (``spec/tau.py`` of the simulated rounds' accepted
+    drafts), per-source rounds, calibration pairs."""
     from sglang_dlite.lookup.chooser import expected_accepted
+    from sglang_dlite.spec.tau import tau_of_rounds
 
-    tot, per_src, pairs, skipped = 0, {}, {"suffix": [], "dlite": [], "chosen": []}, 0
+    accepted, per_src, pairs, skipped = [], {}, {"suffix": [], "dlite": [], "chosen": []}, 0
     for s in rounds:
         truth, d, q = s["truth"], s["d"], s["q"]
         cands = []
@@ -184,10 +186,11 @@ def simulate(rounds, cal, K):
         src = "dlite" if pick is dl else ("suffix" if pick[1] == 0 else "mixed")
         a = lcp(pick[2], truth)
         pairs["chosen"].append((pick[0], a))
-        tot += a + 1
+        accepted.append(a)
         per_src[src] = per_src.get(src, 0) + 1
     n = max(len(rounds), 1)
-    return {"tau": tot / n, "rounds": len(rounds), "per_source": per_src, "skipped_dlite": skipped / n}, pairs
+    return {"tau": tau_of_rounds(accepted) or 0.0, "rounds": len(rounds), "per_source": per_src,
+            "skipped_dlite": skipped / n}, pairs
 
 
 def plot(pairs, path, title):

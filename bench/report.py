@@ -25,6 +25,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from sglang_dlite.benchmarking.draft_cost_report import draft_cost_table, plot_draft_cost
+from sglang_dlite.spec.tau import TAU_DEFINITION, pool_tau
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKETS = ("0-1k", "1-2k", "2-4k", "4-8k", ">=8k")
@@ -107,15 +108,18 @@ def load_draft_cost(results_dir: str):
 
 # ---------------------------------------------------------------------------- tables
 def pooled_by_context(rs):
-    """Rounds-weighted tau per context bucket over several result files."""
-    tot, n = {}, {}
+    """Tau per context bucket pooled over several result files (``spec.tau.pool_tau``: their
+    committed tokens over their rounds) -> {bucket: (tau, rounds)}."""
+    parts = {}
     for r in rs:
         for b, t in (r.get("tau_by_context") or {}).items():
-            k = (r.get("rounds_by_context") or {}).get(b, 0)
-            if t is not None and k:
-                tot[b] = tot.get(b, 0.0) + t * k
-                n[b] = n.get(b, 0) + k
-    return {b: (tot[b] / n[b], n[b]) for b in tot}
+            parts.setdefault(b, []).append((t, (r.get("rounds_by_context") or {}).get(b, 0)))
+    out = {}
+    for b, ps in parts.items():
+        pooled = pool_tau(ps)
+        if pooled is not None:
+            out[b] = (pooled, sum(k for t, k in ps if t is not None and k))
+    return out
 
 
 def pooled_per_position(rs):
@@ -142,24 +146,23 @@ def tables_acceptance(acc) -> list:
         workloads = sorted({w for _, w in rs})
         tag = f"engine={engine}, temperature={temp}"
         lines += [f"### Acceptance length tau per workload ({tag})", "",
-                  "tau = tokens committed per round incl. the bonus token (1 = nothing accepted). "
-                  "Cell: tau (rounds).", ""]
+                  f"tau = {TAU_DEFINITION} (accepted drafts + the bonus token; 1 = nothing accepted). "
+                  "Cell: tau (rounds)." + _old_tau_note(rs.values()), ""]
         lines.append("| drafter | " + " | ".join(workloads) + " | all (rounds-weighted) |")
         lines.append("|---|" + "---|" * (len(workloads) + 1))
         warned = {d: sorted({w for (dd, _), r in rs.items() if dd == d for w in (r.get("drafter_warnings") or [])})
                   for d in drafters}
         for d in drafters:
-            cells, num, den = [], 0.0, 0
+            cells, parts = [], []
             for w in workloads:
                 r = rs.get((d, w))
                 if r is None or r.get("tau") is None:
                     cells.append("-")
                     continue
                 cells.append(f"{r['tau']:.2f} ({r.get('rounds', 0)})")
-                num += r["tau"] * r.get("rounds", 0)
-                den += r.get("rounds", 0)
+                parts.append((r["tau"], r.get("rounds", 0)))
             mark = " †" if warned[d] else ""
-            lines.append(f"| {d}{mark} | " + " | ".join(cells) + f" | {fmt(num / den if den else None)} |")
+            lines.append(f"| {d}{mark} | " + " | ".join(cells) + f" | {fmt(pool_tau(parts))} |")
         for d in drafters:
             for w in warned[d]:
                 lines.append(f"\n† {d}: {w}")
@@ -293,13 +296,28 @@ def load_e2e(paths) -> list:
     return out
 
 
+def _old_tau_note(results) -> str:
+    """A note for acceptance results recorded before ``tau_definition`` was written: their tau
+    also counted the tokens a turn's last round computed past its EOS / token limit."""
+    old = [r for r in results if "tau_definition" not in r]
+    return (f" {len(old)} of these files predate the recorded definition: their tau also counted the tokens a "
+            "turn's last round computed past its EOS / token limit (slightly higher)." if old else "")
+
+
 def tables_e2e(results) -> list:
     lines = []
     for r in results:
         rows = {(x["mode"], x["concurrency"]): x for x in r.get("rows", [])}
+        if "tau_definition" in r:
+            tau_note = f"tau: {r['tau_definition']}."
+        elif r.get("engine") == "sglang":
+            tau_note = ("tau: recorded before the definition was unified: sglang's completion tokens / verify "
+                        "rounds, the prefill's token INCLUDED (higher than tau by requests / verify rounds).")
+        else:
+            tau_note = "tau: committed tokens per verify round, the prefill's token excluded."
         lines += [f"### {r.get('engine')} engine, {r.get('device')}, {r.get('workload')}, {r.get('dtype', '?')}, "
                   f"{r.get('max_new_tokens')} new tokens, median of {r.get('repeats', 1)} run(s)", "",
-                  f"`{r.get('command')}`", "",
+                  f"`{r.get('command')}`", "", tau_note, "",
                   "| mode | concurrency | spec tok/s (min-max) | no-spec tok/s (min-max) | speed-up | tau | "
                   "identical | bf16 precision ties | mismatches |",
                   "|---|---|---|---|---|---|---|---|---|"]

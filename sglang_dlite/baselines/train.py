@@ -35,6 +35,7 @@ import torch
 
 from ..errors import DLiteInputError
 from ..spec.accept import greedy_accept_length
+from ..spec.tau import tau_of_committed
 from ..training.precision import warn_if_emulated_bf16
 from .common import anchor_targets
 from .registry import BASELINE_NAMES, DLITE_ABLATIONS, KV_BASELINES, new_model, training_output_dir
@@ -109,7 +110,7 @@ def loss_fn(name, model, data, batch, weights, head_w, base_vocab=None, autocast
             taus.append(greedy_accept_length(logits.argmax(-1), lab, val))
     finally:
         model.train_vocab = None
-    return total / max(n, 1), torch.cat(taus).mean().item()
+    return total / max(n, 1), tau_of_committed(torch.cat(taus))
 
 
 @torch.no_grad()

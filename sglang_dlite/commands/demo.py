@@ -8,7 +8,8 @@ tokens, twice, with DLITE's default drafting (hybrid: DLite + the suffix lookup;
 up to 15 drafts and a per-round verify width): in float32 (exactness: greedy outputs must be
 identical) and in bfloat16 (speed: what this CPU runs fast; the outputs may part only at bf16
 precision ties, each one checked against the float32 target).
-Prints the text, tau (sglang's own accept-length metrics), tokens/s of both runs and the
+Prints the text, tau (``spec/tau.py``: committed tokens per verify round, the prefill's token
+excluded, from sglang's completion_tokens and spec_verify_ct), tokens/s of both runs and the
 comparison of the outputs; exits 1 on a real mismatch.
 
 The CPU-only stand-ins (``cpu_support/sglang_cpu``) are loaded for this process and the sglang
@@ -141,23 +142,26 @@ def _run_reference(target_dir, draft, reqs, max_new, eos, speculative):
     return outs, metas, wall, 0.0
 
 
-def _tau(metas) -> float:
-    """sglang's spec_accept_length over all requests: completion tokens / verify rounds."""
-    verify = sum(int(m.get("spec_verify_ct") or 0) for m in metas)
-    toks = sum(int(m.get("completion_tokens") or 0) for m in metas)
-    return toks / verify if verify else float("nan")
+def _fmt_tau(metas) -> str:
+    """τ over the requests (``spec.tau.tau_of_sglang``), 'n/a' without a verify round."""
+    from ..spec.tau import tau_of_sglang
+
+    t = tau_of_sglang(metas)
+    return "n/a" if t is None else f"{t:.2f}"
 
 
 def _summary(title, spec, base, reqs, target, dtype) -> bool:
     """Print one comparison; True when the outputs are identical, or (bf16) differ only at
     precision ties of the float32 target."""
+    from ..spec.tau import TAU_DEFINITION
+
     (s_out, s_meta, s_wall, s_start), (b_out, _, b_wall, b_start) = spec, base
     s_toks, b_toks = sum(len(o) for o in s_out), sum(len(o) for o in b_out)
     print(f"\n=== {title} ===")
     if s_start:
         print(f"engine start-up: DLITE {s_start:.0f} s, no speculation {b_start:.0f} s (not in the timings)")
     print(f"DLITE          : {s_toks} tokens in {s_wall:.1f} s = {s_toks / max(s_wall, 1e-9):.1f} tokens/s, "
-          f"tau = {_tau(s_meta):.2f} (sglang spec_accept_length: completion tokens / verify rounds)")
+          f"tau = {_fmt_tau(s_meta)} ({TAU_DEFINITION})")
     print(f"no speculation : {b_toks} tokens in {b_wall:.1f} s = {b_toks / max(b_wall, 1e-9):.1f} tokens/s")
     print(f"speed-up       : {(s_toks / max(s_wall, 1e-9)) / max(b_toks / max(b_wall, 1e-9), 1e-9):.2f}x")
     same = s_out == b_out
@@ -235,8 +239,8 @@ def run(args) -> int:
     for (label, ids), o, m in zip(reqs, s_out, s_meta):
         print(f"--- {label}  (prompt {len(ids)} tokens, prefix-cache hit {m.get('cached_tokens', 0)})")
         print(tok.decode(o, skip_special_tokens=True).strip()[:600])
-        if "spec_accept_length" in m:
-            print(f"    [tau {m['spec_accept_length']:.2f} over {m.get('spec_verify_ct')} rounds]")
+        if m.get("spec_verify_ct"):
+            print(f"    [tau {_fmt_tau([m])} over {m['spec_verify_ct']} verify rounds]")
     where = "sglang Engine, CPU" if engine == "sglang" else "reference engine"
     ok = [_summary(f"{title} ({where})", spec, base, reqs, target, dtype) for title, dtype, spec, base in results]
     return 0 if all(ok) else 1

@@ -23,20 +23,26 @@ token (``process_batch_result_prefill`` appends it); ``spec_verify_ct`` is incre
 decode verify of the request (``_resolve_spec_v2_tokens``), never by the prefill / extend, the last
 round included (its tokens past the stop are cut from ``completion_tokens``), and not for an
 overlap-scheduler round run after the request had finished. So τ = (completion_tokens - 1) /
-spec_verify_ct per request, and over a batch the sums. sglang's own ``spec_accept_length``
-(``completion_tokens / spec_verify_ct``, also its ``/metrics`` gauge) counts the prefill's token,
-so it exceeds τ by 1 / spec_verify_ct per request; the project reports it only under that name.
+spec_verify_ct per request, and over a batch the sums. sglang's own ``meta_info``
+``spec_accept_length`` (``completion_tokens / spec_verify_ct``) counts the prefill's token, so it
+exceeds τ by 1 / spec_verify_ct per request; its ``/metrics`` gauge ``sglang:spec_accept_length``
+(the decode rounds' accepted drafts + bonus tokens / request-rounds, per logging interval) leaves
+the prefill out but counts the tokens computed past a stop. The project reports those two only
+under sglang's name, never as τ.
 A request retracted under memory pressure is prefilled again, which commits one more token
 without a verify round (rare; not corrected).
 
 Held-out τ (training evaluation, ``bench/heldout_tau.py``): every held-out anchor is scored as one
 greedy verify round there (committed = 1 + the leading drafts equal to the target's tokens, no
-prefill), so τ = ``tau(sum of committed, anchors)``.
+prefill), so τ = ``tau_of_committed`` of the anchors' committed counts.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Optional, Tuple
+
+# recorded with every τ this project writes (bench JSONs), printed beside it (demo)
+TAU_DEFINITION = "committed tokens per verify round, the prefill's token excluded"
 
 
 def tau(committed_tokens: float, verify_rounds: int) -> Optional[float]:
@@ -62,8 +68,14 @@ def committed_per_round(accepted_per_round: Iterable[int], output_tokens: Option
 def tau_of_rounds(accepted_per_round: Iterable[int], output_tokens: Optional[int] = None) -> Optional[float]:
     """τ from the rounds' accepted draft counts (bonus not included); ``output_tokens`` as in
     ``committed_per_round``."""
-    c = committed_per_round(accepted_per_round, output_tokens)
-    return tau(sum(c), len(c))
+    return tau_of_committed(committed_per_round(accepted_per_round, output_tokens))
+
+
+def tau_of_committed(committed_per_round) -> Optional[float]:
+    """τ from the rounds' committed token counts (``accepted + 1`` each), a list or a 1-d tensor /
+    array: e.g. held-out anchors, each scored as one greedy round."""
+    total = committed_per_round.sum() if hasattr(committed_per_round, "sum") else sum(committed_per_round)
+    return tau(float(total), len(committed_per_round))
 
 
 def tau_of_requests(requests: Iterable[Tuple[int, int]]) -> Optional[float]:

@@ -11,6 +11,7 @@ import torch
 
 from ..model import DLiteDrafter
 from ..spec.accept import greedy_accept_length
+from ..spec.tau import tau_of_committed
 from .dataset import FeatureData, _hist_mode, concat_groups, to_device
 
 
@@ -79,7 +80,7 @@ def evaluate(model: DLiteDrafter, data: FeatureData, groups, autocast, device=No
     tau, acc = greedy_scores(model, data, groups, autocast, device=device)
     model.train()
     half = 1.96 * float(tau.std()) / math.sqrt(len(tau)) if len(tau) > 1 else 0.0
-    m = float(tau.mean())
+    m = tau_of_committed(tau)
     return {"tau_proxy": m, "tau_ci95": [round(m - half, 4), round(m + half, 4)], "acc_per_pos": [round(x, 4) for x in acc],
             "eval_anchors": int(len(tau))}
 

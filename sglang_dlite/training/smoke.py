@@ -126,6 +126,7 @@ def check_lossless(target_path: str, drafter_path: str, n_prompts: int = 2, max_
     from ..drafters import DLiteEngineDrafter
     from ..engine import ReferenceEngine
     from ..model import DLiteDrafter
+    from ..spec.tau import tau_of_requests
 
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype="float32").eval()
     tok = AutoTokenizer.from_pretrained(target_path)
@@ -135,8 +136,8 @@ def check_lossless(target_path: str, drafter_path: str, n_prompts: int = 2, max_
     res = [eng.generate(list(p), max_new_tokens) for p in prompts]
     want = target_greedy(target, prompts, max_new_tokens)
     got = [r.output_ids for r in res]
-    rounds = sum(len(r.rounds) for r in res)
-    return {"identical": got == want, "tau": sum(len(g) for g in got) / max(rounds, 1), "outputs": got,
+    t = tau_of_requests((len(r.output_ids), len(r.rounds)) for r in res)  # spec/tau.py: the prefill's token excluded
+    return {"identical": got == want, "tau": float("nan") if t is None else t, "outputs": got,
             "target": want, "prompts": prompts}
 
 

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..spec.tau import TAU_DEFINITION, committed_per_round, tau
+
 CONTEXT_BUCKETS = (("0-1k", 0, 1024), ("1-2k", 1024, 2048), ("2-4k", 2048, 4096), ("4-8k", 4096, 8192))
 MAX_MISMATCH_DETAILS = 20
 
@@ -137,6 +139,7 @@ class ReplayStats:
     conversations: int = 0
     skipped_turns: int = 0
     rounds: list = field(default_factory=list)  # (context_len, accepted)
+    committed: list = field(default_factory=list)  # tokens each round committed to the returned output
     sources: list = field(default_factory=list)  # (source, predicted, accepted, drafted) per round
     draft_ms: float = 0.0
     verify_ms: float = 0.0
@@ -150,6 +153,8 @@ class ReplayStats:
 
     def add_spec(self, res):
         self.spec.add(res)
+        # accepted + 1 per round, the tokens past the turn's EOS / limit not counted (spec/tau.py)
+        self.committed += committed_per_round([r.accepted for r in res.rounds], len(res.output_ids))
         for r in res.rounds:
             self.rounds.append((int(r.context_len), int(r.accepted)))
             self.sources.append((getattr(r, "source", None), getattr(r, "predicted", None), int(r.accepted),
@@ -160,13 +165,12 @@ class ReplayStats:
     def to_dict(self) -> dict:
         K = self.block_size
         n = len(self.rounds)
-        committed = sum(a + 1 for _, a in self.rounds)
         by_ctx, rounds_by_ctx = {}, {}
         for name, _, _ in CONTEXT_BUCKETS + ((">=8k", 0, 0),):
-            rs = [a for c, a in self.rounds if bucket_of(c) == name]
+            rs = [k for (c, _), k in zip(self.rounds, self.committed) if bucket_of(c) == name]
             if name == ">=8k" and not rs:
                 continue
-            by_ctx[name] = (sum(a + 1 for a in rs) / len(rs)) if rs else None
+            by_ctx[name] = tau(sum(rs), len(rs))
             rounds_by_ctx[name] = len(rs)
         per_pos = [(sum(1 for _, a in self.rounds if a >= i) / n) if n else None for i in range(1, K + 1)]
         cond = []
@@ -175,13 +179,13 @@ class ReplayStats:
             cond.append(sum(1 for _, a in self.rounds if a >= i) / reach if reach else None)
         spec_tps, ar_tps = self.spec.tokens_per_s(), self.ar.tokens_per_s()
         by_src = {}
-        for (src, pred, a, nd), (c, _) in zip(self.sources, self.rounds):
+        for (src, pred, a, nd), (c, _), k in zip(self.sources, self.rounds, self.committed):
             if src is None:
                 continue
             d = by_src.setdefault(src, {"rounds": 0, "committed": 0, "predicted_accepted": 0.0,
                                         "actual_accepted": 0, "drafted": 0, "rounds_by_context": {}})
             d["rounds"] += 1
-            d["committed"] += a + 1
+            d["committed"] += k
             d["predicted_accepted"] += float(pred or 0.0)
             d["actual_accepted"] += a
             d["drafted"] += nd
@@ -189,7 +193,7 @@ class ReplayStats:
             d["rounds_by_context"][b] = d["rounds_by_context"].get(b, 0) + 1
         for d in by_src.values():
             d["share"] = d["rounds"] / n if n else None
-            d["tau"] = d["committed"] / d["rounds"]
+            d["tau"] = tau(d["committed"], d["rounds"])
             d["mean_predicted_accepted"] = d["predicted_accepted"] / d["rounds"]
             d["mean_actual_accepted"] = d["actual_accepted"] / d["rounds"]
         share_by_ctx = {}
@@ -198,7 +202,8 @@ class ReplayStats:
             if tot:
                 share_by_ctx[name] = {s: d["rounds_by_context"].get(name, 0) / tot for s, d in by_src.items()}
         return {
-            "tau": committed / n if n else None,
+            "tau": tau(sum(self.committed), n),
+            "tau_definition": TAU_DEFINITION,
             "tau_by_context": by_ctx,
             "rounds_by_context": rounds_by_ctx,
             "per_position_accept": per_pos,
