@@ -1,26 +1,183 @@
 #!/usr/bin/env bash
-# `make cuda-check`: compile every csrc/cuda/*.cu with standalone nvcc for Ampere (sm_80) and Hopper
-# (sm_90a), all warnings as errors. Needs no GPU and no CUDA torch. Skips (exit 0) without nvcc.
-set -euo pipefail
-cd "$(dirname "$0")/cuda"
+# `make cuda-check`: compile what the GPU machine compiles, and check the kernels' resource use,
+# without a GPU and without a CUDA torch. Skips (exit 0) without nvcc.
+#  1. nvcc: every csrc/cuda/*.cu with the flags sglang_dlite/ops/build.py builds with (the one list:
+#     csrc/cuda/nvcc_flags.txt: gencode sm_80 + sm_90a, -O3, -std=c++17, -lineinfo), plus what
+#     torch's cpp_extension adds (its COMMON_NVCC_FLAGS: no half/bf16 operators or conversions,
+#     --expt-relaxed-constexpr; -fPIC), all warnings as errors.
+#  2. ptxas -v of every kernel and target: 0 spill bytes, 0 bytes stack frame, registers <= the
+#     kernel's ceiling (REGISTER_CEILINGS in csrc/cuda_check.py); prints one table.
+#  3. SASS (cuobjdump -sass) of every target: no LDL/STL (local memory) in any kernel.
+#  4. every csrc/cuda/*.cpp (the TORCH_LIBRARY_IMPL bindings) parses with -DDLITE_WITH_CUDA against
+#     the installed torch's headers and the toolkit's CUDA headers (c++ -fsyntax-only -Wall -Werror,
+#     C++17 and the standard torch's load() compiles with).
+# Any violation: a FAIL line naming it, exit 1. NVCC=, CUOBJDUMP=, PYTHON=, CXX= override the tools;
+# CUDA_CHECK_SRC=dir checks the .cu/.cpp of another folder (e.g. a modified copy of csrc/cuda).
+set -uo pipefail
+shopt -s nullglob
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "${CUDA_CHECK_SRC:-$ROOT/csrc/cuda}"
 NVCC="${NVCC:-$(command -v nvcc || true)}"
 if [[ -z "$NVCC" ]]; then
   echo "cuda-check skipped: nvcc not found (install the CUDA toolkit or set NVCC=/path/to/nvcc)."
   exit 0
 fi
+t_start=$(date +%s)
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
-FLAGS=(-c -O3 -std=c++17 -Xcompiler -fPIC -Werror all-warnings -lineinfo
-       -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a)
-echo "cuda-check: $("$NVCC" --version | tail -1)"
 status=0
+fail() { echo "  FAIL $*"; status=1; }
+
+PY="${PYTHON:-}"
+[[ -z "$PY" && -x "$ROOT/.venv/bin/python" ]] && PY="$ROOT/.venv/bin/python"
+[[ -z "$PY" ]] && PY="$(command -v python3 || true)"
+if [[ -z "$PY" ]]; then
+  echo "cuda-check FAILED: no python3 (csrc/cuda_check.py reads the flag list and parses ptxas / SASS)"
+  exit 1
+fi
+if ! "$PY" "$ROOT/csrc/cuda_check.py" info > "$OUT/info" 2> "$OUT/info.err"; then
+  cat "$OUT/info.err"
+  echo "cuda-check FAILED: $PY csrc/cuda_check.py info"
+  exit 1
+fi
+PROJECT_FLAGS=(); TORCH_NVCC_FLAGS=(); TORCH_INC=(); TORCH_STD=c++17; TORCH_DESC=""; TORCH_CUDA=0
+PIP_CUOBJDUMP=""
+while IFS=$'\t' read -r key val; do
+  case "$key" in
+    nvcc_flag) PROJECT_FLAGS+=("$val") ;;
+    torch_nvcc_flag) TORCH_NVCC_FLAGS+=("$val") ;;
+    torch_include) TORCH_INC+=("$val") ;;
+    torch_cxx_std) TORCH_STD="$val" ;;
+    torch) TORCH_DESC="$val" ;;
+    torch_cuda) TORCH_CUDA="$val" ;;
+    pip_cuobjdump) [[ -z "$PIP_CUOBJDUMP" ]] && PIP_CUOBJDUMP="$val" ;;
+  esac
+done < "$OUT/info"
+ARCHS=()
+for f in "${PROJECT_FLAGS[@]}"; do
+  [[ "$f" =~ code=(sm_[0-9]+[a-z]?) ]] && ARCHS+=("${BASH_REMATCH[1]}")
+done
+if [[ ${#ARCHS[@]} -eq 0 ]]; then
+  echo "cuda-check FAILED: no -gencode ...,code=sm_XX in csrc/cuda/nvcc_flags.txt"
+  exit 1
+fi
+# The toolkit behind nvcc (nvcc may be a wrapper script): its bin/ and include/ directories.
+DRY="$("$NVCC" --dryrun -c -x cu /dev/null -o "$OUT/dry.o" 2>&1 || true)"
+CUDA_BIN="$(sed -n 's/^#\$ _HERE_=//p' <<< "$DRY" | head -1)"
+CUDA_INC=()
+for inc in $(sed -n 's/^#\$ INCLUDES=//p' <<< "$DRY" | tr -d '"'); do CUDA_INC+=("${inc#-I}"); done
+
+echo "cuda-check: $("$NVCC" --version | tail -1)"
+echo "  torch: ${TORCH_DESC:-none} (python: $PY)"
+NVCC_FLAGS=(-c "${PROJECT_FLAGS[@]}" "${TORCH_NVCC_FLAGS[@]}" -Xcompiler -fPIC -Werror all-warnings
+            -Xptxas -v)
+echo "  nvcc ${NVCC_FLAGS[*]}"
+
+# 4 (in the background while nvcc runs): the bindings translation units.
+check_cpp() {
+  local cxx="${CXX:-g++}" shim="" std cpp missing stds=(c++17)
+  [[ "$TORCH_STD" != c++17 ]] && stds+=("$TORCH_STD")
+  if [[ ${#TORCH_INC[@]} -eq 0 ]]; then
+    echo "  skip bindings (*.cpp): no torch importable by $PY (run \`make venv\` first, or set PYTHON=)"
+    return 0
+  fi
+  if ! command -v "$cxx" > /dev/null; then
+    echo "  skip bindings (*.cpp): no C++ compiler '$cxx' (set CXX=)"
+    return 0
+  fi
+  if [[ -f "${TORCH_INC[0]}/c10/cuda/CUDAMacros.h" && ! -f "${TORCH_INC[0]}/c10/cuda/impl/cuda_cmake_macros.h" ]]; then
+    # A CPU torch wheel ships c10/cuda/*.h but not this header, which a CUDA build generates
+    # (c10/cuda/impl/cuda_cmake_macros.h.in); a CUDA wheel's says exactly this:
+    shim="$OUT/shim"
+    mkdir -p "$shim/c10/cuda/impl"
+    printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > "$shim/c10/cuda/impl/cuda_cmake_macros.h"
+    echo "  note bindings: this torch wheel lacks c10/cuda/impl/cuda_cmake_macros.h (generated by a CUDA build); using its CUDA-wheel content (#define C10_CUDA_BUILD_SHARED_LIBS)"
+  fi
+  local inc=() t0 rc=0
+  for d in "${TORCH_INC[@]}" "${CUDA_INC[@]}" ${shim:+"$shim"}; do inc+=(-isystem "$d"); done
+  for cpp in *.cpp; do
+    for std in "${stds[@]}"; do
+      t0=$(date +%s)
+      if "$cxx" -fsyntax-only -std="$std" -fPIC -Wall -Werror -DDLITE_WITH_CUDA \
+          -DTORCH_API_INCLUDE_EXTENSION_H "${inc[@]}" "$cpp" > "$OUT/cpp.log" 2>&1; then
+        echo "  ok   $cpp ($(( $(date +%s) - t0 )) s, $cxx -fsyntax-only -std=$std -DDLITE_WITH_CUDA, torch + CUDA headers)"
+        continue
+      fi
+      missing="$(grep -oE "fatal error: [^:]+: No such file" "$OUT/cpp.log" | head -1 | sed 's/^fatal error: //; s/: No such file$//')"
+      if [[ "$TORCH_CUDA" == 0 && "$missing" =~ ^(c10|ATen|torch)/.*(cuda|CUDA) ]]; then
+        echo "  skip $cpp: this CPU torch wheel lacks <$missing> (a CUDA torch has it); not checked here"
+        break
+      fi
+      head -40 "$OUT/cpp.log" | sed 's/^/    /'
+      echo "  FAIL $cpp: $cxx -fsyntax-only -std=$std -DDLITE_WITH_CUDA (errors above)"
+      rc=1
+    done
+  done
+  return $rc
+}
+check_cpp > "$OUT/bindings.out" 2>&1 &
+cpp_pid=$!
+
+# 1: compile.
+PTXAS_LOGS=(); OBJS=()
 for cu in *.cu; do
+  base="${cu%.cu}"
   t0=$(date +%s)
-  if "$NVCC" "${FLAGS[@]}" -Xptxas -warn-spills "$cu" -o "$OUT/${cu%.cu}.o"; then
-    echo "  ok   $cu ($(( $(date +%s) - t0 )) s, sm_80 + sm_90a)"
+  if "$NVCC" "${NVCC_FLAGS[@]}" "$cu" -o "$OUT/$base.o" > "$OUT/$base.ptxas" 2>&1; then
+    echo "  ok   $cu ($(( $(date +%s) - t0 )) s, ${ARCHS[*]})"
+    PTXAS_LOGS+=("$cu=$OUT/$base.ptxas"); OBJS+=("$cu=$OUT/$base.o")
   else
-    echo "  FAIL $cu"
-    status=1
+    grep -v '^ptxas info\|^    [0-9]* bytes stack frame' "$OUT/$base.ptxas" | head -60 | sed 's/^/    /'
+    fail "$cu: nvcc (errors above)"
   fi
 done
+
+# 2: ptxas budgets.
+if [[ ${#PTXAS_LOGS[@]} -gt 0 ]]; then
+  "$PY" "$ROOT/csrc/cuda_check.py" ptxas "${PTXAS_LOGS[@]}" || status=1
+fi
+
+# 3: SASS.
+CUOBJDUMP="${CUOBJDUMP:-}"
+for c in "$CUDA_BIN/cuobjdump" "$(command -v cuobjdump || true)" "$PIP_CUOBJDUMP"; do
+  [[ -z "$CUOBJDUMP" && -n "$c" && -x "$c" ]] && CUOBJDUMP="$c"
+done
+if [[ ${#OBJS[@]} -eq 0 ]]; then
+  :
+elif [[ -z "$CUOBJDUMP" ]]; then
+  echo "  skip sass: cuobjdump not found (not next to nvcc, on PATH or pip-installed: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm, or set CUOBJDUMP=); the ptxas stack-frame check above still covers local memory"
+else
+  SASS=(); sass_ok=1
+  for entry in "${OBJS[@]}"; do
+    cu="${entry%%=*}"; obj="${entry#*=}"
+    for arch in "${ARCHS[@]}"; do
+      # nvdisasm is looked up on PATH: the pip wheels put it beside cuobjdump
+      if PATH="$(dirname "$CUOBJDUMP"):${CUDA_BIN:+$CUDA_BIN:}$PATH" "$CUOBJDUMP" -sass -arch "$arch" "$obj" \
+          > "$OUT/${cu%.cu}.$arch.sass" 2> "$OUT/sass.err"; then
+        SASS+=("$cu=$OUT/${cu%.cu}.$arch.sass")
+      elif grep -q "find executable file 'nvdisasm'" "$OUT/sass.err"; then
+        echo "  skip sass: $(head -1 "$OUT/sass.err") (pip install nvidia-cuda-nvdisasm)"
+        sass_ok=0; break 2
+      else
+        cat "$OUT/sass.err"
+        fail "sass: $CUOBJDUMP -sass -arch $arch $cu"
+        sass_ok=0
+      fi
+    done
+  done
+  if [[ $sass_ok == 1 ]]; then
+    echo "  sass: $CUOBJDUMP -sass -arch {${ARCHS[*]}}"
+    "$PY" "$ROOT/csrc/cuda_check.py" sass "${SASS[@]}" || status=1
+  fi
+fi
+
+# 4: the bindings (started above).
+wait "$cpp_pid" || status=1
+cat "$OUT/bindings.out"
+
+if [[ $status == 0 ]]; then
+  echo "cuda-check: ok ($(( $(date +%s) - t_start )) s)"
+else
+  echo "cuda-check FAILED ($(( $(date +%s) - t_start )) s): see the FAIL lines above"
+fi
 exit $status

@@ -22,10 +22,13 @@ import torch
 
 from . import _ext
 
-CUDA_GENCODE = [
-    "-gencode=arch=compute_80,code=sm_80",
-    "-gencode=arch=compute_90a,code=sm_90a",
-]
+
+def nvcc_flags() -> list[str]:
+    """nvcc flags of the CUDA ops: csrc/cuda/nvcc_flags.txt (one argument a line, '#' comments),
+    the one list that csrc/cuda_check.sh (`make cuda-check`) compiles with too (gencode sm_80 and
+    sm_90a, -O3, -std, -lineinfo); torch's load() adds its COMMON_NVCC_FLAGS and -fPIC."""
+    text = (_ext.repo_root() / "csrc" / "cuda" / "nvcc_flags.txt").read_text()
+    return [a for a in (ln.split("#", 1)[0].strip() for ln in text.splitlines()) if a]
 
 
 def want_cuda() -> bool:
@@ -57,7 +60,7 @@ def build(verbose: bool = False, force: bool = False, cuda: bool | None = None) 
         name=_ext.LIB_NAME,
         sources=sources,
         extra_cflags=cflags,
-        extra_cuda_cflags=["-O3", "-lineinfo", *CUDA_GENCODE],
+        extra_cuda_cflags=nvcc_flags(),
         extra_ldflags=["-fopenmp"],
         build_directory=str(out),
         with_cuda=with_cuda,
