@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export SGLANG_DLITE_CACHE ?= $(CURDIR)/artifacts/cache
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo build-ext cuda-check train-default train-two-stage train-baselines train-smoke bench clean
+.PHONY: venv test demo build-ext cuda-check kernel-check train-default train-two-stage train-baselines train-smoke bench clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,11 @@ demo: venv build-ext
 
 cuda-check:
 	bash csrc/cuda_check.sh
+
+# The CUDA kernels' real source on this CPU (SIMT host emulation, csrc/emu/): the whole kernel grid
+# against the torch references in a plain, an ASan+UBSan and a TSan build (< 3 min, no GPU).
+kernel-check: venv
+	$(PY) -m pytest -q python_tests/test_kernel_emulation.py $(PYTEST_ARGS)
 
 # The shipped drafter's recipe: gen-data (75-min budget, reuses finished shards) + 55 min of
 # single-stage training (it beat two-stage at equal compute on this budget: see the model card).

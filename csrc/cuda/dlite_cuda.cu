@@ -12,10 +12,20 @@
 
 #include "dlite_cuda.h"
 
+// Every launch and the dynamic shared memory go through these two macros, so that the SIMT host
+// emulation (csrc/emu/, `make kernel-check`) compiles this same file with g++ and its sanitizers.
+#ifndef DLITE_LAUNCH
+#define DLITE_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#endif
+#ifndef DLITE_DYNAMIC_SMEM
+#define DLITE_DYNAMIC_SMEM(T, name) extern __shared__ T name[]
+#endif
+
 namespace {
 
 constexpr int kWarp = 32;
 constexpr unsigned kFull = 0xffffffffu;
+constexpr int kAttentionThreads = 128;
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -105,85 +115,126 @@ __device__ __forceinline__ bool round_allowed(int i, int j, int n_ctx, int C,
   return j < n_ctx || j <= i;
 }
 
-// One block per (request b, query head h); the rotated keys and the values of h's KV head live
-// in shared memory (fp32, key rows padded to D+1 floats: lanes read different rows conflict-free).
-// Each warp takes query rows: lanes over keys for the scores, lanes over channels for P.V.
+// One block per (request b, query head h). The rotated keys and the values of h's KV head are
+// staged in shared memory in tiles of `tile` keys (fp32, key rows padded to D+1 floats: lanes
+// read different rows conflict-free); when the whole round fits (tile >= S, every shipped shape)
+// they are loaded once. Each warp takes query rows, lanes over keys for the scores and over
+// channels for P.V, with an online softmax across tiles (one tile: the plain softmax).
+// Shared memory: dlite_round_attention_plan() in the launcher; no launch can exceed the device.
+template <typename T>
+__device__ void load_kv_tile(const T* __restrict__ k, const T* __restrict__ v,
+                             const float* __restrict__ cos, const float* __restrict__ sin,
+                             float* ks, float* vs, int b, int S, int Hkv, int g, int D, int j0, int n) {
+  const int Dp = D + 1, half = D / 2;
+  for (int idx = threadIdx.x; idx < n * half; idx += blockDim.x) {
+    const int jj = idx / half, d = idx % half, j = j0 + jj;
+    const T* kr = k + ((static_cast<int64_t>(b) * S + j) * Hkv + g) * D;
+    const float x1 = to_f(kr[d]), x2 = to_f(kr[d + half]);
+    const float* c = cos + static_cast<int64_t>(j) * D;
+    const float* s = sin + static_cast<int64_t>(j) * D;
+    ks[jj * Dp + d] = rnd<T>(x1 * c[d] - x2 * s[d]);
+    ks[jj * Dp + d + half] = rnd<T>(x2 * c[d + half] + x1 * s[d + half]);
+  }
+  for (int idx = threadIdx.x; idx < n * D; idx += blockDim.x) {
+    const int jj = idx / D, d = idx % D;
+    vs[idx] = to_f(v[((static_cast<int64_t>(b) * S + j0 + jj) * Hkv + g) * D + d]);
+  }
+}
+
 template <typename T>
 __global__ void round_attention_kernel(const T* __restrict__ q, const T* __restrict__ k,
                                        const T* __restrict__ v, const float* __restrict__ cos,
                                        const float* __restrict__ sin,
                                        const uint8_t* __restrict__ valid, T* __restrict__ out,
                                        int S, int Hq, int Hkv, int D, int C, int n_ctx,
-                                       bool causal) {
-  extern __shared__ float smem[];
+                                       bool causal, int tile) {
+  DLITE_DYNAMIC_SMEM(float, smem);
   const int nwarps = blockDim.x / kWarp;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int Dp = D + 1, half = D / 2;
-  float* ks = smem;            // [S][D+1]
-  float* vs = ks + S * Dp;     // [S][D]
-  float* qs = vs + S * D;      // [nwarps][D]
-  float* ps = qs + nwarps * D; // [nwarps][S]
+  float* ks = smem;               // [tile][D+1]
+  float* vs = ks + tile * Dp;     // [tile][D]
+  float* qs = vs + tile * D;      // [nwarps][D]   rotated query of the warp's row
+  float* ps = qs + nwarps * D;    // [nwarps][tile] scores, then probabilities
+  float* os = ps + nwarps * tile; // [nwarps][D]   the row's unnormalised output
   const int b = blockIdx.x / Hq, h = blockIdx.x % Hq;
   const int g = h / (Hq / Hkv);
   const uint8_t* valid_b = valid + static_cast<int64_t>(b) * C;
   const float scale = rsqrtf(static_cast<float>(D));
-
-  for (int idx = threadIdx.x; idx < S * half; idx += blockDim.x) {
-    const int j = idx / half, d = idx % half;
-    const T* kr = k + ((static_cast<int64_t>(b) * S + j) * Hkv + g) * D;
-    const float x1 = to_f(kr[d]), x2 = to_f(kr[d + half]);
-    const float* c = cos + static_cast<int64_t>(j) * D;
-    const float* s = sin + static_cast<int64_t>(j) * D;
-    ks[j * Dp + d] = rnd<T>(x1 * c[d] - x2 * s[d]);
-    ks[j * Dp + d + half] = rnd<T>(x2 * c[d + half] + x1 * s[d + half]);
+  const bool one_tile = tile >= S;
+  if (one_tile) {
+    load_kv_tile<T>(k, v, cos, sin, ks, vs, b, S, Hkv, g, D, 0, S);
+    __syncthreads();
   }
-  for (int idx = threadIdx.x; idx < S * D; idx += blockDim.x) {
-    const int j = idx / D, d = idx % D;
-    vs[idx] = to_f(v[((static_cast<int64_t>(b) * S + j) * Hkv + g) * D + d]);
-  }
-  __syncthreads();
 
   float* qw = qs + warp * D;
-  float* pw = ps + warp * S;
-  for (int i = warp; i < S; i += nwarps) {
-    const T* qr = q + ((static_cast<int64_t>(b) * S + i) * Hq + h) * D;
-    const float* c = cos + static_cast<int64_t>(i) * D;
-    const float* s = sin + static_cast<int64_t>(i) * D;
-    for (int d = lane; d < half; d += kWarp) {
-      const float x1 = to_f(qr[d]), x2 = to_f(qr[d + half]);
-      qw[d] = rnd<T>(x1 * c[d] - x2 * s[d]);
-      qw[d + half] = rnd<T>(x2 * c[d + half] + x1 * s[d + half]);
-    }
-    __syncwarp();
-    float mx = -INFINITY;
-    for (int j = lane; j < S; j += kWarp) {
-      float sc = -INFINITY;
-      if (round_allowed(i, j, n_ctx, C, valid_b, causal)) {
-        const float* kj = ks + j * Dp;
-        float dot = 0.f;
-        for (int d = 0; d < D; ++d) dot += qw[d] * kj[d];
-        sc = dot * scale;
+  float* pw = ps + warp * tile;
+  float* ow = os + warp * D;
+  // Every warp walks every step (rows past S idle): the tile loads below are block-wide.
+  for (int i0 = 0; i0 < S; i0 += nwarps) {
+    const int i = i0 + warp;
+    const bool active = i < S;  // uniform within the warp
+    if (active) {
+      const T* qr = q + ((static_cast<int64_t>(b) * S + i) * Hq + h) * D;
+      const float* c = cos + static_cast<int64_t>(i) * D;
+      const float* s = sin + static_cast<int64_t>(i) * D;
+      for (int d = lane; d < half; d += kWarp) {
+        const float x1 = to_f(qr[d]), x2 = to_f(qr[d + half]);
+        qw[d] = rnd<T>(x1 * c[d] - x2 * s[d]);
+        qw[d + half] = rnd<T>(x2 * c[d + half] + x1 * s[d + half]);
       }
-      pw[j] = sc;
-      mx = fmaxf(mx, sc);
+      for (int d = lane; d < D; d += kWarp) ow[d] = 0.f;
+      __syncwarp();
     }
-    mx = warp_max(mx);  // finite: every row may attend to itself
-    float sum = 0.f;
-    for (int j = lane; j < S; j += kWarp) {
-      const float e = pw[j] == -INFINITY ? 0.f : expf(pw[j] - mx);
-      pw[j] = e;
-      sum += e;
+    float m = -INFINITY, l = 0.f;
+    for (int j0 = 0; j0 < S; j0 += tile) {
+      const int n = S - j0 < tile ? S - j0 : tile;
+      if (!one_tile) {
+        __syncthreads();  // every warp is done with the previous tile
+        load_kv_tile<T>(k, v, cos, sin, ks, vs, b, S, Hkv, g, D, j0, n);
+        __syncthreads();
+      }
+      if (!active) continue;
+      float mx = -INFINITY;
+      for (int jj = lane; jj < n; jj += kWarp) {
+        const int j = j0 + jj;
+        float sc = -INFINITY;
+        if (round_allowed(i, j, n_ctx, C, valid_b, causal)) {
+          const float* kj = ks + jj * Dp;
+          float dot = 0.f;
+          for (int d = 0; d < D; ++d) dot += qw[d] * kj[d];
+          sc = dot * scale;
+        }
+        pw[jj] = sc;
+        mx = fmaxf(mx, sc);
+      }
+      mx = warp_max(mx);
+      const float m_new = fmaxf(m, mx);
+      if (m_new == -INFINITY) continue;  // nothing visible yet (uniform within the warp)
+      const float corr = m == -INFINITY ? 0.f : expf(m - m_new);
+      float sum = 0.f;
+      for (int jj = lane; jj < n; jj += kWarp) {
+        const float e = pw[jj] == -INFINITY ? 0.f : expf(pw[jj] - m_new);
+        pw[jj] = e;
+        sum += e;
+      }
+      sum = warp_sum(sum);
+      __syncwarp();
+      l = l * corr + sum;
+      m = m_new;
+      for (int d = lane; d < D; d += kWarp) {
+        float acc = ow[d] * corr;
+        for (int jj = 0; jj < n; ++jj) acc += pw[jj] * vs[jj * D + d];
+        ow[d] = acc;
+      }
+      __syncwarp();  // pw is rewritten by the next tile
     }
-    sum = warp_sum(sum);
-    __syncwarp();
-    const float inv = 1.f / sum;
-    T* dst = out + ((static_cast<int64_t>(b) * S + i) * Hq + h) * D;
-    for (int d = lane; d < D; d += kWarp) {
-      float acc = 0.f;
-      for (int j = 0; j < S; ++j) acc += pw[j] * vs[j * D + d];
-      dst[d] = from_f<T>(acc * inv);
+    if (active) {
+      const float inv = 1.f / l;  // l > 0: every row attends to itself
+      T* dst = out + ((static_cast<int64_t>(b) * S + i) * Hq + h) * D;
+      for (int d = lane; d < D; d += kWarp) dst[d] = from_f<T>(ow[d] * inv);
+      __syncwarp();  // qw / ow are rewritten by this warp's next row
     }
-    __syncwarp();  // qw / pw are rewritten by this warp's next row
   }
 }
 
@@ -238,7 +289,8 @@ __global__ void scan_thread_kernel(const T* __restrict__ g, const T* __restrict_
 }
 
 // ----------------------------------------------------------------------------- argmax
-// One block per row; first maximum (lowest id on ties), like torch.argmax.
+// One block per row; the first maximum (lowest id on ties, NaN counts as the maximum), like
+// torch.argmax.
 template <typename T>
 __global__ void rowwise_argmax_kernel(const T* __restrict__ logits, int64_t* __restrict__ out,
                                       int64_t V) {
@@ -247,16 +299,20 @@ __global__ void rowwise_argmax_kernel(const T* __restrict__ logits, int64_t* __r
   const T* row = logits + static_cast<int64_t>(blockIdx.x) * V;
   float best = -INFINITY;
   int64_t idx = V;  // "none yet": larger than any id
+  // torch.argmax's order: NaN above everything, then the value, then the lower id.
+  auto better = [](float a, int64_t ia, float b, int64_t ib) {
+    const bool an = isnan(a), bn = isnan(b);
+    if (an != bn) return an;
+    if (!an && a != b) return a > b;
+    return ia < ib;
+  };
   for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
     const float x = to_f(row[v]);
-    if (x > best) {
+    if (better(x, v, best, idx)) {
       best = x;
       idx = v;
     }
   }
-  auto better = [](float a, int64_t ia, float b, int64_t ib) {
-    return a > b || (a == b && ia < ib);
-  };
 #pragma unroll
   for (int o = kWarp / 2; o > 0; o >>= 1) {
     const float ob = __shfl_xor_sync(kFull, best, o);
@@ -278,7 +334,7 @@ __global__ void rowwise_argmax_kernel(const T* __restrict__ logits, int64_t* __r
         best = bv[w];
         idx = bi[w];
       }
-    out[blockIdx.x] = idx < V ? idx : 0;  // all NaN / -inf: id 0
+    out[blockIdx.x] = idx < V ? idx : 0;  // V == 0: id 0
   }
 }
 
@@ -300,7 +356,7 @@ struct AssembleLaunch {
     const int64_t rows = B * (L * C + 1 + K);
     if (rows == 0 || H == 0) return static_cast<int>(cudaSuccess);
     const int threads = H >= 1024 ? 256 : 128;
-    assemble_kernel<T><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+    DLITE_LAUNCH(assemble_kernel<T>, static_cast<unsigned>(rows), threads, 0, stream)(
         static_cast<const T*>(ctx), static_cast<const T*>(anchor), static_cast<const T*>(norm_w),
         static_cast<const T*>(depth), static_cast<const T*>(mask), static_cast<T*>(out),
         static_cast<int>(L), static_cast<int>(C), static_cast<int>(H), static_cast<int>(K), eps);
@@ -314,19 +370,32 @@ struct AttentionLaunch {
                  const uint8_t* valid, void* out, int64_t B, int64_t S, int64_t Hq, int64_t Hkv,
                  int64_t D, int64_t L, int64_t C, int causal, cudaStream_t stream) {
     if (B == 0) return static_cast<int>(cudaSuccess);
-    const int threads = 128, nwarps = threads / kWarp;
-    const size_t smem = sizeof(float) * static_cast<size_t>(S * (D + 1) + S * D + nwarps * D + nwarps * S);
-    if (smem > 48 * 1024) {
-      cudaError_t e = cudaFuncSetAttribute(round_attention_kernel<T>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem));
-      if (e != cudaSuccess) return static_cast<int>(e);
+    int dev = 0, limit = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess)
+      e = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // leave no error behind for the next, unrelated CUDA call
+      return static_cast<int>(e);
     }
-    round_attention_kernel<T><<<static_cast<unsigned>(B * Hq), threads, smem, stream>>>(
+    int64_t tile = 0, smem = 0;
+    if (!dlite_round_attention_plan(S, D, limit, &tile, &smem))
+      return static_cast<int>(cudaErrorInvalidConfiguration);
+    if (smem > 48 * 1024) {
+      e = cudaFuncSetAttribute(round_attention_kernel<T>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem));
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        return static_cast<int>(e);
+      }
+    }
+    DLITE_LAUNCH(round_attention_kernel<T>, static_cast<unsigned>(B * Hq), kAttentionThreads,
+                 static_cast<size_t>(smem), stream)(
         static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), cos, sin,
         valid, static_cast<T*>(out), static_cast<int>(S), static_cast<int>(Hq),
         static_cast<int>(Hkv), static_cast<int>(D), static_cast<int>(C),
-        static_cast<int>(L * C), causal != 0);
+        static_cast<int>(L * C), causal != 0, static_cast<int>(tile));
     return static_cast<int>(cudaGetLastError());
   }
 };
@@ -338,7 +407,8 @@ struct ScanLaunch {
                    cudaStream_t stream) {
     const int threads = 128, rows_per_block = threads / kWarp;
     const unsigned blocks = static_cast<unsigned>((B + rows_per_block - 1) / rows_per_block);
-    scan_warp_kernel<T, CPL><<<blocks, threads, 0, stream>>>(g, u, out, static_cast<int>(B),
+    auto* kernel = &scan_warp_kernel<T, CPL>;
+    DLITE_LAUNCH(kernel, blocks, threads, 0, stream)(g, u, out, static_cast<int>(B),
                                                              static_cast<int>(K), static_cast<int>(R));
   }
   static int run(const void* gate, const void* inputs, void* out_, int64_t B, int64_t K,
@@ -356,7 +426,7 @@ struct ScanLaunch {
     else {
       const int threads = 256;
       const unsigned blocks = static_cast<unsigned>((B * R + threads - 1) / threads);
-      scan_thread_kernel<T><<<blocks, threads, 0, stream>>>(g, u, out, B, static_cast<int>(K),
+      DLITE_LAUNCH(scan_thread_kernel<T>, blocks, threads, 0, stream)(g, u, out, B, static_cast<int>(K),
                                                             static_cast<int>(R));
     }
     return static_cast<int>(cudaGetLastError());
@@ -367,7 +437,7 @@ template <typename T>
 struct ArgmaxLaunch {
   static int run(const void* logits, int64_t* out, int64_t M, int64_t V, cudaStream_t stream) {
     if (M == 0) return static_cast<int>(cudaSuccess);
-    rowwise_argmax_kernel<T><<<static_cast<unsigned>(M), 256, 0, stream>>>(
+    DLITE_LAUNCH(rowwise_argmax_kernel<T>, static_cast<unsigned>(M), 256, 0, stream)(
         static_cast<const T*>(logits), out, V);
     return static_cast<int>(cudaGetLastError());
   }
@@ -376,6 +446,26 @@ struct ArgmaxLaunch {
 }  // namespace
 
 extern "C" {
+
+int64_t dlite_round_attention_smem_bytes(int64_t tile, int64_t D) {
+  const int64_t nwarps = kAttentionThreads / kWarp;
+  return static_cast<int64_t>(sizeof(float)) * (tile * (D + 1) + tile * D + nwarps * (2 * D + tile));
+}
+
+int dlite_round_attention_plan(int64_t S, int64_t D, int64_t smem_limit, int64_t* tile,
+                               int64_t* smem_bytes) {
+  int64_t t = S;
+  if (dlite_round_attention_smem_bytes(t, D) > smem_limit) {
+    // the largest multiple of 32 keys (a key per lane) that fits
+    const int64_t per_key = static_cast<int64_t>(sizeof(float)) * (2 * D + 1 + kAttentionThreads / kWarp);
+    const int64_t fixed = dlite_round_attention_smem_bytes(0, D);
+    t = smem_limit > fixed ? (smem_limit - fixed) / per_key / kWarp * kWarp : 0;
+    if (t > S) t = S;
+  }
+  *tile = t;
+  *smem_bytes = dlite_round_attention_smem_bytes(t, D);
+  return t >= 1 && (t == S || t >= kWarp) && *smem_bytes <= smem_limit;
+}
 
 int dlite_assemble_round_inputs_cuda(int dtype, const void* context_hidden, const void* anchor,
                                      const void* norm_w, const void* depth, const void* mask,

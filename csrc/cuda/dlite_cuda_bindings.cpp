@@ -38,6 +38,8 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const 
                    ") must have the same dtype.");
 }
 
+// The launchers clear the CUDA error they return (cudaGetLastError), so a failed launch leaves
+// nothing behind for the next, unrelated CUDA call.
 void check_launch(int err, const char* op) {
   TORCH_CHECK(err == 0, "sglang_dlite::", op, ": CUDA launch failed: ",
               cudaGetErrorString(static_cast<cudaError_t>(err)));
@@ -113,6 +115,17 @@ at::Tensor round_attention_cuda(const at::Tensor& q_, const at::Tensor& k_, cons
   auto q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   auto cs = cos_.to(at::kFloat).contiguous(), sn = sin_.to(at::kFloat).contiguous();
   auto valid = valid_.contiguous();
+  int dev = 0, smem_limit = 0;
+  check_launch(static_cast<int>(cudaGetDevice(&dev)), op);
+  check_launch(static_cast<int>(cudaDeviceGetAttribute(
+                   &smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)),
+               op);
+  int64_t tile = 0, smem = 0;
+  TORCH_CHECK_VALUE(dlite_round_attention_plan(S, D, smem_limit, &tile, &smem), "sglang_dlite::", op,
+                    ": a round of S=", S, " rows with head_dim D=", D, " needs ",
+                    dlite_round_attention_smem_bytes(S < 32 ? S : 32, D),
+                    " B of shared memory per block even in 32-key tiles; this GPU allows ",
+                    smem_limit, " B (use SGLANG_DLITE_OPS=auto or torch).");
   auto out = at::empty({B, S, Hq, D}, q.options());
   check_launch(dlite_round_attention_cuda(dt, q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                           cs.data_ptr<float>(), sn.data_ptr<float>(),

@@ -23,7 +23,7 @@ from contextlib import nullcontext
 import torch
 
 from ..errors import DLiteInputError, MissingDependencyError
-from . import _ext
+from . import _ext, limits
 from .cpu_linear import cpu_has_native_bf16, pack_cpu_linears  # noqa: F401  (re-exported)
 from . import reference as _ref
 from .reference import (  # noqa: F401  (re-exported: the model uses these helpers directly)
@@ -120,8 +120,8 @@ def _pick(op: str, floats, device: torch.device, rows: int = 0) -> str:
     return "cuda"
 
 
-def _run(op: str, floats, ref_fn, args, rows: int = 0):
-    impl = _pick(op, floats, floats[0].device, rows)
+def _run(op: str, floats, ref_fn, args, rows: int = 0, impl: str | None = None):
+    impl = impl or _pick(op, floats, floats[0].device, rows)
     _last_impl[op] = impl
     if impl == "torch":
         return ref_fn(*args)
@@ -136,7 +136,20 @@ def assemble_round_inputs(context_hidden, anchor_embeds, ctx_norm_weight, depth_
 
 def round_attention(q, k, v, cos, sin, context_valid, num_layers: int, block_size: int, causal: bool):
     args = (q, k, v, cos, sin, context_valid, int(num_layers), int(block_size), bool(causal))
-    return _run("round_attention", (q, k, v), _ref.round_attention, args)
+    impl = _pick("round_attention", (q, k, v), q.device)
+    if impl == "cuda" and q.dim() == 4:
+        rows, head_dim = q.shape[1], q.shape[3]
+        limit = limits.device_smem_optin(q.device)
+        if limits.round_attention_plan(rows, head_dim, limit) is None:
+            if ops_mode() == "auto":
+                impl = "torch"  # the kernel cannot stage even 32 keys of this head size here
+            else:
+                raise DLiteInputError(
+                    f"round_attention: a round of {rows} rows with head_dim {head_dim} needs "
+                    f"{limits.round_attention_smem_bytes(min(rows, limits.WARP), head_dim)} B of shared memory "
+                    f"per block even in 32-key tiles; this GPU allows {limit} B. "
+                    f"Use {ENV}=auto (falls back to torch) or {ENV}=torch.")
+    return _run("round_attention", (q, k, v), _ref.round_attention, args, impl=impl)
 
 
 def lowrank_rnn_scan(gate_logits, inputs):
