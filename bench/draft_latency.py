@@ -12,7 +12,10 @@ round cost must not depend on the context length: the JSON reports the largest/s
 ratio per implementation.
 
 Implementations are switched with SGLANG_DLITE_OPS (torch = the reference ops, cpp = the C++
-kernels, cuda = the CUDA kernels); measurements interleave implementations round by round so a
+kernels, cuda = the CUDA kernels); ``graph`` (CUDA, DLite) replays the drafter's CUDA graphs
+(``sglang_dlite/sglang_plugin/cuda_graphs.py``, one per batch-size bucket, captured on first use
+over the CUDA kernels when built, else the torch ops; the gather of the last C positions stays
+eager); measurements interleave implementations round by round so a
 noisy shared machine affects them alike; medians are reported. Threads are pinned
 (``--threads``, default 1: on a shared 2-core machine more threads measure the neighbours) and
 reported. Writes JSON (--out) and a PNG next to it, prints a table.
@@ -84,6 +87,16 @@ class DLiteBench:
         ctx = buf[:, idx].permute(1, 0, 2, 3)  # [B, L, C, H]: the last C positions of each request
         return self.model.propose(ctx, valid, anchor, temperature=0.0).tokens
 
+    def graph_round(self, state):
+        """``--impl graph``: the same round, the drafter replayed from its CUDA graphs."""
+        from sglang_dlite.sglang_plugin.cuda_graphs import DrafterCudaGraphs
+
+        buf, idx, valid, anchor = state
+        ctx = buf[:, idx].permute(1, 0, 2, 3)
+        if getattr(self, "graphs", None) is None or self.graphs.buckets[-1] < ctx.shape[0]:
+            self.graphs = DrafterCudaGraphs(self.model, max(ctx.shape[0], self.max_batch), self.device, self.dtype)
+        return self.graphs.propose(ctx, valid, anchor)
+
 
 DRAFTERS = {"dlite": DLiteBench, **latency_benches()}  # + the issue-6 KV baselines: eagle3, dflash, dspark
 
@@ -132,7 +145,7 @@ def sync(device):
 
 
 def set_impl(impl):
-    os.environ[ops.ENV] = impl
+    os.environ[ops.ENV] = "auto" if impl == "graph" else impl  # graphs are captured over auto's pick
 
 
 def time_rounds(runners, reps, warmup, device):
@@ -178,15 +191,17 @@ def main(argv=None):
         if d not in DRAFTERS:
             ap.error(f"unknown drafter {d!r}; known: {sorted(DRAFTERS)}")
     for i in impls:
-        if i not in ("torch", "cpp", "cuda"):
-            ap.error(f"unknown impl {i!r}; use torch, cpp, cuda")
-    device = torch.device(args.device or ("cuda" if "cuda" in impls else "cpu"))
+        if i not in ("torch", "cpp", "cuda", "graph"):
+            ap.error(f"unknown impl {i!r}; use torch, cpp, cuda, graph")
+    device = torch.device(args.device or ("cuda" if {"cuda", "graph"} & set(impls) else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device cuda but torch {torch.__version__} sees no CUDA device")
     if device.type == "cuda" and "cpp" in impls:
         ap.error("cpp runs on CPU tensors; benchmark it with --device cpu")
+    if "graph" in impls and (device.type != "cuda" or drafters != ["dlite"]):
+        ap.error("graph replays the DLite drafter's CUDA graphs: --device cuda --drafter dlite")
     avail = ops.available_impls()
-    missing = [i for i in impls if i not in avail]
+    missing = [i for i in impls if i not in avail and i != "graph"]
     if missing:
         ap.error(f"impl(s) {missing} unavailable here (available: {avail}); {ops.build_status()}")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -207,19 +222,21 @@ def main(argv=None):
     results = []
     for dname in drafters:
         bench = DRAFTERS[dname](args, device, dtype)
+        bench.max_batch = max(batches)  # the largest CUDA-graph bucket (--impl graph)
         print(f"# {dname}: {bench.describe()}")
         verify = VerifyBench(args, device, dtype, bench.cfg.block_size) if do_verify else None
         for B in batches:
             # every (implementation, context) of one batch size is timed in one interleaved loop,
             # so load changes on a shared machine hit all of them alike
             states = {ctx: bench.prepare(B, ctx) for ctx in contexts}
-            runners = {(i, ctx): ((lambda i=i: set_impl(i)), bench.round, states[ctx]) for ctx in contexts for i in impls}
+            fns = {i: bench.graph_round if i == "graph" else bench.round for i in impls}
+            runners = {(i, ctx): ((lambda i=i: set_impl(i)), fns[i], states[ctx]) for ctx in contexts for i in impls}
             agree = {}
             for ctx in contexts:  # same tokens from every implementation (greedy; near-ties aside)
                 toks = {}
                 for i in impls:
                     set_impl(i)
-                    toks[i] = bench.round(states[ctx]).cpu()
+                    toks[i] = fns[i](states[ctx]).cpu()
                 agree[ctx] = {i: float((toks[i] == toks[impls[0]]).float().mean()) for i in impls}
             times = time_rounds(runners, args.reps, args.warmup, device)
             for ctx in contexts:

@@ -98,6 +98,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sglang engine: device of the float32 HF target pass that gives the features and the exactness "
                         "count (cpu, or cuda / cuda:N beside sglang on a GPU: the target in float32 needs 4 bytes per "
                         "parameter there; sglang then gets mem_fraction_static 0.5)")
+    p.add_argument("--device", default="cpu",
+                   help="hf engine: where the target generates and its features are captured (cpu, cuda, cuda:N, "
+                        "auto; features are written from the CPU). The fast engine runs on the CPU; sglang has its "
+                        "own device (--feature-device for its float32 pass)")
     p.add_argument("--relabel", action="store_true",
                    help="one float32 target pass over each finished shard: cut every sequence at its first generated "
                         "token that is not the float32 target's greedy choice; the features come from that pass")
@@ -223,6 +227,7 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     if getattr(args, "sort_window", 64) < 1:  # refused before anything is written or loaded
         raise DLiteInputError(f"--sort-window {args.sort_window}: must be >= 1 (conversations read ahead; 64 by default).")
+    gen_device = _generation_device(args)  # refused before anything is written or loaded
     os.makedirs(args.out, exist_ok=True)
     plan = plan_shards(args)
     only = getattr(args, "only_sources", None)
@@ -273,6 +278,8 @@ def run(args) -> int:
     if not todo:
         return 0
     model, tok = load_target(target_path)
+    if gen_device.type != "cpu":
+        model = model.to(gen_device)
     layers = None
     if not args.no_features:
         from ..config import default_layer_ids
@@ -454,6 +461,25 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
     print(f"gen-data: {stats['shards']} shards, {gen.new_tokens} generated tokens in {el:.0f}s "
           f"({gen.new_tokens / max(el, 1e-9):.1f} tok/s)")
     return 0
+
+
+def _generation_device(args):
+    """--device: the hf engine's target device (the CPU unless asked; the other engines refuse
+    another one, naming the option they use)."""
+    import torch
+
+    name = getattr(args, "device", "cpu") or "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    from .distributed import resolve_device
+
+    dev = resolve_device(name, flag="--device")
+    engine = getattr(args, "engine", "hf")
+    if dev.type != "cpu" and engine != "hf":
+        hint = "--feature-device for its float32 target pass" if engine == "sglang" else "the CPU only"
+        raise DLiteInputError(f"--device {name}: only --engine hf generates on a GPU here "
+                              f"(--engine {engine}: {hint}).")
+    return dev
 
 
 def _engine_tag(args) -> str:

@@ -81,6 +81,8 @@ class Regenerator:
         for i, p in enumerate(prompts):
             ids[i, L - len(p):] = torch.tensor(p)
             att[i, L - len(p):] = 1
+        dev = next(self.model.parameters()).device  # --device: the target may run on a GPU
+        ids, att = ids.to(dev), att.to(dev)
         if self.capture_layers:
             self._buf = [[] for _ in range(len(self.capture_layers) + 1)]
         kw = dict(do_sample=False) if self.temperature <= 0 else dict(do_sample=True, temperature=self.temperature, top_p=self.top_p)
@@ -103,7 +105,7 @@ class Regenerator:
             for i, (p, row) in enumerate(zip(prompts, res)):
                 n_dec = max(len(row) - 1, 0)
                 f = torch.stack([torch.cat([pre[i, L - len(p):], dec[i, :n_dec]], dim=0) for pre, dec in per_k], dim=1)
-                feats.append(f)  # [len(p) + len(row) - 1, L+1, H]
+                feats.append(f.cpu())  # [len(p) + len(row) - 1, L+1, H]
             return res, feats
         return res, None
 

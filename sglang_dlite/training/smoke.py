@@ -42,10 +42,13 @@ def write_prompts(path: str, n: int = 8) -> str:
     return path
 
 
-def gen_data_argv(target: str, prompts: str, out: str, max_new_tokens: int = 24, shard_size: int = 4) -> list:
+def gen_data_argv(target: str, prompts: str, out: str, max_new_tokens: int = 24, shard_size: int = 4,
+                  device: str = None) -> list:
+    """``device``: gen-data's --device (the hf engine's target device; default: the CPU)."""
     return ["gen-data", "--target", target, "--prompts", f"jsonl:{prompts}", "--out", out, "--engine", "hf",
             "--shard-size", str(shard_size), "--max-new-tokens", str(max_new_tokens), "--max-turns", "1",
-            "--max-user-tokens", "128", "--max-len", "512", "--threads", "1", "--min-free-gb", "0"]
+            "--max-user-tokens", "128", "--max-len", "512", "--threads", "1", "--min-free-gb", "0"] + (
+        ["--device", device] if device else [])
 
 
 def train_argv(target: str, data: str, out: str, steps: int = 40, device: str = None) -> list:
@@ -104,8 +107,9 @@ def target_greedy(target, prompts: list, max_new_tokens: int) -> list:
     import torch
 
     outs = []
+    dev = next(target.parameters()).device
     for p in prompts:
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=dev)
         with torch.no_grad():
             out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                   do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -118,9 +122,11 @@ def chat_prompts(tok, n: int = 2) -> list:
                                          return_dict=True)["input_ids"]) for m in PROMPTS[:n]]
 
 
-def check_lossless(target_path: str, drafter_path: str, n_prompts: int = 2, max_new_tokens: int = 32) -> dict:
+def check_lossless(target_path: str, drafter_path: str, n_prompts: int = 2, max_new_tokens: int = 32,
+                   device: str = None) -> dict:
     """Reference engine with the drafter vs the target's own greedy decoding, on chat prompts:
-    {"identical": bool, "tau": float, "outputs": [...], "target": [...]}."""
+    {"identical": bool, "tau": float, "outputs": [...], "target": [...]}. ``device``: where the
+    target, the drafter and the engine run (default: the CPU)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..drafters import DLiteEngineDrafter
@@ -129,6 +135,8 @@ def check_lossless(target_path: str, drafter_path: str, n_prompts: int = 2, max_
     from ..spec.tau import tau_of_requests
 
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype="float32").eval()
+    if device:
+        target.to(device)
     tok = AutoTokenizer.from_pretrained(target_path)
     prompts = chat_prompts(tok, n_prompts)
     drafter = DLiteDrafter.from_pretrained(drafter_path).float().bind_hf_target(target)
@@ -168,7 +176,7 @@ def run(args) -> int:
     prompts = write_prompts(os.path.join(out, "prompts.jsonl"), args.prompts)
 
     def gen():
-        rc = cli(gen_data_argv(target, prompts, data, args.max_new_tokens))
+        rc = cli(gen_data_argv(target, prompts, data, args.max_new_tokens, device=args.device))
         if rc:
             raise SystemExit(f"train-smoke: gen-data failed (exit {rc})")
 
@@ -183,7 +191,8 @@ def run(args) -> int:
     step(f"train ({args.procs} processes, {launcher if args.procs > 1 else 'single'})", train)
     model_dir = os.path.join(run_dir, "stabilize", "model")
     step("export", lambda: export(model_dir, dest, f"# Smoke-test DLite drafter for a tiny random {args.arch} target\n"))
-    check = step("reference engine", lambda: check_lossless(target, dest, max_new_tokens=args.max_new_tokens))
+    check = step("reference engine", lambda: check_lossless(target, dest, max_new_tokens=args.max_new_tokens,
+                                                            device=args.device))
     total = round(sum(times.values()), 1)
     rec = {"arch": args.arch, "hidden": args.hidden, "layers": args.layers, "launcher": launcher,
            "processes": args.procs, "steps": args.steps, "times_s": times, "total_s": total,
@@ -218,7 +227,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hidden", type=int, default=64, help="tiny target's hidden size (heads: hidden/64, >= 4)")
     ap.add_argument("--layers", type=int, default=6, help="tiny target's decoder layers")
-    ap.add_argument("--device", default=None, help="the trainer's --device (cuda | cpu; default: the trainer's)")
+    ap.add_argument("--device", default=None,
+                    help="where gen-data (hf engine), training and the reference-engine check run (cuda | cpu; "
+                         "default: gen-data and the check on the CPU, training on the trainer's default)")
     ap.add_argument("--keep", action="store_true", help="keep OUT from an earlier run (resume)")
     return run(ap.parse_args(argv))
 
