@@ -38,9 +38,10 @@ I64, F32, INT, PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void
 
 # (B, L, C, K, H): C = 0 (no context yet), odd sizes, H >= 1024 (the 256-thread launch)
 ASSEMBLE_SMALL = [(1, 1, 0, 1, 64), (2, 2, 3, 4, 100), (3, 2, 4, 7, 576), (2, 3, 2, 3, 1030)]
-# (B, L, C, K, Hq, Hkv, D): C = 0, GQA, D 32/64/128, one round over 48 KB of shared memory
+# (B, L, C, K, Hq, Hkv, D): C = 0, GQA, D 32/64/128, one round over 48 KB of shared memory, one
+# over an H100/H200's opt-in 227 KB (S = 273, D = 128: K/V tiled, online softmax)
 ATTENTION_SMALL = [(1, 2, 0, 3, 2, 1, 32), (2, 2, 3, 4, 4, 2, 64), (1, 2, 4, 7, 9, 3, 64), (2, 3, 32, 7, 2, 1, 64),
-                   (1, 1, 5, 4, 2, 2, 128)]
+                   (1, 1, 5, 4, 2, 2, 128), (1, 4, 64, 16, 2, 1, 128)]
 # (B, K, R): every warp-kernel width (channels per lane 1..16) and the thread-per-channel kernel
 SCAN_SMALL = [(1, 1, 8), (3, 7, 72), (5, 16, 320), (2, 4, 512), (2, 3, 700)]
 # (M, V, ties): first maximum wins on ties
