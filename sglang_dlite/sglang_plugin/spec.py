@@ -234,6 +234,65 @@ def check_attention_only_target(model_path: str) -> None:
         )
 
 
+# Attention backends DLITE's verify is known to be right on. The verify is a TARGET_VERIFY forward
+# over [anchor, d_1..d_n] per request with no custom mask (``DLiteVerifyInput``: DFlash's linear
+# verify input, ``custom_mask=None``, also in the CUDA graphs the plugin's spec-info hook captures),
+# so the backend's own causal extend attention must be the chain mask. GPU: the backends sglang's
+# own DFLASH runs this same verify input on without a custom mask
+# (``dflash_utils._DFLASH_VERIFY_SKIP_CUSTOM_MASK_BACKENDS``) that this project's docs name; CPU:
+# torch_native, with this project's TARGET_VERIFY hook (cpu_support/, `sglang-dlite serve --cpu`),
+# the backend every CPU test of DLITE runs on. Any other backend (intel_amx reads ``tree_topk``, which
+# the verify input lacks; trtllm_mha / fa4 / aiter / ... were never run with it) is refused.
+VERIFY_ATTENTION_BACKENDS = {
+    "flashinfer": "GPU",
+    "fa3": "GPU",
+    "triton": "GPU",
+    "torch_native": "CPU, with this project's verify hook: `sglang-dlite serve --cpu`",
+}
+
+
+def verify_attention_backend(server_args):
+    """(backend, the flag that set it) that runs DLITE's TARGET_VERIFY: (name, None) for sglang's
+    resolved choice in a scheduler process (its auto-picked default included), (None, None) while
+    sglang still has to pick its default (the launcher; the worker's check sees it then). As
+    sglang's HybridAttnBackend: the prefill backend, or the decode one under
+    --speculative-attention-mode decode; a split field falls back to --attention-backend."""
+    mode = getattr(server_args, "speculative_attention_mode", None) or "prefill"
+    split, flag = (("decode_attention_backend", "--decode-attention-backend") if mode == "decode"
+                   else ("prefill_attention_backend", "--prefill-attention-backend"))
+    name = getattr(server_args, split, None)
+    if name:
+        return str(name), flag
+    name = getattr(server_args, "attention_backend", None)
+    if name:
+        return str(name), "--attention-backend"
+    try:  # a scheduler process: sglang's resolved pair (its auto-picked default included)
+        from sglang.srt.runtime_context import attention_backends
+
+        prefill, decode = attention_backends()
+    except Exception:  # the launcher, before sglang publishes its config
+        return None, None
+    name = decode if mode == "decode" else prefill
+    return (str(name), None) if name else (None, None)
+
+
+def check_attention_backend(server_args) -> None:
+    from ..errors import DLiteConfigError
+
+    name, flag = verify_attention_backend(server_args)
+    if name is None or name in VERIFY_ATTENTION_BACKENDS:
+        return
+    known = "; ".join(f"{n} ({where})" for n, where in VERIFY_ATTENTION_BACKENDS.items())
+    picked = "sglang's resolved choice" if flag is None else f"{flag} {name}"
+    raise DLiteConfigError(
+        f"DLITE's verify has not been verified with the {name!r} attention backend ({picked}): it runs "
+        "TARGET_VERIFY over [anchor, drafts] with no custom mask, which needs the backend's own causal "
+        f"attention to be the chain mask. Verified backends: {known}. Pick one with --attention-backend "
+        "NAME, e.g. --attention-backend flashinfer (or fa3 / triton) on a GPU, --attention-backend "
+        "torch_native on a CPU, or serve without --speculative-algorithm DLITE."
+    )
+
+
 def check_deployment(server_args) -> None:
     """Deployment modes the DLITE worker does not implement: refused at launch."""
     from ..errors import DLiteConfigError
@@ -271,3 +330,4 @@ def check_deployment(server_args) -> None:
             "server. Serve without --disaggregation-mode (one server does both), or use "
             "--speculative-algorithm EAGLE / EAGLE3 for disaggregated serving."
         )
+    check_attention_backend(server_args)
