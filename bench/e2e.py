@@ -8,7 +8,7 @@ the same requests (every recorded turn of the first ``--max-convs`` conversation
 workload, rendered with the target's chat template) are run greedily at each concurrency:
 ``c`` requests in flight at a time (asyncio, ``Engine.async_generate``). Reported per
 (mode, concurrency): output tokens/s (all output tokens / wall time), mean latency per request,
-tau (``sglang_dlite/spec/tau.py``: committed tokens per verify round, the prefill's token excluded;
+tau (``sglang_dlite/speculation/tau.py``: committed tokens per verify round, the prefill's token excluded;
 one function on the same counts for both engines: ``level_row``), the share of rounds per drafting
 source (hybrid modes: the worker's lookup trace), and whether the speculative outputs equal the
 no-speculation outputs (they must, greedy). ``ngram`` is sglang's own prompt-lookup drafter (its
@@ -66,7 +66,7 @@ import time
 from pathlib import Path
 
 from sglang_dlite.divergence import DEFAULT_TIE_MARGIN, Fp32LogitGap, classify_divergences, is_mismatch
-from sglang_dlite.spec.tau import TAU_DEFINITION, tau_of_sglang
+from sglang_dlite.speculation.tau import TAU_DEFINITION, tau_of_sglang
 
 REPO = Path(__file__).resolve().parents[1]
 

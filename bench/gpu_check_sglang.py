@@ -14,7 +14,7 @@ installed (the ``dlite`` plugin entry point). Checks, each recorded as pass/fail
 3. verify_in_graph    : DLITE's TARGET_VERIFY forwards replay the target's CUDA graphs
                         (``get_spec_info`` hook: FULL hidden-state capture inside the graph).
 4. speed              : output tokens/s at concurrency 1, 4, 16, DLITE vs no speculation, and tau
-                        (sglang_dlite/spec/tau.py: committed tokens per verify round, prefill excluded).
+                        (sglang_dlite/speculation/tau.py: committed tokens per verify round, prefill excluded).
 Exit code 0 when every check passes.
 """
 
@@ -88,7 +88,7 @@ def _check_engine(result, target, draft, budget_end):
 
     from transformers import AutoTokenizer
 
-    from sglang_dlite.spec.tau import tau_of_sglang
+    from sglang_dlite.speculation.tau import tau_of_sglang
 
     tok = AutoTokenizer.from_pretrained(str(target))
     prompts = _prompts(tok)

@@ -144,7 +144,7 @@ def engine(args) -> dict:
     from sglang_dlite.drafters import DLiteEngineDrafter, OracleDrafter
     from sglang_dlite.engine import ReferenceEngine
     from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.spec.tau import tau_of_requests
+    from sglang_dlite.speculation.tau import tau_of_requests
 
     def _rounded(x):
         return None if x is None else round(x, 3)

@@ -42,7 +42,7 @@ from sglang_dlite.baselines.train import heldout_scores
 from sglang_dlite.drafters import load_dlite
 from sglang_dlite.model import DLiteDrafter
 from sglang_dlite.errors import DLiteInputError
-from sglang_dlite.spec.tau import tau_of_committed
+from sglang_dlite.speculation.tau import tau_of_committed
 from sglang_dlite.training.precision import warn_if_emulated_bf16
 from sglang_dlite.target import load_target
 from sglang_dlite.training.data import MANIFEST, read_manifest, save_shard, shard_source, write_manifest

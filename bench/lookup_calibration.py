@@ -160,7 +160,7 @@ def simulate(rounds, cal, K):
     """The chooser on the logged rounds: tau (``spec/tau.py`` of the simulated rounds' accepted
     drafts), per-source rounds, calibration pairs."""
     from sglang_dlite.lookup.chooser import expected_accepted
-    from sglang_dlite.spec.tau import tau_of_rounds
+    from sglang_dlite.speculation.tau import tau_of_rounds
 
     accepted, per_src, pairs, skipped = [], {}, {"suffix": [], "dlite": [], "chosen": []}, 0
     for s in rounds:

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from sglang_dlite.benchmarking.draft_cost_report import draft_cost_table, plot_draft_cost
-from sglang_dlite.spec.tau import TAU_DEFINITION, pool_tau
+from sglang_dlite.speculation.tau import TAU_DEFINITION, pool_tau
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKETS = ("0-1k", "1-2k", "2-4k", "4-8k", ">=8k")

@@ -413,7 +413,7 @@ def test_ablation_cli_forwards_the_shared_training_options(monkeypatch, tmp_path
 
     seen = {}
 
-    def fake(name, data_dir, out, target_spec, extra):
+    def fake(name, data_dir, out, target_support, extra):
         seen.update(name=name, extra=extra)
         return out
 

@@ -705,7 +705,7 @@ def _server_args(**kw):
 
 
 def test_verified_attention_backends_pass():
-    from sglang_dlite.sglang_plugin.spec import VERIFY_ATTENTION_BACKENDS, check_deployment
+    from sglang_dlite.sglang_plugin.algorithm import VERIFY_ATTENTION_BACKENDS, check_deployment
 
     assert set(VERIFY_ATTENTION_BACKENDS) == {"flashinfer", "fa3", "triton", "torch_native"}
     for name in VERIFY_ATTENTION_BACKENDS:
@@ -716,7 +716,7 @@ def test_verified_attention_backends_pass():
 @pytest.mark.parametrize("name", ["intel_amx", "trtllm_mha", "fa4", "flex_attention", "aiter", "flashmla"])
 def test_unverified_attention_backend_refused_at_launch(name):
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.sglang_plugin.spec import VERIFY_ATTENTION_BACKENDS, check_deployment
+    from sglang_dlite.sglang_plugin.algorithm import VERIFY_ATTENTION_BACKENDS, check_deployment
 
     with pytest.raises(DLiteConfigError) as ei:
         check_deployment(_server_args(attention_backend=name))
@@ -727,7 +727,7 @@ def test_unverified_attention_backend_refused_at_launch(name):
 
 def test_verify_backend_follows_speculative_attention_mode():
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.sglang_plugin.spec import check_deployment
+    from sglang_dlite.sglang_plugin.algorithm import check_deployment
 
     split = dict(prefill_attention_backend="triton", decode_attention_backend="trtllm_mha")
     check_deployment(_server_args(**split))  # TARGET_VERIFY runs on the prefill backend by default
@@ -743,7 +743,7 @@ def test_scheduler_check_sees_sglangs_resolved_backend(monkeypatch, sglang_side)
     import sglang.srt.runtime_context as rc
 
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.sglang_plugin.spec import check_deployment
+    from sglang_dlite.sglang_plugin.algorithm import check_deployment
 
     monkeypatch.setattr(rc, "attention_backends", lambda: ("fa3", "fa3"))
     check_deployment(_server_args())
@@ -755,7 +755,7 @@ def test_scheduler_check_sees_sglangs_resolved_backend(monkeypatch, sglang_side)
 @need_shipped
 def test_launch_validation_refuses_unverified_backend():
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.sglang_plugin.spec import validate_server_args
+    from sglang_dlite.sglang_plugin.algorithm import validate_server_args
 
     args = _server_args(model_path=None, speculative_draft_model_path=SHIPPED, speculative_num_draft_tokens=None,
                         speculative_num_steps=None, speculative_eagle_topk=None)
@@ -775,7 +775,7 @@ def test_verified_gpu_backends_run_dflash_verify_without_a_custom_mask(sglang_si
     from sglang.srt.speculative.dflash_utils import _DFLASH_VERIFY_SKIP_CUSTOM_MASK_BACKENDS as NO_MASK
 
     from sglang_dlite.sglang_plugin.info import DLiteVerifyInput
-    from sglang_dlite.sglang_plugin.spec import VERIFY_ATTENTION_BACKENDS
+    from sglang_dlite.sglang_plugin.algorithm import VERIFY_ATTENTION_BACKENDS
 
     assert issubclass(DLiteVerifyInput, DFlashVerifyInput)
     classes = {"flashinfer": "FlashInferAttnBackend", "fa3": "FlashAttentionBackend", "triton": "TritonAttnBackend"}

@@ -27,7 +27,7 @@ def test_register_is_idempotent_and_registers_dlite():
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from sglang_dlite.sglang_plugin import register
-    from sglang_dlite.sglang_plugin.spec import DLiteSpecAlgo
+    from sglang_dlite.sglang_plugin.algorithm import DLiteSpecAlgo
 
     register()
     register()
@@ -66,7 +66,7 @@ def test_conformance_with_sglang_algorithm_enum():
     scheduler duck-types plugin algorithms against the enum)."""
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_dlite.sglang_plugin.spec import DLiteSpecAlgo
+    from sglang_dlite.sglang_plugin.algorithm import DLiteSpecAlgo
 
     enum_methods = {
         name for name, value in vars(SpeculativeAlgorithm).items()
@@ -95,7 +95,7 @@ def _args(target, drafter, **kw):
 
 
 def _validate(args):
-    from sglang_dlite.sglang_plugin.spec import validate_server_args
+    from sglang_dlite.sglang_plugin.algorithm import validate_server_args
 
     validate_server_args(args)
 
@@ -127,7 +127,7 @@ def test_drafter_for_another_target_fails(tiny, field, value, needle):
 
 def test_k_inconsistent_with_num_draft_tokens_fails(tiny, monkeypatch):
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.sglang_plugin.spec import HYBRID_MAX_DRAFT_TOKENS as W_MAX
+    from sglang_dlite.sglang_plugin.algorithm import HYBRID_MAX_DRAFT_TOKENS as W_MAX
 
     _, target, drafter = tiny  # K = 4
     # hybrid drafting (the default): the lookup may continue a chain past DLite's K drafts
@@ -155,7 +155,7 @@ def test_default_num_draft_tokens(tiny, monkeypatch):
     """Unset --speculative-num-draft-tokens: 16 on a CPU with hybrid drafting and the per-round
     width; K + 1 on a GPU, with the lookup off, with a fixed width, or under TP; and what
     handle_server_args writes back (steps = W - 1, top-k 1)."""
-    from sglang_dlite.sglang_plugin.spec import CPU_HYBRID_DRAFT_TOKENS, DLiteSpecAlgo, default_num_draft_tokens
+    from sglang_dlite.sglang_plugin.algorithm import CPU_HYBRID_DRAFT_TOKENS, DLiteSpecAlgo, default_num_draft_tokens
 
     _, target, drafter = tiny  # K = 4
     monkeypatch.delenv("SGLANG_DLITE_LOOKUP", raising=False)

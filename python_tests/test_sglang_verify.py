@@ -240,7 +240,7 @@ def tiny(tmp_path_factory):
 
 
 def _validate(target, drafter, **kw):
-    from sglang_dlite.sglang_plugin.spec import validate_server_args
+    from sglang_dlite.sglang_plugin.algorithm import validate_server_args
 
     a = dict(model_path=target, speculative_draft_model_path=drafter, speculative_num_draft_tokens=None,
              speculative_num_steps=None, speculative_eagle_topk=None, tp_size=1, pp_size=1,
@@ -270,7 +270,7 @@ def test_launch_refusals_say_what_to_use_instead(tiny):
     (hybrid / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DLiteConfigError, match=r"Mamba / linear-attention.*linear_attention.*without --speculative-algorithm"):
         _validate(str(hybrid), drafter)
-    from sglang_dlite.sglang_plugin.spec import hybrid_reason
+    from sglang_dlite.sglang_plugin.algorithm import hybrid_reason
 
     assert hybrid_reason(types.SimpleNamespace(model_type="qwen3_next")) == "model_type 'qwen3_next'"
     assert hybrid_reason(types.SimpleNamespace(model_type="llama", layer_types=["full_attention"] * 4)) is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_dlite import spec
+from sglang_dlite import speculation as spec
 
 
 def _brute_greedy(drafts, target):

@@ -1,4 +1,4 @@
-"""τ, the acceptance length (sglang_dlite/spec/tau.py): the formula on hand values, one function for
+"""τ, the acceptance length (sglang_dlite/speculation/tau.py): the formula on hand values, one function for
 the whole project (a source scan of sglang_dlite/ and bench/), and bench/e2e.py's two engines
 reporting the same τ for the same run."""
 
@@ -17,7 +17,7 @@ import torch
 
 from sglang_dlite.drafters import OracleDrafter
 from sglang_dlite.engine import GenerationResult, ReferenceEngine, RoundRecord
-from sglang_dlite.spec import tau as T
+from sglang_dlite.speculation import tau as T
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -194,14 +194,14 @@ def _project_files():
 def test_no_module_computes_tau_by_itself():
     """Every τ of sglang_dlite/ and bench/ comes from spec/tau.py: no other module divides,
     averages or re-weights one."""
-    found = {rel: hits for rel, p in _project_files() if rel != "sglang_dlite/spec/tau.py"
+    found = {rel: hits for rel, p in _project_files() if rel != "sglang_dlite/speculation/tau.py"
              for hits in [tau_computations(p.read_text(encoding="utf-8"), rel)] if hits}
-    assert found == {}, f"tau computed outside sglang_dlite/spec/tau.py (use its functions): {found}"
+    assert found == {}, f"tau computed outside sglang_dlite/speculation/tau.py (use its functions): {found}"
 
 
 def test_spec_tau_has_one_formula():
     """In spec/tau.py itself the scan finds a τ division in one function only: ``tau``."""
-    src = (ROOT / "sglang_dlite" / "spec" / "tau.py").read_text(encoding="utf-8")
+    src = (ROOT / "sglang_dlite" / "speculation" / "tau.py").read_text(encoding="utf-8")
     tree = ast.parse(src)
     spans = {n.name: (n.lineno, n.end_lineno) for n in tree.body if isinstance(n, ast.FunctionDef)}
     hits = tau_computations(src)

@@ -1,10 +1,10 @@
-"""The per-round verify width (sglang_dlite/spec/verify_width.py): expected tokens, the cost
+"""The per-round verify width (sglang_dlite/speculation/verify_width.py): expected tokens, the cost
 model it learns, the choice it makes from both, and when the worker turns it on."""
 
 import pytest
 
 from sglang_dlite.errors import DLiteConfigError
-from sglang_dlite.spec.verify_width import VerifyWidthPolicy, adaptive_width_wanted, expected_committed
+from sglang_dlite.speculation.verify_width import VerifyWidthPolicy, adaptive_width_wanted, expected_committed
 
 
 def test_expected_committed_is_one_plus_sum_of_reach():

@@ -10,7 +10,7 @@ from typing import Optional
 
 from .drafter_config import MAX_BLOCK_SIZE, DrafterConfig  # noqa: F401  (MAX_BLOCK_SIZE: re-exported)
 from .errors import DLiteConfigError
-from .target_spec import (  # noqa: F401  (re-exported: the supported targets and their shape)
+from .target_support import (  # noqa: F401  (re-exported: the supported targets and their shape)
     SUPPORTED_TARGET_ARCHITECTURES, TargetInfo, supported_targets_text, target_info,
 )
 
@@ -120,7 +120,7 @@ class DLiteConfig(DrafterConfig):
 def drafter_config_for_target(target, history: str = "none", **overrides) -> DLiteConfig:
     """THE derivation of a DLite drafter's config from its target (every command uses it):
     ``DLiteConfig.for_target``. From the target (a HF checkpoint folder, config, model or config
-    dict; unsupported architectures are refused, see ``target_spec.target_info``):
+    dict; unsupported architectures are refused, see ``target_support.target_info``):
       - hidden size and vocabulary: the target's (the drafter reads its hidden states and uses
         its frozen embedding and LM head);
       - captured layers: the proportional choice to 12 / 14 of 36 (``default_layer_ids``);

@@ -119,12 +119,12 @@ class DrafterConfig(PretrainedConfig):
     @classmethod
     def for_target(cls, target, **overrides) -> "DrafterConfig":
         """The one derivation of a drafter config from its target (a HF checkpoint folder, config,
-        model or config dict; unsupported architectures are refused: ``target_spec.target_info``):
+        model or config dict; unsupported architectures are refused: ``target_support.target_info``):
         the target's hidden size, vocabulary and depth, the class's default capture layers for that
         depth, drafter layers at the target's width (attention heads, KV heads, head dim, MLP
         size), plus the class's own ``derived_from_target`` fields. ``overrides`` win (None:
         derived). For SmolLM2-135M this gives the class defaults."""
-        from .target_spec import target_info
+        from .target_support import target_info
 
         t = target_info(target)
         kw = dict(target_hidden_size=t.hidden_size, vocab_size=t.vocab_size, target_num_layers=t.num_layers,

@@ -13,7 +13,7 @@ from typing import Optional, Protocol
 import torch
 
 from .model import DLiteDrafter, DraftProposal, History
-from .spec.context import last_rows
+from .speculation.context import last_rows
 
 
 @dataclass

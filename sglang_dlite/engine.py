@@ -24,7 +24,7 @@ import torch
 
 from .drafters import DraftRequest, Drafter
 from .errors import DLiteInputError
-from .spec import chain_rejection_sample, greedy_accept, logits_to_probs
+from .speculation import chain_rejection_sample, greedy_accept, logits_to_probs
 
 
 @dataclass
@@ -55,7 +55,7 @@ class GenerationResult:
     def tau(self) -> float:
         """τ of this request (``spec/tau.py``: committed tokens per verify round, the prefill's
         token excluded, only the returned tokens); NaN when no verify round ran."""
-        from .spec.tau import tau_of_requests
+        from .speculation.tau import tau_of_requests
 
         t = tau_of_requests([(len(self.output_ids), len(self.rounds))])
         return float("nan") if t is None else t

@@ -421,4 +421,4 @@ def load_checkpoint(path: str):
 
 
 # Temperature + top-p: the speculative core's one definition (re-exported for the drafters).
-from .spec.sampling import logits_to_probs  # noqa: E402,F401
+from .speculation.sampling import logits_to_probs  # noqa: E402,F401

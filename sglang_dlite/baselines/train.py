@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from ..errors import DLiteInputError
-from ..spec.accept import greedy_accept_length
-from ..spec.tau import tau_of_committed
+from ..speculation.accept import greedy_accept_length
+from ..speculation.tau import tau_of_committed
 from ..training.precision import warn_if_emulated_bf16
 from .common import anchor_targets
 from .registry import BASELINE_NAMES, DLITE_ABLATIONS, KV_BASELINES, new_model, training_output_dir
@@ -202,7 +202,7 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
     return out
 
 
-def train_dlite_ablation(name: str, data_dir: str, out: str, target_spec: str, extra: list) -> str:
+def train_dlite_ablation(name: str, data_dir: str, out: str, target_support: str, extra: list) -> str:
     """`sglang-dlite train` with the ablation's options into OUT/_run, then OUT <- the stage's model."""
     from ..training import train as dlite_train
 
@@ -210,7 +210,7 @@ def train_dlite_ablation(name: str, data_dir: str, out: str, target_spec: str, e
     run_dir = out.rstrip("/") + "_run"
     p = argparse.ArgumentParser()
     dlite_train.add_arguments(p)
-    args = p.parse_args(["--data", data_dir, "--out", run_dir, "--target", target_spec, *opts, *extra])
+    args = p.parse_args(["--data", data_dir, "--out", run_dir, "--target", target_support, *opts, *extra])
     rc = dlite_train.run(args)
     if rc:
         raise DLiteInputError(f"sglang-dlite train failed for {name} (exit {rc}).")

@@ -143,8 +143,8 @@ def _run_reference(target_dir, draft, reqs, max_new, eos, speculative):
 
 
 def _fmt_tau(metas) -> str:
-    """τ over the requests (``spec.tau.tau_of_sglang``), 'n/a' without a verify round."""
-    from ..spec.tau import tau_of_sglang
+    """τ over the requests (``speculation.tau.tau_of_sglang``), 'n/a' without a verify round."""
+    from ..speculation.tau import tau_of_sglang
 
     t = tau_of_sglang(metas)
     return "n/a" if t is None else f"{t:.2f}"
@@ -153,7 +153,7 @@ def _fmt_tau(metas) -> str:
 def _summary(title, spec, base, reqs, target, dtype) -> bool:
     """Print one comparison; True when the outputs are identical, or (bf16) differ only at
     precision ties of the float32 target."""
-    from ..spec.tau import TAU_DEFINITION
+    from ..speculation.tau import TAU_DEFINITION
 
     (s_out, s_meta, s_wall, s_start), (b_out, _, b_wall, b_start) = spec, base
     s_toks, b_toks = sum(len(o) for o in s_out), sum(len(o) for o in b_out)

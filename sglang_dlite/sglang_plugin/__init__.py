@@ -83,7 +83,7 @@ def register() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    from .spec import DLiteSpecAlgo, validate_server_args
+    from .algorithm import DLiteSpecAlgo, validate_server_args
 
     if get_spec(ALGORITHM_NAME) is None:
         SpeculativeAlgorithm.register(

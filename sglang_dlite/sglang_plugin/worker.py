@@ -42,9 +42,9 @@ from .. import ops
 from ..errors import DLiteConfigError
 from ..lookup.batch import ENV_LOOKUP, ENV_TRACE, BatchLookup, lookup_enabled
 from ..model import DLiteDrafter
-from ..spec.context import last_rows_of_segments
-from ..spec.verify_width import VerifyWidthPolicy, adaptive_width_wanted
-from .spec import max_verify_width
+from ..speculation.context import last_rows_of_segments
+from ..speculation.verify_width import VerifyWidthPolicy, adaptive_width_wanted
+from .algorithm import max_verify_width
 from . import metrics as dlite_metrics
 from . import verify_logits
 from .cuda_graphs import DrafterCudaGraphs
@@ -92,7 +92,7 @@ def _check_target_supported(model_runner, cfg, server_args) -> None:
     """Launch-time refusals the launcher's validate_server_args may not see (Engine args built
     in-process, a model config only sglang resolves): capture layers, recurrent-state targets,
     pipeline parallel / PD disaggregation."""
-    from .spec import check_capture_layers, check_deployment, hybrid_reason
+    from .algorithm import check_capture_layers, check_deployment, hybrid_reason
 
     hf = model_runner.model_config.hf_text_config
     check_capture_layers(cfg.target_layer_ids, hf.num_hidden_layers)

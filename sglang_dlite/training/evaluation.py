@@ -10,8 +10,8 @@ from typing import Optional
 import torch
 
 from ..model import DLiteDrafter
-from ..spec.accept import greedy_accept_length
-from ..spec.tau import tau_of_committed
+from ..speculation.accept import greedy_accept_length
+from ..speculation.tau import tau_of_committed
 from .dataset import FeatureData, _hist_mode, concat_groups, to_device
 
 

@@ -34,7 +34,7 @@ from .dataset import FeatureData, _hist_mode, batch_vocab_subset, concat_groups,
 from .ema import WeightEMA
 from .evaluation import evaluate, model_forward
 from .losses import forward_kl, kl_to_target, position_weights, tv_distance, weighted_ce
-from .options import STAGES, StageSpec, TrainOptions
+from .options import STAGES, Stage, TrainOptions
 from .precision import warn_if_emulated_bf16
 
 # the target's frozen tensors bound into the drafter: never trained, identical on every rank
@@ -74,7 +74,7 @@ def use_bf16(opts: TrainOptions, device: torch.device) -> bool:
     return bool(opts.bf16) if opts.bf16 is not None else device.type == "cuda"
 
 
-def run_stage(spec: StageSpec, model: DLiteDrafter, data: FeatureData, out_dir: str, opts: TrainOptions,
+def run_stage(spec: Stage, model: DLiteDrafter, data: FeatureData, out_dir: str, opts: TrainOptions,
               embed_w, head_w, teacher: Optional[DLiteDrafter] = None) -> DLiteDrafter:
     from tqdm.auto import tqdm
 

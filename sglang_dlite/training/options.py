@@ -15,7 +15,7 @@ STAGES = ("teacher", "distill", "stabilize")
 
 
 @dataclass
-class StageSpec:
+class Stage:
     name: str
     steps: int
     lr: float

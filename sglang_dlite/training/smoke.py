@@ -132,7 +132,7 @@ def check_lossless(target_path: str, drafter_path: str, n_prompts: int = 2, max_
     from ..drafters import DLiteEngineDrafter
     from ..engine import ReferenceEngine
     from ..model import DLiteDrafter
-    from ..spec.tau import tau_of_requests
+    from ..speculation.tau import tau_of_requests
 
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype="float32").eval()
     if device:

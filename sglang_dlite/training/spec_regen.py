@@ -25,7 +25,7 @@ from typing import Union
 
 from ..lookup.chooser import default_calibration, lookup_only
 from ..lookup.suffix import SuffixIndex
-from ..spec.accept import greedy_accept
+from ..speculation.accept import greedy_accept
 from .fast_regen import FastRegenerator
 
 

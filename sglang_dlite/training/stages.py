@@ -18,7 +18,7 @@ from .checkpoint import plot_curves
 from .data import DataError, read_manifest, select_shards
 from .dataset import FeatureData
 from .loop import Paused, run_stage
-from .options import STAGES, StageSpec, TrainOptions
+from .options import STAGES, Stage, TrainOptions
 
 
 def bind(model: DLiteDrafter, embed_w, head_w) -> DLiteDrafter:
@@ -244,7 +244,7 @@ def _run_stages(stages, opts, target, tc, student_cfg, data, out_dir, embed_w, h
             teacher = bind(DLiteDrafter(make_config(tc, "full", opts.config_overrides)), embed_w, head_w)
             if opts.init_layers:
                 init_from_target_layers(teacher, target, opts.init_layers)
-            teacher = run_stage(StageSpec("teacher", opts.steps["teacher"], opts.lr, "ce", "full"), teacher, data,
+            teacher = run_stage(Stage("teacher", opts.steps["teacher"], opts.lr, "ce", "full"), teacher, data,
                                 out_dir, opts, embed_w, head_w)
         done["teacher"] = os.path.join(out_dir, "teacher", "model")
     if "distill" in stages:
@@ -256,7 +256,7 @@ def _run_stages(stages, opts, target, tc, student_cfg, data, out_dir, embed_w, h
                 student.load_state_dict(teacher.state_dict(), strict=False)
             for p in teacher.parameters():
                 p.requires_grad_(False)
-            student = run_stage(StageSpec("distill", opts.steps["distill"], opts.lr, "kl", opts.student_history),
+            student = run_stage(Stage("distill", opts.steps["distill"], opts.lr, "kl", opts.student_history),
                                 student, data, out_dir, opts, embed_w, head_w, teacher=teacher)
         done["distill"] = os.path.join(out_dir, "distill", "model")
     if "stabilize" in stages:
@@ -270,6 +270,6 @@ def _run_stages(stages, opts, target, tc, student_cfg, data, out_dir, embed_w, h
                 elif opts.init_layers:
                     init_from_target_layers(student, target, opts.init_layers)
             lr = opts.lr if "distill" not in stages else opts.lr * 0.5
-            student = run_stage(StageSpec("stabilize", opts.steps["stabilize"], lr, "ce+tv", opts.student_history),
+            student = run_stage(Stage("stabilize", opts.steps["stabilize"], lr, "ce+tv", opts.student_history),
                                 student, data, out_dir, opts, embed_w, head_w)
         done["stabilize"] = os.path.join(out_dir, "stabilize", "model")

@@ -45,7 +45,7 @@ from . import distributed as dist
 from .dataset import FeatureData, eval_groups, sample_batch  # noqa: F401 - the trainer's public names
 from .evaluation import evaluate, make_engine_eval
 from .loop import Paused, lr_at, run_stage, target_probs  # noqa: F401
-from .options import STAGES, StageSpec, TrainOptions, add_arguments, options_from_args  # noqa: F401
+from .options import STAGES, Stage, TrainOptions, add_arguments, options_from_args  # noqa: F401
 from .stages import bind, init_from_drafter, init_from_target_layers, make_config, train_pipeline  # noqa: F401
 
 

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..spec.tau import TAU_DEFINITION, committed_per_round, tau
+from ..speculation.tau import TAU_DEFINITION, committed_per_round, tau
 
 CONTEXT_BUCKETS = (("0-1k", 0, 1024), ("1-2k", 1024, 2048), ("2-4k", 2048, 4096), ("4-8k", 4096, 8192))
 MAX_MISMATCH_DETAILS = 20

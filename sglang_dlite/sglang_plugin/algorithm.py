@@ -101,7 +101,7 @@ def default_num_draft_tokens(block_size: int, server_args, environ=None) -> int:
     GPUs: one CUDA-graph shape), or ``CPU_HYBRID_DRAFT_TOKENS`` where hybrid drafting picks the
     verify width per round (a CPU; see spec/verify_width.py)."""
     from ..lookup.batch import lookup_enabled
-    from ..spec.verify_width import adaptive_width_wanted
+    from ..speculation.verify_width import adaptive_width_wanted
 
     device = str(getattr(server_args, "device", None) or "")
     tp = int(getattr(server_args, "tp_size", 1) or 1)
