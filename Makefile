@@ -23,7 +23,7 @@ $(STAMP): requirements/base-cpu.txt requirements/sglang-cpu.txt requirements/dat
 	$(PIP) install --no-deps -r requirements/data.txt
 	$(PIP) install --no-deps -r requirements/cuda-tools.txt
 	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
-	  printf '%s\nimport torchvision_schemas\n' "$(CURDIR)/cpu_support" > "$$site/sglang_dlite_cpu_support.pth"
+	  printf '%s\nimport torchvision_schemas\n' "$(CURDIR)/sglang_dlite/cpu_support" > "$$site/sglang_dlite_cpu_support.pth"
 	$(PIP) install --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 

@@ -12,7 +12,11 @@ setup(
     version="0.1.0",
     description="DLite: a history-free speculative-decoding drafter for SGLang, with custom kernels",
     packages=find_packages(include=["sglang_dlite", "sglang_dlite.*"]),
-    package_data={"sglang_dlite": ["checkpoints/*/*"]},
+    # the shipped drafters, and the CPU stand-ins that let sglang run on a CPU (`sglang-dlite serve
+    # --cpu`): data, put on the sglang child processes' PYTHONPATH by sglang_dlite.cpu_launch
+    package_data={"sglang_dlite": ["checkpoints/*/*", "lookup/calibration.json", "cpu_support/*.py",
+                                   "cpu_support/*.md", "cpu_support/sglang_cpu/*.py",
+                                   "cpu_support/sglang_cpu/sgl_kernel/*.py"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "transformers>=4.57", "safetensors", "tqdm"],
     extras_require={

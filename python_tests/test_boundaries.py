@@ -19,6 +19,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "sglang_dlite"
 PURE_TORCH = ["config.py", "model.py", "engine.py", "drafters.py", "ops", "lookup", "speculation"]
+# The product: what `pip install` + `--speculative-algorithm DLITE` needs (ARCHITECTURE.md, "serving").
+SERVING = ["__init__.py", "__main__.py", "cli.py", "errors.py", "config.py", "drafter_config.py", "model.py",
+           "target.py", "target_support.py", "target_binding.py", "drafters.py", "cpu_launch.py", "ops",
+           "speculation", "lookup", "sglang_plugin", "cpu_support"]
+# The lab: regeneration, training, baselines, benchmarking, workloads, the reference engine and its
+# drafter registry, the CLI's lab commands. The serving tree imports none of it.
+LAB = {"training", "baselines", "benchmarking", "workloads", "commands", "engine", "registry", "divergence"}
 BENCH = REPO / "bench"
 TESTS = REPO / "python_tests"
 # bench scripts exempted while another change still owns them (none now); the test fails once one
@@ -58,6 +65,40 @@ def test_package_does_not_import_tests_or_edit_sys_path():
     assert not bad, bad
 
 
+def _package_imports(path: Path) -> set:
+    """Modules of sglang_dlite that ``path`` imports (absolute or relative), as dotted names under it."""
+    rel = path.relative_to(PKG).with_suffix("").parts
+    pkg = list(rel[:-1]) if rel[-1] != "__init__" else list(rel[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = pkg[:len(pkg) - (node.level - 1)] if node.level > 1 else pkg
+            if node.module:
+                out.add(".".join(base + node.module.split(".")))
+            else:
+                out |= {".".join(base + [a.name]) for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang_dlite."):
+            out.add(node.module[len("sglang_dlite."):])
+        elif isinstance(node, ast.Import):
+            out |= {a.name[len("sglang_dlite."):] for a in node.names if a.name.startswith("sglang_dlite.")}
+    return out
+
+
+def test_serving_tree_imports_nothing_from_the_lab():
+    bad = {str(f.relative_to(REPO)): sorted(m for m in _package_imports(f) if m.split(".")[0] in LAB)
+           for f in _py_files(*SERVING)}
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, bad
+    # and the check sees relative imports at any depth
+    probe = PKG / "sglang_plugin" / "_probe_boundary.py"
+    assert not probe.exists()
+    try:
+        probe.write_text("from ..training import loop\nfrom . import worker\n")
+        assert _package_imports(probe) == {"training", "sglang_plugin.worker"}
+    finally:
+        probe.unlink()
+
+
 def test_pure_torch_modules_import_no_sglang():
     bad = [f"{f.relative_to(REPO)}: {sorted(m for m in _imports(f) if m.split('.')[0] == 'sglang')}"
            for f in _py_files(*PURE_TORCH) if any(m.split(".")[0] == "sglang" for m in _imports(f))]
@@ -82,7 +123,7 @@ def test_missing_standins_say_what_to_do(monkeypatch, tmp_path):
     from sglang_dlite.errors import MissingDependencyError
 
     monkeypatch.setattr(cpu_launch, "CPU_STANDINS", tmp_path / "nowhere")
-    with pytest.raises(MissingDependencyError, match="source checkout"):
+    with pytest.raises(MissingDependencyError, match="reinstall sglang-dlite"):
         cpu_launch.cpu_environ()
 
 
@@ -139,3 +180,43 @@ def test_boundary_checks_catch_what_they_look_for():
     assert _private_uses(ast.parse("from sglang_dlite.ops import _ext"))
     assert _private_uses(ast.parse("d._state(req)"))
     assert not _private_uses(ast.parse("self._x = 1\nfrom sglang_dlite import ops"))
+
+
+def test_wheel_serves_without_the_source_tree(tmp_path):
+    """`pip install .` as a wheel, used from another folder: the package carries its shipped drafters,
+    the lookup's calibration and the CPU stand-ins (package data), and `sglang-dlite serve --cpu` builds
+    a launch whose PYTHONPATH loads the installed stand-ins, not the checkout's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import zipfile
+
+    wheels, site, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(wheels), str(REPO)], check=True, capture_output=True, cwd=elsewhere)
+    whl = next(wheels.glob("sglang_dlite-*.whl"))
+    names = set(zipfile.ZipFile(whl).namelist())
+    for need in ("sglang_dlite/cpu_support/sglang_cpu/sitecustomize.py",
+                 "sglang_dlite/cpu_support/sglang_cpu/sgl_kernel/__init__.py",
+                 "sglang_dlite/cpu_support/torchvision_schemas.py", "sglang_dlite/lookup/calibration.json",
+                 "sglang_dlite/checkpoints/dlite-smollm2-135m/model.safetensors"):
+        assert need in names, need
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
+                    str(site), str(whl)], check=True, capture_output=True)
+    env = dict(os.environ, PYTHONPATH=str(site))
+    out = subprocess.run([sys.executable, "-m", "sglang_dlite", "serve", "--cpu", "--dry-run", "--model-path",
+                          str(tmp_path)], capture_output=True, text=True, cwd=elsewhere, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"--speculative-draft-model-path {site}/sglang_dlite/checkpoints/dlite-smollm2-135m" in out.stdout
+    probe = ("import json, sys; from sglang_dlite.sglang_plugin import serve; import argparse\n"
+             "p = argparse.ArgumentParser(); serve.add_arguments(p)\n"
+             f"cmd, env = serve.build_command(p.parse_args(['--model-path', {str(tmp_path)!r}, '--cpu']))\n"
+             "print(json.dumps(env['PYTHONPATH']))")
+    pp = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=elsewhere,
+                                   env=env, check=True).stdout)
+    child = subprocess.run([sys.executable, "-c", "import sgl_kernel, dlite_cpu_verify_hook; print(sgl_kernel.__file__)"],
+                           capture_output=True, text=True, cwd=elsewhere, env=dict(os.environ, PYTHONPATH=pp))
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.strip().startswith(f"{site}/sglang_dlite/cpu_support/sglang_cpu/sgl_kernel")

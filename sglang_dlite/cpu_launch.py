@@ -1,8 +1,8 @@
 """The CPU launch environment: how this project runs a real sglang engine or server on a CPU.
 
-The one public place that turns on the CPU-only stand-ins (``cpu_support/sglang_cpu`` of the
-source checkout: the ``sgl_kernel`` stand-in and the torch_native verify hook, loaded in every
-sglang subprocess through ``PYTHONPATH`` + ``sitecustomize``). ``sglang-dlite serve --cpu``, the
+The one public place that turns on the CPU-only stand-ins (``sglang_dlite/cpu_support/sglang_cpu``,
+shipped in the package's wheel as data: the ``sgl_kernel`` stand-in and the torch_native verify
+hook, loaded in every sglang subprocess through ``PYTHONPATH`` + ``sitecustomize``). ``sglang-dlite serve --cpu``, the
 demo, ``bench/`` and the tests all use it; the sglang plugin itself never does, and nothing here is
 needed on a CUDA deployment.
 
@@ -19,17 +19,17 @@ import sys
 from pathlib import Path
 
 from .errors import MissingDependencyError
+from .target import cache_dir
 
-REPO = Path(__file__).resolve().parents[1]
-CPU_STANDINS = REPO / "cpu_support" / "sglang_cpu"
+CPU_STANDINS = Path(__file__).resolve().parent / "cpu_support" / "sglang_cpu"
 
 
 def _require_standins() -> None:
     if not (CPU_STANDINS / "sitecustomize.py").is_file():
         raise MissingDependencyError(
-            f"the CPU stand-ins for sglang ({CPU_STANDINS}) are missing: running sglang on a CPU needs "
-            "this project's source checkout installed with `make venv` (pip install -e .). On a GPU "
-            "machine, launch sglang without --cpu."
+            f"the CPU stand-ins for sglang ({CPU_STANDINS}) are missing from this install: reinstall "
+            "sglang-dlite (`pip install .` from a checkout, or `make venv`), which ships them as package "
+            "data. On a GPU machine, launch sglang without --cpu."
         )
 
 
@@ -37,11 +37,12 @@ def cpu_environ() -> dict:
     """Environment for sglang on this CPU: stand-ins on PYTHONPATH, CPU engine on, quiet logs."""
     _require_standins()
     pp = os.environ.get("PYTHONPATH", "")
-    parts = [str(CPU_STANDINS)] + [p for p in pp.split(os.pathsep) if p and p != str(CPU_STANDINS)]
+    ours = [str(CPU_STANDINS), str(CPU_STANDINS.parent)]  # the stand-ins, then torchvision_schemas
+    parts = ours + [p for p in pp.split(os.pathsep) if p and p not in ours]
     return {
         "PYTHONPATH": os.pathsep.join(parts),
         "SGLANG_USE_CPU_ENGINE": "1",
-        "SGLANG_DLITE_CACHE": os.environ.get("SGLANG_DLITE_CACHE", str(REPO / "artifacts" / "cache")),
+        "SGLANG_DLITE_CACHE": str(cache_dir()),
         "TOKENIZERS_PARALLELISM": "false",
         # A leaked KV / req slot crashes the scheduler at the next idle check instead of a warning.
         "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
@@ -49,7 +50,14 @@ def cpu_environ() -> dict:
 
 
 def activate_cpu_standins() -> None:
-    """Apply cpu_environ() to this process (and its children) and load the stand-ins here too."""
+    """Apply cpu_environ() to this process (and its children) and load the stand-ins here too.
+
+    Children started from now on get the stand-ins through PYTHONPATH alone. This process must also
+    import them from sys.path, which is why it is edited here (the one place in the package): an
+    in-process ``sgl.Engine`` imports sglang here, sglang imports ``sgl_kernel`` at import time (the
+    stand-in must win over any installed one), and the verify hook / packed linear must be installed
+    in this interpreter before sglang's scheduler processes are started from it.
+    """
     os.environ.update(cpu_environ())
     if str(CPU_STANDINS) not in sys.path:
         sys.path.insert(0, str(CPU_STANDINS))

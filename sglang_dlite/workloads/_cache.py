@@ -7,10 +7,11 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional
 
+from ..target import cache_dir
+
 
 def workloads_cache_dir() -> Path:
-    root = os.environ.get("SGLANG_DLITE_CACHE") or os.path.join(Path.home(), ".cache", "sglang_dlite")
-    d = Path(root) / "workloads"
+    d = cache_dir() / "workloads"
     d.mkdir(parents=True, exist_ok=True)
     return d
 

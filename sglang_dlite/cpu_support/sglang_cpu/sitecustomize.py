@@ -9,14 +9,9 @@ folder (the test fixtures and the CPU demo put it there, for the sglang schedule
 ``sgl_kernel`` (the pure-torch stand-in beside this file) is found on the same PYTHONPATH.
 """
 
-import os
 import sys
 
-_here = os.path.dirname(os.path.abspath(__file__))
-_parent = os.path.dirname(_here)
-if _parent not in sys.path:
-    sys.path.append(_parent)
-try:
+try:  # found through PYTHONPATH: cpu_launch.cpu_environ() puts cpu_support/ right after this folder
     import torchvision_schemas  # noqa: F401
 except ImportError:
     pass
