@@ -37,7 +37,7 @@ demo: venv build-ext
 	$(VENV)/bin/sglang-dlite demo
 
 cuda-check: venv
-	PYTHON=$(PY) bash csrc/cuda_check.sh
+	PYTHON=$(CURDIR)/$(PY) bash csrc/cuda_check.sh
 
 # The CUDA kernels' real source on this CPU (SIMT host emulation, csrc/emu/): the whole kernel grid
 # against the torch references in a plain, an ASan+UBSan and a TSan build (< 3 min, no GPU).

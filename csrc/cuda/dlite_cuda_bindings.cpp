@@ -9,6 +9,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <initializer_list>
+#include <utility>
+
 #include "dlite_cuda.h"
 
 namespace dlite_cuda {
@@ -38,6 +41,18 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const 
                    ") must have the same dtype.");
 }
 
+using Named = std::pair<const at::Tensor*, const char*>;
+
+// Every input on ref's CUDA device; `same_dtype` ones also in ref's dtype.
+void check_inputs(const at::Tensor& ref, const char* op, const char* ref_name,
+                  std::initializer_list<Named> same_dtype, std::initializer_list<Named> device_only = {}) {
+  for (const Named& t : same_dtype) {
+    check_cuda(*t.first, ref, op, t.second);
+    check_same(ref, *t.first, op, ref_name, t.second);
+  }
+  for (const Named& t : device_only) check_cuda(*t.first, ref, op, t.second);
+}
+
 // The launchers clear the CUDA error they return (cudaGetLastError), so a failed launch leaves
 // nothing behind for the next, unrelated CUDA call.
 void check_launch(int err, const char* op) {
@@ -62,12 +77,9 @@ at::Tensor assemble_round_inputs_cuda(const at::Tensor& ctx_, const at::Tensor& 
                     "sglang_dlite::", op, ": shapes disagree: context_hidden ", ctx_.sizes(),
                     ", anchor_embeds ", anchor_.sizes(), ", ctx_norm_weight ", norm_w_.sizes(),
                     ", depth_embed ", depth_.sizes(), ", mask_embed ", mask_.sizes(), ".");
-  const at::Tensor* all[] = {&anchor_, &norm_w_, &depth_, &mask_};
-  const char* names[] = {"anchor_embeds", "ctx_norm_weight", "depth_embed", "mask_embed"};
-  for (int i = 0; i < 4; ++i) {
-    check_cuda(*all[i], ctx_, op, names[i]);
-    check_same(ctx_, *all[i], op, "context_hidden", names[i]);
-  }
+  check_inputs(ctx_, op, "context_hidden",
+               {{&anchor_, "anchor_embeds"}, {&norm_w_, "ctx_norm_weight"}, {&depth_, "depth_embed"},
+                {&mask_, "mask_embed"}});
   const int dt = dtype_code(ctx_, op, "context_hidden");
   const c10::cuda::CUDAGuard guard(ctx_.device());
   auto ctx = ctx_.contiguous(), anchor = anchor_.contiguous(), nw = norm_w_.contiguous(),
@@ -103,13 +115,8 @@ at::Tensor round_attention_cuda(const at::Tensor& q_, const at::Tensor& k_, cons
                     " (Hq must be a multiple of Hkv, D even).");
   TORCH_CHECK_TYPE(valid_.scalar_type() == at::kBool, "sglang_dlite::", op,
                    ": context_valid must be a bool tensor, got ", valid_.scalar_type(), ".");
-  check_cuda(k_, q_, op, "k");
-  check_cuda(v_, q_, op, "v");
-  check_cuda(cos_, q_, op, "cos");
-  check_cuda(sin_, q_, op, "sin");
-  check_cuda(valid_, q_, op, "context_valid");
-  check_same(q_, k_, op, "q", "k");
-  check_same(q_, v_, op, "q", "v");
+  check_inputs(q_, op, "q", {{&k_, "k"}, {&v_, "v"}},
+               {{&cos_, "cos"}, {&sin_, "sin"}, {&valid_, "context_valid"}});
   const int dt = dtype_code(q_, op, "q");
   const c10::cuda::CUDAGuard guard(q_.device());
   auto q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
@@ -141,8 +148,7 @@ at::Tensor lowrank_rnn_scan_cuda(const at::Tensor& g_, const at::Tensor& u_) {
   TORCH_CHECK_VALUE(g_.dim() == 3 && g_.sizes() == u_.sizes(), "sglang_dlite::", op,
                     ": gate_logits and inputs must have the same shape [B, K, r], got ",
                     g_.sizes(), " and ", u_.sizes(), ".");
-  check_cuda(u_, g_, op, "inputs");
-  check_same(g_, u_, op, "gate_logits", "inputs");
+  check_inputs(g_, op, "gate_logits", {{&u_, "inputs"}});
   const int dt = dtype_code(g_, op, "gate_logits");
   const c10::cuda::CUDAGuard guard(g_.device());
   auto g = g_.contiguous(), u = u_.contiguous();
@@ -164,10 +170,7 @@ at::Tensor lm_head_argmax_cuda(const at::Tensor& hidden, const at::Tensor& norm_
                     "sglang_dlite::", op, ": hidden ", hidden.sizes(), ", norm_weight ",
                     norm_w.sizes(), " and lm_head_weight ", W.sizes(),
                     " disagree on the hidden size (want [..., H], [H] and [V, H]).");
-  check_cuda(norm_w, hidden, op, "norm_weight");
-  check_cuda(W, hidden, op, "lm_head_weight");
-  check_same(hidden, norm_w, op, "hidden", "norm_weight");
-  check_same(hidden, W, op, "hidden", "lm_head_weight");
+  check_inputs(hidden, op, "hidden", {{&norm_w, "norm_weight"}, {&W, "lm_head_weight"}});
   const int dt = dtype_code(hidden, op, "hidden");
   const c10::cuda::CUDAGuard guard(hidden.device());
   const int64_t H = hidden.size(-1), V = W.size(0);

@@ -98,15 +98,19 @@ struct __half {
   uint16_t x;
 };
 
-inline float __bfloat162float(__nv_bfloat16 h) {
-  const uint32_t u = static_cast<uint32_t>(h.x) << 16;
+inline float float_of_bits(uint32_t u) {
   float f;
   memcpy(&f, &u, 4);
   return f;
 }
-inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+inline uint32_t bits_of_float(float f) {
   uint32_t u;
   memcpy(&u, &f, 4);
+  return u;
+}
+inline float __bfloat162float(__nv_bfloat16 h) { return float_of_bits(static_cast<uint32_t>(h.x) << 16); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t u = bits_of_float(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return {0x7fff};  // NaN: CUDA's canonical bf16 NaN
   u += 0x7fffu + ((u >> 16) & 1u);                        // round to nearest, ties to even
   return {static_cast<uint16_t>(u >> 16)};
@@ -114,23 +118,13 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
 inline float __half2float(__half h) {
   const uint32_t sign = static_cast<uint32_t>(h.x & 0x8000u) << 16;
   const uint32_t e = (h.x >> 10) & 0x1fu, m = h.x & 0x3ffu;
-  uint32_t u;
-  if (e == 0) {
-    const float mag = ldexpf(static_cast<float>(m), -24);  // zero or subnormal: exact
-    memcpy(&u, &mag, 4);
-    u |= sign;
-  } else if (e == 31) {
-    u = sign | 0x7f800000u | (m << 13);
-  } else {
-    u = sign | ((e + 112u) << 23) | (m << 13);
-  }
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
+  if (e == 0)  // zero or subnormal: exact
+    return float_of_bits(sign | bits_of_float(ldexpf(static_cast<float>(m), -24)));
+  if (e == 31) return float_of_bits(sign | 0x7f800000u | (m << 13));
+  return float_of_bits(sign | ((e + 112u) << 23) | (m << 13));
 }
 inline __half __float2half_rn(float f) {
-  uint32_t x;
-  memcpy(&x, &f, 4);
+  uint32_t x = bits_of_float(f);
   const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
   x &= 0x7fffffffu;
   if (x > 0x7f800000u) return {static_cast<uint16_t>(sign | 0x7e00u)};  // NaN

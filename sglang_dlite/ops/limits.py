@@ -10,6 +10,7 @@ few hundred bytes of static shared memory.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional, Tuple
 
 ATTENTION_THREADS = 128  # kAttentionThreads
@@ -39,8 +40,17 @@ def round_attention_plan(rows: int, head_dim: int, smem_limit: int = SM90_SMEM_O
 
 
 def device_smem_optin(device) -> int:
-    """The opt-in shared memory per block of a CUDA device (bytes)."""
-    import torch  # a CUDA query: only called for CUDA tensors
+    """The opt-in shared memory per block of a CUDA device (bytes); asked once per device, so a
+    draft round inside a CUDA graph capture does no device query."""
+    import torch  # only called for CUDA tensors; this module stays importable without torch
 
-    props = torch.cuda.get_device_properties(device)
+    index = torch.device(device).index
+    return _smem_optin_of(torch.cuda.current_device() if index is None else index)
+
+
+@lru_cache(maxsize=None)
+def _smem_optin_of(index: int) -> int:
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
     return int(getattr(props, "shared_memory_per_block_optin", SM90_SMEM_OPTIN))
