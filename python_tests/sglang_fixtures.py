@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from sglang_dlite.cpu_launch import (  # noqa: F401  (the CPU launch environment lives in the package)
-    CPU_STANDINS, REPO, activate_cpu_standins, cpu_environ, engine_kwargs, start_engine,
+    CPU_STANDINS, activate_cpu_standins, cpu_environ, engine_kwargs, start_engine,
 )
 from sglang_dlite.cpu_launch import cpu_engine as engine  # noqa: F401
 from sglang_dlite.benchmarking.random_models import (  # noqa: F401  (tiny random-weight targets and drafters)
