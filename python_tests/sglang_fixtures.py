@@ -12,11 +12,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from sglang_dlite.cpu_launch import (  # noqa: F401  (the CPU launch environment lives in the package)
     CPU_STANDINS, activate_cpu_standins, cpu_environ, engine_kwargs, start_engine,
 )
 from sglang_dlite.cpu_launch import cpu_engine as engine  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]  # the checkout (tests run from it)
 from sglang_dlite.benchmarking.random_models import (  # noqa: F401  (tiny random-weight targets and drafters)
     save_random_dlite, save_tiny_llama, save_tiny_qwen3,
 )
