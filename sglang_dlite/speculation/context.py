@@ -10,21 +10,29 @@ from __future__ import annotations
 import torch
 
 
+def context_positions(ends, C: int, starts=0):
+    """The window itself: for each request the C positions ``end - C .. end - 1`` before its
+    ``end`` (exclusive) and which of them exist (``>= start``). Returns (positions ``[B, C]``,
+    0 where invalid; validity ``[B, C]``). The engines' rows and the trainer's batches
+    (``training/dataset.py``) all index by it."""
+    ends = torch.as_tensor(ends, dtype=torch.int64)
+    pos = ends[:, None] - C + torch.arange(C, dtype=torch.int64)[None, :]
+    valid = pos >= torch.as_tensor(starts, dtype=torch.int64).reshape(-1, 1)
+    return torch.where(valid, pos, torch.zeros_like(pos)), valid
+
+
 def last_rows(rows: torch.Tensor, C: int, dim: int = -2):
     """The last C rows of ``rows`` along ``dim`` (left-padded with zeros), and validity ``[C]``.
 
     ``rows``: e.g. ``[L, T, H]`` captured states of one request (dim=-2: positions)."""
     dim = dim % rows.dim()
-    T = rows.shape[dim]
-    n = min(C, T)
-    shape = list(rows.shape)
+    pos, valid = context_positions([rows.shape[dim]], C)
+    pos, valid = pos[0].to(rows.device), valid[0].to(rows.device)
+    shape = [1] * rows.dim()
     shape[dim] = C
-    out = rows.new_zeros(shape)
-    if n:
-        out.narrow(dim, C - n, n).copy_(rows.narrow(dim, T - n, n))
-    valid = torch.zeros(C, dtype=torch.bool, device=rows.device)
-    valid[C - n:] = True
-    return out, valid
+    if rows.shape[dim] == 0:  # nothing to gather from: every slot is padding
+        return rows.new_zeros([C if d == dim else n for d, n in enumerate(rows.shape)]), valid
+    return rows.index_select(dim, pos).masked_fill_(~valid.view(shape), 0), valid
 
 
 def last_rows_of_segments(rows: torch.Tensor, seg_lens, C: int):
@@ -34,10 +42,7 @@ def last_rows_of_segments(rows: torch.Tensor, seg_lens, C: int):
     each segment, left-padded with zeros) and validity ``[B, C]``."""
     lens = torch.as_tensor(seg_lens, dtype=torch.int64).cpu()
     ends = torch.cumsum(lens, 0)
-    j = torch.arange(C, dtype=torch.int64)
-    idx = ends[:, None] - C + j[None, :]  # [B, C]
-    valid = j[None, :] >= (C - torch.clamp(lens, max=C))[:, None]
-    idx = torch.where(valid, idx, torch.zeros_like(idx)).to(rows.device)
-    valid = valid.to(rows.device)
+    idx, valid = context_positions(ends, C, ends - lens)
+    idx, valid = idx.to(rows.device), valid.to(rows.device)
     out = rows[idx] * valid[..., None].to(rows.dtype)
     return out, valid

@@ -13,7 +13,8 @@ import torch
 
 from ..config import DLiteConfig
 from ..errors import DLiteInputError
-from ..model import History
+from ..model_variants import History
+from ..speculation.context import context_positions
 from .data import DataError, load_shard, read_manifest
 from .features import ensure_features, load_features
 
@@ -104,9 +105,8 @@ def build_group(ids, mask, feats, start: int, length: int, anchors, L: int, H: i
     """``FeatureData.group`` on raw shard arrays (also used by the streaming loader, stream.py)."""
     n = np.asarray(anchors, dtype=np.int64)
     B = len(n)
-    cpos = n[:, None] - C + np.arange(C)[None]  # [B, C]
-    cvalid = cpos >= 0
-    ctx = np.asarray(feats[start + np.clip(cpos, 0, None).reshape(-1), :L], dtype=np.float32).reshape(B, C, L, H)
+    cpos, cvalid = (t.numpy() for t in context_positions(n, C))  # [B, C]: the C positions before each anchor
+    ctx = np.asarray(feats[start + cpos.reshape(-1), :L], dtype=np.float32).reshape(B, C, L, H)
     ctx[~cvalid] = 0
     lpos = n[:, None] + 1 + np.arange(K)[None]  # [B, K]
     inside = lpos < length
