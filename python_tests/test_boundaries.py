@@ -18,12 +18,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "sglang_dlite"
-PURE_TORCH = ["config.py", "model.py", "model_variants.py", "layers.py", "proposal.py", "engine.py", "drafters.py",
-              "ops", "lookup", "speculation"]
+PURE_TORCH = ["config.py", "model.py", "engine.py", "drafters.py", "ops", "lookup", "speculation"]
 # The product: what `pip install` + `--speculative-algorithm DLITE` needs (ARCHITECTURE.md, "serving").
 SERVING = ["__init__.py", "__main__.py", "cli.py", "errors.py", "config.py", "drafter_config.py", "model.py",
-           "model_variants.py", "layers.py", "proposal.py", "target.py", "target_support.py", "target_binding.py",
-           "drafters.py", "cpu_launch.py", "ops",
+           "target.py", "target_support.py", "target_binding.py", "drafters.py", "cpu_launch.py", "ops",
            "speculation", "lookup", "sglang_plugin", "cpu_support"]
 # The lab: regeneration, training, baselines, benchmarking, workloads, the reference engine and its
 # drafter registry, the CLI's lab commands. The serving tree imports none of it.

@@ -12,9 +12,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from .model import DLiteDrafter
-from .model_variants import History
-from .proposal import DraftProposal
+from .model import DLiteDrafter, DraftProposal, History
 from .speculation.context import last_rows
 
 

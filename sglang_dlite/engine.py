@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+from transformers import DynamicCache
 
 from .drafters import DraftRequest, Drafter
 from .errors import DLiteInputError
 from .speculation import chain_rejection_sample, greedy_accept, logits_to_probs
+from .speculation.tau import tau_of_requests
 
 
 @dataclass
@@ -55,35 +57,41 @@ class GenerationResult:
     def tau(self) -> float:
         """τ of this request (``spec/tau.py``: committed tokens per verify round, the prefill's
         token excluded, only the returned tokens); NaN when no verify round ran."""
-        from .speculation.tau import tau_of_requests
-
         t = tau_of_requests([(len(self.output_ids), len(self.rounds))])
         return float("nan") if t is None else t
 
 
-class _Capture:
-    """Forward hooks that collect the outputs of chosen decoder layers (= HF hidden_states[l+1])."""
+class LayerCapture:
+    """Forward hooks that keep what chosen modules output, forward by forward, until taken (a
+    decoder layer's output is HF's ``hidden_states[l + 1]``): the one capture of target states, used
+    by this engine, gen-data's hf engine and the feature passes (``training/features.py``).
+    ``dtype``: each output is stored detached in that dtype (None: as the module returned it)."""
 
-    def __init__(self, target, layer_ids: Sequence[int]):
-        layers = _decoder_layers(target)
-        self.layer_ids = list(layer_ids)
-        self.out: dict = {}
-        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+    def __init__(self, modules: Sequence[torch.nn.Module], dtype: Optional[torch.dtype] = None):
+        self.dtype = dtype
+        self.outs: list = [[] for _ in modules]
+        self.handles = [m.register_forward_hook(self._hook(k)) for k, m in enumerate(modules)]
 
-    def _hook(self, i):
+    def _hook(self, k):
         def fn(module, args, output):
-            self.out[i] = output[0] if isinstance(output, tuple) else output
+            out = output[0] if isinstance(output, tuple) else output
+            self.outs[k].append(out if self.dtype is None else out.detach().to(self.dtype))
         return fn
 
-    def take(self) -> torch.Tensor:
-        """[L, T, H] for the last forward (batch 1)."""
-        h = torch.stack([self.out[i][0] for i in self.layer_ids])
-        self.out.clear()
-        return h
+    def take(self) -> list:
+        """Per module, its outputs since the last take (one per forward, oldest first)."""
+        outs, self.outs = self.outs, [[] for _ in self.outs]
+        return outs
 
     def close(self):
         for h in self.handles:
             h.remove()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _module_device(module) -> torch.device:
@@ -103,7 +111,7 @@ def _drafter_modules(drafter, depth: int = 0):
             yield from _drafter_modules(obj, depth + 1)
 
 
-def _decoder_layers(target):
+def decoder_layers(target):
     inner = getattr(target, "model", target)
     layers = getattr(inner, "layers", None)
     if layers is None:
@@ -115,8 +123,6 @@ class Session:
     """One conversation's target state: KV cache, committed tokens, captured hidden states."""
 
     def __init__(self, engine: "ReferenceEngine"):
-        from transformers import DynamicCache
-
         self.engine = engine
         self.cache = DynamicCache()
         self.tokens: list = []  # committed tokens; cache covers tokens[:-1]
@@ -163,7 +169,7 @@ class Session:
         out = eng.target(input_ids=x, past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
         if eng.capture is not None:
-            self._append_hidden(eng.capture.take(), start)
+            self._append_hidden(torch.stack([o[-1][0] for o in eng.capture.take()]), start)  # [L, T, H]
         return out.logits[0].float()
 
     def prefill(self, prompt: list) -> tuple[torch.Tensor, int]:
@@ -218,7 +224,8 @@ class ReferenceEngine:
         self.drafter = drafter
         self.eos = set(int(t) for t in eos_token_ids)
         self.max_positions = getattr(target.config, "max_position_embeddings", None)
-        num_layers = len(_decoder_layers(target))
+        layers = decoder_layers(target)
+        num_layers = len(layers)
         self.capture = None
         self.hidden_rows_needed = 0
         if drafter is not None:
@@ -229,7 +236,7 @@ class ReferenceEngine:
                 )
             if drafter.block_size < 1:
                 raise DLiteInputError(f"block size K={drafter.block_size} must be >= 1.")
-            self.capture = _Capture(target, drafter.capture_layer_ids)
+            self.capture = LayerCapture([layers[i] for i in drafter.capture_layer_ids])
             self.hidden_rows_needed = drafter.hidden_rows_needed
             for m in _drafter_modules(drafter):
                 m.to(self.device)

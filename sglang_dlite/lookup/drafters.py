@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..drafters import DLiteEngineDrafter, DraftRequest
-from ..proposal import DraftProposal
+from ..model import DraftProposal
 from .chooser import Calibration, choose, default_calibration, lookup_only
 from .suffix import DEFAULT_MAX_MATCH, SuffixIndex
 

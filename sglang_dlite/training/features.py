@@ -14,21 +14,26 @@ mmap_mode="r")``: no target forward during training.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
 import numpy as np
+import torch
+from tqdm.auto import tqdm
 
-from .data import DataError, load_shard
+from ..engine import LayerCapture, decoder_layers
+from ..target import load_target
+from .data import DataError, load_shard, read_manifest
 
 
 def feature_modules(model, layer_ids):
-    inner = getattr(model, "model", model)
-    layers = inner.layers
+    """The modules whose outputs are a feature row: the captured decoder layers, then the final norm."""
+    layers = decoder_layers(model)
     bad = [i for i in layer_ids if not 0 <= i < len(layers)]
     if bad:
         raise DataError(f"layers {bad} do not exist in a target with {len(layers)} layers.")
-    return [layers[i] for i in layer_ids] + [inner.norm]
+    return [layers[i] for i in layer_ids] + [getattr(model, "model", model).norm]
 
 
 def feat_paths(shard_path: str, layer_ids=None):
@@ -113,16 +118,11 @@ def padded_forward_groups(model, seqs, layer_ids, batch_tokens: int = 4096, *, l
     sequences' indices, their captured layers ``[len(group), T, L+1, H]`` fp16 (None without
     ``layer_ids``; on the CPU), and the LM logits when ``logits`` (on the target's device; else
     None: the LM head is skipped)."""
-    import torch
-
     mods = feature_modules(model, layer_ids) if layer_ids else []
-    buf = {}
-    hooks = [m.register_forward_hook(lambda mod, a, o, k=k: buf.__setitem__(k, (o[0] if isinstance(o, tuple) else o)))
-             for k, m in enumerate(mods)]
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     dev = next(model.parameters()).device  # a target on a GPU: inputs there, results back here
     runner = model if logits else getattr(model, "model", model)  # no LM head without logits
-    try:
+    with LayerCapture(mods) as cap:
         i = 0
         while i < len(order):
             group = [order[i]]
@@ -137,11 +137,8 @@ def padded_forward_groups(model, seqs, layer_ids, batch_tokens: int = 4096, *, l
                 att[r, :len(seqs[g])] = 1
             with torch.no_grad():
                 out = runner(input_ids=ids.to(dev), attention_mask=att.to(dev), use_cache=False)
-            stack = torch.stack([buf[k] for k in range(len(mods))], dim=2).to(torch.float16).cpu() if mods else None
+            stack = torch.stack([o[-1] for o in cap.take()], dim=2).to(torch.float16).cpu() if mods else None
             yield group, stack, (out.logits if logits else None)  # logits stay on the target's device
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def compute_features(model, seqs, layer_ids, batch_tokens: int = 4096):
@@ -162,8 +159,6 @@ def ensure_feature_sets(data_dir: str, shards: list, model_loader, layer_sets, p
     """Like ``ensure_features`` for several layer sets at once: one target forward per shard
     captures the union of the sets, then each set is saved to its own cache file. Returns the
     number of shards that needed a forward pass."""
-    from tqdm.auto import tqdm
-
     layer_sets = [list(x) for x in layer_sets]
     model = None
     todo = []
@@ -188,13 +183,6 @@ def ensure_feature_sets(data_dir: str, shards: list, model_loader, layer_sets, p
 def main(argv=None) -> int:
     """``python -m sglang_dlite.training.features --data DIR --layer-sets 10,12 2,15,27``:
     precompute the feature caches of several drafters in one target pass per shard."""
-    import argparse
-
-    import torch
-
-    from ..target import load_target
-    from .data import read_manifest
-
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--data", required=True)
     ap.add_argument("--target", default="default")

@@ -7,6 +7,11 @@ header; ``turn_suffix``: the ids appended after a finished assistant turn), whic
 
 from __future__ import annotations
 
+import torch
+
+from ..engine import LayerCapture
+from .features import feature_modules
+
 
 class Regenerator:
     """Batched, turn-by-turn regeneration of conversations with a HF causal LM."""
@@ -17,12 +22,7 @@ class Regenerator:
         # Target features captured during generation (no second target pass): outputs of the
         # decoder layers ``capture_layers`` and of the final norm, per position, in fp16.
         self.capture_layers = list(capture_layers) if capture_layers else None
-        self._hooks, self._buf = [], None
-        if self.capture_layers:
-            from .features import feature_modules
-
-            for k, mod in enumerate(feature_modules(model, self.capture_layers)):
-                self._hooks.append(mod.register_forward_hook(self._hook(k)))
+        self._modules = feature_modules(model, self.capture_layers) if self.capture_layers else []
         self.max_new, self.max_len, self.max_user = max_new_tokens, max_len, max_user_tokens
         self.temperature, self.top_p = temperature, top_p
         eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
@@ -30,16 +30,8 @@ class Regenerator:
         self.pad = int(tok.pad_token_id if tok.pad_token_id is not None else self.eos)
         self.new_tokens = 0
 
-    def _hook(self, k):
-        def fn(module, args, output):
-            if self._buf is not None:
-                out = output[0] if isinstance(output, tuple) else output
-                self._buf[k].append(out.detach().to(dtype=__import__("torch").float16))
-        return fn
-
     def close(self):
-        for h in self._hooks:
-            h.remove()
+        """Nothing to release: the capture hooks live only while ``generate_batch`` runs."""
 
     def _render_ids(self, messages, gen_prompt):
         out = self.tok.apply_chat_template(messages, add_generation_prompt=gen_prompt, tokenize=True)
@@ -73,8 +65,6 @@ class Regenerator:
         return self.tok(tail, add_special_tokens=False)["input_ids"]
 
     def generate_batch(self, prompts, max_new):
-        import torch
-
         L = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), L), self.pad, dtype=torch.long)
         att = torch.zeros((len(prompts), L), dtype=torch.long)
@@ -83,10 +73,8 @@ class Regenerator:
             att[i, L - len(p):] = 1
         dev = next(self.model.parameters()).device  # --device: the target may run on a GPU
         ids, att = ids.to(dev), att.to(dev)
-        if self.capture_layers:
-            self._buf = [[] for _ in range(len(self.capture_layers) + 1)]
         kw = dict(do_sample=False) if self.temperature <= 0 else dict(do_sample=True, temperature=self.temperature, top_p=self.top_p)
-        with torch.no_grad():
+        with torch.no_grad(), LayerCapture(self._modules, dtype=torch.float16) as cap:
             out = self.model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new,
                                       eos_token_id=self.eos, pad_token_id=self.pad, **kw)
         res, feats = [], []
@@ -96,7 +84,7 @@ class Regenerator:
             res.append(row)
             self.new_tokens += len(row)
         if self.capture_layers:
-            buf, self._buf = self._buf, None
+            buf = cap.take()
             # buf[k][0]: prefill [B, L, H]; buf[k][t]: decode step t consumed generated token t-1.
             per_k = []
             for chunks in buf:
