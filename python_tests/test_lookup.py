@@ -4,6 +4,7 @@ the reference engine (lossless, greedy and sampled)."""
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 
@@ -329,3 +330,30 @@ def test_skip_dlite_scores_the_lookup_over_dlites_length():
         bl.on_extend([req])
         _, _, need = bl.begin_round([req], [toks[-1]])
         assert need is want, (horizon, s7, s15)
+    # the reference engine's hybrid drafter follows the same rule (chooser.needs_dlite): chains of
+    # 15 past DLite's K = 7 run DLite here; with K = 15 the lookup's whole chain skips it
+    from sglang_dlite.drafters import DraftRequest
+
+    for k, want in ((7, True), (15, False)):
+        calls = []
+        dl = _StubDLite(k, calls)
+        dr = HybridEngineDrafter(dl, calibration=cal, max_drafts=15)
+        dr.draft(DraftRequest(tokens=list(toks), hidden=torch.zeros(1, 1, 1), hidden_start=len(toks) - 1))
+        assert bool(calls) is want, (k, s7, s15)
+
+
+class _StubDLite:
+    """A DLite engine adapter that drafts K zeros and records that it ran."""
+
+    capture_layer_ids, hidden_rows_needed = [0], 1
+
+    def __init__(self, k, calls):
+        self.block_size, self.calls, self.model = k, calls, self
+
+    def context_inputs(self, req):
+        return None, None, None, None
+
+    def propose(self, *args, **kw):
+        self.calls.append(1)
+        return types.SimpleNamespace(tokens=torch.zeros(1, self.block_size, dtype=torch.int64),
+                                     confidence=torch.full((1, self.block_size), 0.5))

@@ -17,8 +17,7 @@ import json
 import os
 from typing import List, Optional, Sequence
 
-from .chooser import (Calibration, Candidate, best_chain, candidates, default_calibration, expected_accepted,
-                      lookup_only, pick)
+from .chooser import Calibration, Candidate, best_chain, candidates, default_calibration, lookup_only, needs_dlite, pick
 from .suffix import DEFAULT_MAX_MATCH, SuffixIndex
 
 ENV_LOOKUP = "SGLANG_DLITE_LOOKUP"  # "0" / "off" / "false": DLite alone (no lookup)
@@ -42,7 +41,7 @@ class BatchLookup:
                  max_match: int = DEFAULT_MAX_MATCH, trace_path: Optional[str] = None,
                  dlite_drafts: Optional[int] = None):
         self.K = int(num_drafts)
-        # the skip-DLite threshold was tuned on chains of DLite's length: score the lookup there
+        # chooser.needs_dlite: the lookup is scored over at most DLite's K drafts
         self.skip_horizon = self.K if dlite_drafts is None else min(self.K, int(dlite_drafts))
         self.cal = calibration or default_calibration()
         self.max_match = max_match
@@ -88,7 +87,6 @@ class BatchLookup:
         and run the lookup. Returns (indices, lookups, whether DLite is needed at all)."""
         self.retain([r.rid for r in reqs])
         idxs, lookups, need_dlite = [], [], False
-        skip = self.cal.skip_dlite_at
         for i, req in enumerate(reqs):
             idx = self.states.get(req.rid)
             if idx is None:  # never saw its prefill (should not happen): index what it has
@@ -98,8 +96,7 @@ class BatchLookup:
                 idx = self.states[req.rid] = SuffixIndex(toks, self.max_match)
             idx.append(int(anchors[i]))
             lk = lookup_only(idx, self.K, self.cal)
-            if skip is None or expected_accepted(lk[1][: self.skip_horizon]) < skip:
-                need_dlite = True
+            need_dlite = need_dlite or needs_dlite(lk, self.cal, self.skip_horizon)
             idxs.append(idx)
             lookups.append(lk)
         return idxs, lookups, need_dlite

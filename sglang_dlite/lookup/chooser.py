@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
+from ..speculation.accept import expected_accepted, expected_accepted_prefixes
 from .suffix import LookupStep, SuffixIndex
 
 CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
@@ -110,15 +111,6 @@ def default_calibration() -> Calibration:
     return _DEFAULT
 
 
-def expected_accepted(ps: Sequence[float]) -> float:
-    """sum_i prod_{j<=i} p_j."""
-    s, reach = 0.0, 1.0
-    for p in ps:
-        reach *= p
-        s += reach
-    return s
-
-
 @dataclass
 class Choice:
     tokens: List[int]
@@ -136,6 +128,16 @@ def lookup_only(index: SuffixIndex, k: int, cal: Calibration):
     return d, ps, expected_accepted(ps)
 
 
+def needs_dlite(lookup, cal: Calibration, horizon: int) -> bool:
+    """The skip-DLite rule of every hybrid drafter (the reference engine's and the sglang worker's):
+    DLite runs unless the lookup alone (``lookup_only``'s result) expects to get at least
+    ``cal.skip_dlite_at`` drafts accepted within its first ``horizon`` steps. ``horizon`` is
+    ``min(chain length, DLite's K)``: the threshold was tuned on chains of DLite's length, so a
+    lookup tail past K (chains longer than K) does not skip DLite on its own."""
+    skip = cal.skip_dlite_at
+    return skip is None or expected_accepted(lookup[1][:horizon]) < skip
+
+
 class Candidate:
     """One chain this round could verify: ``split`` DLite drafts at its head (``alone``: DLite's
     drafts only), its tokens and their calibrated acceptance probabilities. ``score(n)`` is its
@@ -145,12 +147,7 @@ class Candidate:
 
     def __init__(self, split: int, tokens: Sequence[int], probs: Sequence[float], alone: bool = False):
         self.split, self.tokens, self.probs, self.alone = split, list(tokens), list(probs), alone
-        cum, s, reach = [0.0], 0.0, 1.0
-        for p in self.probs:
-            reach *= p
-            s += reach
-            cum.append(s)
-        self._cum = cum
+        self._cum = expected_accepted_prefixes(self.probs)
 
     def score(self, n: Optional[int] = None) -> float:
         return self._cum[-1] if n is None else self._cum[min(max(n, 0), len(self.probs))]

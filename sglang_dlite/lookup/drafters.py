@@ -15,7 +15,7 @@ import torch
 
 from ..drafters import DLiteEngineDrafter, DraftRequest
 from ..model import DraftProposal
-from .chooser import Calibration, choose, default_calibration, lookup_only
+from .chooser import Calibration, choose, default_calibration, lookup_only, needs_dlite
 from .suffix import DEFAULT_MAX_MATCH, SuffixIndex
 
 
@@ -90,9 +90,8 @@ class HybridEngineDrafter:
         K = self.block_size
         idx = session_index(req, self.max_match)
         lk = lookup_only(idx, K, self.cal)
-        skip = self.cal.skip_dlite_at
         log = None if self.round_log is None else {"ctx_len": len(req.tokens)}
-        if skip is not None and lk[2] >= skip and log is None:
+        if log is None and not needs_dlite(lk, self.cal, self.dlite.block_size):  # calibration logs run DLite always
             c = choose(idx, K, self.cal, lookup=lk, min_reach=self.min_reach)
         else:
             ctx, valid, history, offset = self.dlite.context_inputs(req)

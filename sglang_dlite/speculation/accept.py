@@ -4,13 +4,33 @@ Layout: a round verifies ``W = K + 1`` positions per request, ``[anchor, d_1 .. 
 the target's output scores the token after ``anchor + d_1..d_j``. So draft ``d_{j+1}`` is checked
 against row j, and row ``a`` (the first rejected draft's row, or row K when all are accepted) gives
 the bonus token.
+
+The expected number of accepted drafts of a chain (``expected_accepted``) is defined here too: the
+hybrid chooser scores its chains with it, and the skip-DLite rule (``lookup.chooser.needs_dlite``) reads it.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
+
+
+def expected_accepted_prefixes(probs: Sequence[float]) -> List[float]:
+    """``[E(0), E(1), .., E(n)]``: the expected accepted drafts when only a chain's first k drafts
+    are verified, ``E(k) = sum_{i<=k} prod_{j<=i} p_j``, from ``probs[j]`` = the chance draft j is
+    accepted given that every draft before it was."""
+    out, s, reach = [0.0], 0.0, 1.0
+    for p in probs:
+        reach *= p
+        s += reach
+        out.append(s)
+    return out
+
+
+def expected_accepted(probs: Sequence[float]) -> float:
+    """Expected accepted drafts of the whole chain: ``sum_i prod_{j<=i} p_j``."""
+    return expected_accepted_prefixes(probs)[-1]
 
 
 def greedy_accept(drafts: torch.Tensor, target_tokens: torch.Tensor):
