@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import argparse
 from pathlib import Path
 
@@ -18,10 +19,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "sglang_dlite"
-PURE_TORCH = ["config.py", "model.py", "engine.py", "drafters.py", "ops", "lookup", "speculation"]
+PURE_TORCH = ["config.py", "model.py", "model_variants.py", "layers.py", "proposal.py", "engine.py", "drafters.py",
+              "ops", "lookup", "speculation"]
 # The product: what `pip install` + `--speculative-algorithm DLITE` needs (ARCHITECTURE.md, "serving").
 SERVING = ["__init__.py", "__main__.py", "cli.py", "errors.py", "config.py", "drafter_config.py", "model.py",
-           "target.py", "target_support.py", "target_binding.py", "drafters.py", "cpu_launch.py", "ops",
+           "model_variants.py", "layers.py", "proposal.py", "target.py", "target_support.py", "target_binding.py",
+           "drafters.py", "cpu_launch.py", "ops",
            "speculation", "lookup", "sglang_plugin", "cpu_support"]
 # The lab: regeneration, training, baselines, benchmarking, workloads, the reference engine and its
 # drafter registry, the CLI's lab commands. The serving tree imports none of it.
@@ -220,3 +223,87 @@ def test_wheel_serves_without_the_source_tree(tmp_path):
                            capture_output=True, text=True, cwd=elsewhere, env=dict(os.environ, PYTHONPATH=pp))
     assert child.returncode == 0, child.stderr[-3000:]
     assert child.stdout.strip().startswith(f"{site}/sglang_dlite/cpu_support/sglang_cpu/sgl_kernel")
+
+
+# ------------------------------------------------------------------------------ ARCHITECTURE.md
+def _architecture_layers() -> list:
+    """The layer table of ARCHITECTURE.md, bottom up: [(layer name, [package paths])]."""
+    rows, in_table = [], False
+    for line in (REPO / "ARCHITECTURE.md").read_text().splitlines():
+        if line.startswith("| layer |"):
+            in_table = True
+            continue
+        if in_table and line.startswith("|---"):
+            continue
+        if in_table and not line.startswith("|"):
+            break
+        if in_table:
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            paths = [p for p in re.findall(r"`([^`]+)`", cells[1]) if p.startswith("sglang_dlite/")]
+            rows.append((cells[0], paths))
+    return rows
+
+
+def _layer_of(rel: str, rows) -> list:
+    """Indices of the rows whose most specific path covers ``rel`` (a path under the repo)."""
+    best, hits = -1, []
+    for i, (_, paths) in enumerate(rows):
+        for p in paths:
+            if rel == p or (p.endswith("/") and rel.startswith(p)):
+                if len(p) > best:
+                    best, hits = len(p), [i]
+                elif len(p) == best:
+                    hits.append(i)
+    return hits
+
+
+def _module_file(name: str):
+    parts = name.split(".") if name else []
+    while parts:
+        for cand in (PKG.joinpath(*parts).with_suffix(".py"), PKG.joinpath(*parts, "__init__.py")):
+            if cand.is_file():
+                return cand
+        parts = parts[:-1]  # `from pkg import name`: a name of the package's __init__
+    return PKG / "__init__.py"
+
+
+def _layer_problems(rows) -> list:
+    layer, problems = {}, []
+    for f in sorted(PKG.rglob("*.py")):
+        rel = str(f.relative_to(REPO))
+        hits = _layer_of(rel, rows)
+        if len(hits) != 1:
+            problems.append(f"{rel}: in {len(hits)} layers")
+        else:
+            layer[f] = hits[0]
+    if problems:
+        return problems
+    for f, i in layer.items():
+        for name in _package_imports(f):
+            j = layer[_module_file(name)]
+            if j > i:
+                problems.append(f"{f.relative_to(REPO)} ({rows[i][0]}) imports {name} ({rows[j][0]}), a layer above")
+    return problems
+
+
+def test_architecture_layers_match_the_import_graph():
+    """Every module of the package sits in exactly one layer of ARCHITECTURE.md's table, every listed
+    path exists, and every import between package modules points to the same layer or one below."""
+    rows = _architecture_layers()
+    assert len(rows) >= 8, rows
+    missing = [p for _, paths in rows for p in paths if not (REPO / p).exists()]
+    assert not missing, f"ARCHITECTURE.md lists paths that do not exist: {missing}"
+    problems = _layer_problems(rows)
+    assert not problems, problems
+    # the same check on the table upside down finds the imports that now point up
+    assert any("a layer above" in p for p in _layer_problems(rows[::-1]))
+
+
+def test_module_and_function_sizes():
+    """No package module over 500 lines; no function of the serving tree over 80 lines."""
+    big = [f"{f.relative_to(REPO)}: {n} lines" for f in sorted(PKG.rglob("*.py"))
+           if (n := len(f.read_text().splitlines())) > 500]
+    long_fns = [f"{f.relative_to(REPO)}:{n.lineno} {n.name}: {n.end_lineno - n.lineno + 1} lines"
+                for f in _py_files(*SERVING) for n in ast.walk(ast.parse(f.read_text()))
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80]
+    assert not big and not long_fns, big + long_fns
