@@ -321,23 +321,38 @@ class ReferenceEngine:
             temperature=temperature, top_p=top_p, generator=gen, state=sess.drafter_state,
         ))
         drafts = [int(t) for t in prop.tokens[0].tolist()]
-        K = len(drafts)  # a lookup chain may be shorter than the block (then a shorter verify)
         t1 = time.perf_counter()
-        logits = sess.verify([sess.tokens[-1]] + drafts)  # [K+1, V]
+        # [K+1, V]; a lookup chain may be shorter than the block (then a shorter verify)
+        logits = sess.verify([sess.tokens[-1]] + drafts)
         t2 = time.perf_counter()
         if temperature <= 0:
-            acc, bon = greedy_accept(torch.tensor([drafts], dtype=torch.int64, device=logits.device),
-                                     logits.argmax(-1)[None])
-            a, bonus = int(acc[0]), int(bon[0])
+            a, new = accept_round(drafts, logits.argmax(-1))
         else:
-            p = logits_to_probs(logits, temperature, top_p)
             q = prop.probs[0].to(logits.device) if prop.probs is not None else None
-            a, bonus = rejection_sample(p, q, drafts, gen)
-        new = drafts[:a] + [bonus]
+            a, new = accept_round(drafts, p=logits_to_probs(logits, temperature, top_p), q=q, generator=gen)
         sess.commit(new, a + 1)
         res.output_ids.extend(new)
         res.rounds.append(RoundRecord(drafts, a, ctx_len, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
                                       getattr(prop, "source", None), getattr(prop, "score", None)))
+
+
+def accept_round(drafts: list, target_tokens: Optional[torch.Tensor] = None, *, p: Optional[torch.Tensor] = None,
+                 q: Optional[torch.Tensor] = None, generator: Optional[torch.Generator] = None):
+    """What one verify round of a chain commits: (accepted drafts ``a``, ``drafts[:a] + [bonus]``).
+
+    Greedy: ``target_tokens`` [K+1], the target's token at each verify row (``greedy_accept``);
+    sampled: ``p`` [K+1, V] the target's filtered distributions and ``q`` as in ``rejection_sample``.
+    The reference engine's round and gen-data's fast engine (``training/fast_regen.py``) accept
+    through it."""
+    if p is not None:
+        a, bonus = rejection_sample(p, q, drafts, generator)
+    elif not drafts:  # nothing to verify: the target's own next token
+        a, bonus = 0, int(target_tokens[0])
+    else:
+        d = torch.tensor([list(drafts)], dtype=torch.int64, device=target_tokens.device)
+        acc, bon = greedy_accept(d, target_tokens[None])
+        a, bonus = int(acc[0]), int(bon[0])
+    return a, list(drafts[:a]) + [bonus]
 
 
 def rejection_sample(p: torch.Tensor, q: Optional[torch.Tensor], drafts: list,

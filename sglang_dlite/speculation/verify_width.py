@@ -15,6 +15,9 @@ E_r(w - 1)) / cost(batch * w)``. Rows it has not measured yet get an optimistic 
 (interpolated between measured neighbours, proportional below the smallest, flat above the
 largest), so every width is tried once and then judged by what it cost. Pure Python; the sglang
 DLITE worker uses it where the verify runs eagerly on a CPU (``SGLANG_DLITE_VERIFY_WIDTH``).
+
+``select_drafts`` is the same choice where every request may verify its own number of drafts
+(gen-data's fast engine verifies ragged rows) and a round's cost is linear in its rows.
 """
 
 from __future__ import annotations
@@ -26,18 +29,56 @@ from collections import deque
 from statistics import median
 from typing import Dict, List, Optional, Sequence
 
+from ..errors import DLiteConfigError
+
 logger = logging.getLogger(__name__)
 
 ENV_VERIFY_WIDTH = "SGLANG_DLITE_VERIFY_WIDTH"  # auto (default) | adaptive | fixed
 
 
+def reaches(probs: Sequence[float], min_reach: float = 0.0) -> List[float]:
+    """prod_{j<=i} p_j per draft i: the chance that draft i is accepted (every draft before it
+    was), from the per-position acceptance probabilities; the chain ends before the first one
+    below ``min_reach``."""
+    out, reach = [], 1.0
+    for p in probs:
+        reach *= float(p)
+        if reach < min_reach:
+            break
+        out.append(reach)
+    return out
+
+
 def expected_committed(probs: Sequence[float], n: int) -> float:
     """1 + sum_{i<=n} prod_{j<=i} p_j: tokens one request commits when n drafts are verified."""
-    s, reach = 1.0, 1.0
-    for p in list(probs)[:n]:
-        reach *= float(p)
+    s = 1.0
+    for reach in reaches(list(probs)[:n]):
         s += reach
     return s
+
+
+def select_drafts(chains: Sequence[Sequence[float]], fixed_rows: Optional[float]) -> List[int]:
+    """How many drafts of each request's chain to verify in a round of ragged rows. ``chains[b]``:
+    request b's ``reaches`` (decreasing). A round costs about ``fixed_rows + rows`` row-units
+    (``fixed_rows``: its fixed cost, e.g. streaming the weights once, in units of one more
+    verified row). Draft positions are taken in decreasing reach while each one's expected tokens
+    per row-unit (its reach) beats the round's expected tokens per row-unit so far, i.e. the
+    prefixes that maximise (B + sum of reaches) / (fixed_rows + B + drafts); ``fixed_rows`` None:
+    every draft."""
+    if fixed_rows is None:
+        return [len(c) for c in chains]
+    flat = sorted((-r, b, j) for b, c in enumerate(chains) for j, r in enumerate(c))
+    B = len(chains)
+    tokens, units, take = float(B), float(fixed_rows + B), [0] * B
+    for r, b, j in flat:
+        r = -r
+        if r * units <= tokens:
+            break
+        if j == take[b]:  # a chain's positions are taken in order (reach decreases along it)
+            take[b] += 1
+            tokens += r
+            units += 1
+    return take
 
 
 def adaptive_width_wanted(device: str, disable_cuda_graph: bool, tp_size: int = 1, environ=None) -> bool:
@@ -47,8 +88,6 @@ def adaptive_width_wanted(device: str, disable_cuda_graph: bool, tp_size: int = 
     (every rank would have to pick the same width from its own timings)."""
     v = (environ if environ is not None else os.environ).get(ENV_VERIFY_WIDTH, "auto").strip().lower()
     if v not in ("auto", "adaptive", "fixed"):
-        from ..errors import DLiteConfigError
-
         raise DLiteConfigError(f"{ENV_VERIFY_WIDTH}={v!r}: use auto, adaptive or fixed.")
     if v == "fixed" or tp_size > 1:
         return False

@@ -25,11 +25,14 @@ replace the captured ones. ``bench/gen_throughput.py`` measures both.
 from __future__ import annotations
 
 import math
+import time
 from typing import Iterable, Iterator
 
 import torch
 
+from ..engine import accept_round
 from .fast_llama import FastLlama
+from .hf_regen import Regenerator
 
 
 class _Row:
@@ -54,8 +57,6 @@ class FastRegenerator:
     def __init__(self, model, tok, max_new_tokens=256, max_len=2048, max_user_tokens=1024, capture_layers=None,
                  batch_size=32, dtype=torch.float32, sort_window=64, continue_truncated=False, packed=True,
                  attention="auto"):
-        from .hf_regen import Regenerator
-
         self.helper = Regenerator(model, tok, max_new_tokens, max_len, max_user_tokens, capture_layers=None)
         self.eos, self.max_new, self.max_len = self.helper.eos, max_new_tokens, max_len
         self.capture = list(capture_layers) if capture_layers else []
@@ -78,8 +79,6 @@ class FastRegenerator:
     def _extend(self, slot, ids, start):
         """Prefill (first prompt or a new user turn); its CPU time and tokens are counted apart
         (``prefill_cpu_s``, ``prefill_tokens``): decoding speed-ups cannot shorten it."""
-        import time
-
         c0 = time.process_time()
         out = self.engine.extend(slot, ids, start, bool(self.capture))
         self.prefill_cpu_s = getattr(self, "prefill_cpu_s", 0.0) + time.process_time() - c0
@@ -189,18 +188,44 @@ class FastRegenerator:
                     rows[b] = rows[last]
                 rows.pop()
 
+    def _propose(self, rows):
+        """This round's drafts per row (lists of token ids); None: the plain loop, one token per row
+        (``FastLlama.decode``). ``spec_regen.SpecRegenerator`` drafts."""
+        return None
+
+    def _tally(self, drafts: list, accepted: int, pushed: int) -> None:
+        """A row's round: its drafts, how many were accepted, how many tokens it pushed."""
+
     def _step(self, rows) -> list:
-        """One decode step for every active row (slot b = rows[b]); returns the finished slots."""
-        ids = torch.tensor([r.seq[-1] for r in rows], dtype=torch.long)
-        pos = torch.tensor([len(r.seq) - 1 for r in rows], dtype=torch.long)
-        normed, f = self.engine.decode(ids, pos, bool(self.capture))
+        """One round for every active row (slot b = rows[b]): the target runs each row's last token
+        and its drafts in one pass, the reference engine's ``accept_round`` keeps the target's own
+        greedy tokens, and a row's tokens are pushed up to the end of its turn (never past an end
+        of turn or the turn's room). Returns the finished slots."""
+        drafts = self._propose(rows)
+        if drafts is None:
+            drafts = [[]] * len(rows)
+            ids = torch.tensor([r.seq[-1] for r in rows], dtype=torch.long)
+            pos = torch.tensor([len(r.seq) - 1 for r in rows], dtype=torch.long)
+            normed, f = self.engine.decode(ids, pos, bool(self.capture))
+        else:
+            ids = torch.tensor([t for r, d in zip(rows, drafts) for t in [r.seq[-1]] + d], dtype=torch.long)
+            normed, f = self.engine.verify(ids, [len(r.seq) - 1 for r in rows], [1 + len(d) for d in drafts],
+                                           bool(self.capture))
         toks, margins = self._argmax(normed)
-        toks, margins = toks.tolist(), margins.tolist()
-        done = []
-        for b, r in enumerate(rows):
+        done, off = [], 0
+        for b, (r, d) in enumerate(zip(rows, drafts)):
+            n = 1 + len(d)
+            a, commit = accept_round(d, toks[off:off + n])
+            pushed = 0
+            for tok, margin in zip(commit, margins[off:off + n].tolist()):
+                self._push(r, tok, margin)
+                pushed += 1
+                if self._turn_over(r):
+                    break
+            self._tally(d, a, pushed)
             if f is not None:
-                r.feats.append(f[b:b + 1])
-            self._push(r, toks[b], margins[b])
+                r.feats.append(f[off:off + pushed])  # the inputs fed for the pushed tokens
+            off += n
             if self._turn_over(r) and not self._next_turn(r, b):
                 done.append(b)
         return done

@@ -5,12 +5,13 @@ Every step, each active row proposes up to K drafts from a suffix index over its
 (``lookup.suffix.SuffixIndex``: prompt + everything generated so far, a SAM extended token by
 token), cut where the calibrated probability that a draft is still reached falls below
 ``min_reach`` (``lookup.chooser``'s table, fitted on training prompts); rows without a
-confident match draft nothing and decode one token as before. ``FastLlama.verify`` runs all rows'
-``[last token, d_1 .. d_k]`` in one pass (the weight GEMMs over the real tokens only), and
-``spec.accept.greedy_accept`` keeps the longest prefix of drafts equal to the target's greedy
-tokens plus the target's bonus token. So the text is the target's own greedy text, whatever the
-drafts: a draft only decides how many positions are scored in one pass. Tokens after an end of
-turn or past the turn's room are never committed.
+confident match draft nothing and decode one token as before; which drafts a step verifies is
+``speculation.verify_width.select_drafts``. The round itself is ``FastRegenerator._step``:
+``FastLlama.verify`` runs all rows' ``[last token, d_1 .. d_k]`` in one pass (the weight GEMMs
+over the real tokens only), and the reference engine's ``accept_round`` keeps the longest prefix
+of drafts equal to the target's greedy tokens plus the target's bonus token. So the text is the
+target's own greedy text, whatever the drafts: a draft only decides how many positions are scored
+in one pass. Tokens after an end of turn or past the turn's room are never committed.
 
 Features (captured layers + final norm) come from the verify pass: the rows of the committed
 inputs (the previous last token and the accepted drafts), the same positions ``decode`` captures.
@@ -19,13 +20,12 @@ Everything else (shard format, turns, continuous batching, compaction) is ``Fast
 
 from __future__ import annotations
 
-import torch
-
 from typing import Union
 
 from ..lookup.chooser import default_calibration, lookup_only
 from ..lookup.suffix import SuffixIndex
-from ..speculation.accept import greedy_accept
+from ..speculation.tau import tau
+from ..speculation.verify_width import reaches, select_drafts
 from .fast_regen import FastRegenerator
 
 
@@ -57,7 +57,7 @@ class SpecRegenerator(FastRegenerator):
         self.fixed_rows = None if fixed_rows is None or fixed_rows < 0 else float(fixed_rows)
         self.cal = default_calibration()
         self._index: dict = {}
-        self.stats = {"steps": 0, "rows": 0, "drafted": 0, "accepted": 0, "verified_tokens": 0}
+        self.stats = {"steps": 0, "rows": 0, "drafted": 0, "accepted": 0, "verified_tokens": 0, "committed": 0}
 
     def _drafts(self, row) -> list:
         idx = self._index.get(row.key)
@@ -68,72 +68,27 @@ class SpecRegenerator(FastRegenerator):
         if k <= 0:
             return []
         d, ps, _ = lookup_only(idx, k, self.cal)
-        out, reach = [], 1.0
-        for tok, p in zip(d.tokens, ps):
-            reach *= p
-            if reach < self.min_reach:
-                break
-            out.append((tok, reach))
-        return out
+        return list(zip(d.tokens, reaches(ps, self.min_reach)))  # [(token, reach)]
 
     def _select(self, cands) -> list:
-        """Which drafts to verify this step. ``cands[b]``: row b's chain [(token, reach)], reach =
-        the calibrated chance that the draft is accepted (decreasing along the chain). A step
-        costs about ``fixed_rows + rows`` row-units (the weights are streamed once per step:
-        ``fixed_rows`` = that fixed cost in units of one more verified row). Draft positions are
-        taken in decreasing reach while each one's expected tokens per row-unit (its reach) beats
-        the step's expected tokens per row-unit so far; ``fixed_rows`` None: every candidate."""
-        if self.fixed_rows is None:
-            return [[t for t, _ in c] for c in cands]
-        flat = sorted(((-r, b, j) for b, c in enumerate(cands) for j, (_, r) in enumerate(c)))
-        B = len(cands)
-        tokens, units, take = float(B), float(self.fixed_rows + B), [0] * B
-        for r, b, j in flat:
-            r = -r
-            if r * units <= tokens:
-                break
-            if j == take[b]:  # a chain's positions are taken in order (reach decreases along it)
-                take[b] += 1
-                tokens += r
-                units += 1
+        """Which drafts to verify this step: ``cands[b]``, row b's chain [(token, reach)], cut by
+        ``select_drafts`` (a step costs about ``fixed_rows + rows`` row-units)."""
+        take = select_drafts([[r for _, r in c] for c in cands], self.fixed_rows)
         return [[t for t, _ in c[:n]] for c, n in zip(cands, take)]
 
-    def _step(self, rows) -> list:
+    def _propose(self, rows) -> list:
         drafts = self._select([self._drafts(r) for r in rows])
-        lens = [1 + len(d) for d in drafts]
-        ids = torch.tensor([t for r, d in zip(rows, drafts) for t in [r.seq[-1]] + d], dtype=torch.long)
-        starts = [len(r.seq) - 1 for r in rows]
-        normed, f = self.engine.verify(ids, starts, lens, bool(self.capture))
-        toks, margins = self._argmax(normed)
         st = self.stats
         st["steps"] += 1
         st["rows"] += len(rows)
-        st["verified_tokens"] += len(ids)
-        done, off = [], 0
-        for b, (r, d) in enumerate(zip(rows, drafts)):
-            n = lens[b]
-            t = toks[off:off + n]
-            if d:
-                acc, bonus = greedy_accept(torch.tensor([d]), t[None])
-                a = int(acc[0])
-                st["drafted"] += len(d)
-                st["accepted"] += a
-                commit = d[:a] + [int(bonus[0])]
-            else:
-                commit = [int(t[0])]
-            m = margins[off:off + n].tolist()
-            pushed = 0
-            for j, tok in enumerate(commit):
-                self._push(r, tok, m[j])
-                pushed += 1
-                if self._turn_over(r):
-                    break
-            if f is not None:
-                r.feats.append(f[off:off + pushed])  # the inputs fed for the pushed tokens
-            off += n
-            if self._turn_over(r) and not self._next_turn(r, b):
-                done.append(b)
-        return done
+        st["verified_tokens"] += len(rows) + sum(len(d) for d in drafts)
+        return drafts
+
+    def _tally(self, drafts: list, accepted: int, pushed: int) -> None:
+        st = self.stats
+        st["drafted"] += len(drafts)
+        st["accepted"] += accepted
+        st["committed"] += pushed
 
     def _finish(self, row):
         self._index.pop(row.key, None)
@@ -143,5 +98,7 @@ class SpecRegenerator(FastRegenerator):
         st = dict(self.stats)
         st["accept_rate"] = round(st["accepted"] / max(st["drafted"], 1), 4)
         st["tokens_per_row_step"] = round(self.new_tokens / max(st["rows"], 1), 4)
+        t = tau(st["committed"], st["rows"])  # every row step is a verify round of that row
+        st["tau"] = None if t is None else round(t, 4)
         st["num_drafts"], st["min_reach"], st["fixed_rows"] = self.num_drafts, self.min_reach, self.fixed_rows
         return st
