@@ -25,16 +25,26 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
-from typing import Optional
 
+import torch
+from tqdm.auto import tqdm
+
+from ..config import default_layer_ids
 from ..errors import DLiteInputError
-from .data import DataError, load_shard, read_manifest, save_shard, shard_file, write_manifest, MANIFEST
+from ..target import load_target, resolve_target
+from .data import DataError, load_shard, shard_file
+from .distributed import resolve_device
+from .exactness import relabel
+from .fast_regen import FastRegenerator
+from .gen_output import claim, locked_update, record_run, report_shard, save_generated, stop_reason
 from .hf_regen import Regenerator
 from .prompt_tools import BFCL_CATEGORIES
 from .prompts import load_prompts
+from .sglang_regen import SglangRegenerator
+from .shard_parts import conversation_key, drop_parts, load_parts, save_part
+from .spec_regen import SpecRegenerator
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -107,63 +117,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "token that is not the float32 target's greedy choice; the features come from that pass")
 
 
-def _locked_update(out, fn):
-    """Read-modify-write the manifest under a file lock (parallel workers share it)."""
-    import fcntl
-
-    with open(os.path.join(out, ".manifest.lock"), "w") as lk:
-        fcntl.flock(lk, fcntl.LOCK_EX)
-        try:
-            m = read_manifest(out)
-            m = fn(m)
-            write_manifest(out, m)
-            return m
-        finally:
-            fcntl.flock(lk, fcntl.LOCK_UN)
-
-
-def _stop_reason(args, t0: float, budget_s) -> Optional[str]:
-    """Why no new shard may start (the --budget-min wall budget is spent, or the output disk is
-    below --min-free-gb), or None."""
-    if budget_s is not None and time.time() - t0 > budget_s:
-        return f"--budget-min {args.budget_min} reached"
-    free_gb = shutil.disk_usage(args.out).free / 1e9
-    if free_gb < getattr(args, "min_free_gb", 0.0):
-        return f"only {free_gb:.1f} GB free on {args.out!r} (< --min-free-gb {args.min_free_gb}: free space first)"
-    return None
-
-
-def _claim(out, fname) -> bool:
-    """Claim a shard for this process (a claim file with our pid; stale claims are taken over)."""
-    path = os.path.join(out, fname + ".claim")
-    if os.path.isfile(os.path.join(out, fname)):
-        return False
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            os.write(fd, str(os.getpid()).encode())
-            os.close(fd)
-            return True
-        except FileExistsError:
-            try:
-                pid = int(open(path).read().strip() or 0)
-                os.kill(pid, 0)
-                return pid == os.getpid()
-            except (ValueError, OSError):
-                try:
-                    os.remove(path)  # stale: its process is gone
-                except OSError:
-                    pass
-    return False
-
-
-def _append_shard(out, info):
-    def add(m):
-        m["shards"] = [x for x in m["shards"] if x["file"] != info["file"]] + [info]
-        return m
-    return _locked_update(out, add)
-
-
 def plan_shards(args):
     """Shards of every source, interleaved round-robin (a partial run still has a mix)."""
     per_src = []
@@ -218,39 +171,32 @@ def _check_same_recipe(out: str, have: dict, want: dict) -> None:
                         f"settings to continue it, or use another --out.")
 
 
-def run(args) -> int:
-    import torch
-    from tqdm.auto import tqdm
-
-    from ..target import load_target, resolve_target
-
-    torch.set_num_threads(args.threads)
-    if getattr(args, "sort_window", 64) < 1:  # refused before anything is written or loaded
-        raise DLiteInputError(f"--sort-window {args.sort_window}: must be >= 1 (conversations read ahead; 64 by default).")
-    gen_device = _generation_device(args)  # refused before anything is written or loaded
-    os.makedirs(args.out, exist_ok=True)
-    plan = plan_shards(args)
+def _check_only_sources(args, plan):
+    """The --only-sources names (None without the option); refused unless each is a planned source."""
     only = getattr(args, "only_sources", None)
-    if only:  # refused before the manifest is written
-        wanted = {x.strip() for x in only.split(",") if x.strip()}
-        planned = list(dict.fromkeys(src for _, src, _ in plan))
-        unknown = wanted.difference(planned)
-        if unknown:
-            raise DataError(f"--only-sources {','.join(sorted(unknown))}: not a source of --prompts ({', '.join(planned)}).")
-    target_path = resolve_target(args.target)
-    import fcntl
+    if not only:
+        return None
+    wanted = {x.strip() for x in only.split(",") if x.strip()}
+    planned = list(dict.fromkeys(src for _, src, _ in plan))
+    unknown = wanted.difference(planned)
+    if unknown:
+        raise DataError(f"--only-sources {','.join(sorted(unknown))}: not a source of --prompts ({', '.join(planned)}).")
+    return wanted
 
-    with open(os.path.join(args.out, ".manifest.lock"), "w") as lk:
-        fcntl.flock(lk, fcntl.LOCK_EX)
-        if os.path.isfile(os.path.join(args.out, MANIFEST)):
-            manifest = read_manifest(args.out)
+
+def _open_folder(args, plan, target_path) -> dict:
+    """The folder's manifest, created or checked against this run (same target, same recipe); a
+    valid shard on disk but not in the manifest (a crash between the two writes) is kept. Returns
+    the finished shards by file name."""
+    fresh = {"recipe": recipe_of(args, target_path), "shards": [], "runs": []}
+    done = {}
+
+    def update(manifest):
+        if manifest is not fresh:
             if manifest.get("recipe", {}).get("target") not in (None, target_path):
                 raise DataError(f"{args.out!r} holds data regenerated by another target ({manifest['recipe']['target']}); use another --out.")
             _check_same_recipe(args.out, manifest.get("recipe", {}), recipe_of(args, target_path))
-        else:
-            manifest = {"recipe": recipe_of(args, target_path), "shards": [], "runs": []}
-        done = {s["file"]: s for s in manifest["shards"]}
-        # A valid shard on disk but not in the manifest (crash between the two writes) is kept.
+        done.update({s["file"]: s for s in manifest["shards"]})
         for fname, src, _ in plan:
             p = os.path.join(args.out, fname)
             if fname not in done and os.path.isfile(p):
@@ -262,10 +208,39 @@ def run(args) -> int:
                 except DataError as exc:
                     print(f"gen-data: {exc} -> regenerating it", file=sys.stderr)
         manifest["recipe"]["prompts"] = sorted(set(manifest["recipe"].get("prompts", [])) | set(args.prompts))
-        write_manifest(args.out, manifest)
-        fcntl.flock(lk, fcntl.LOCK_UN)
+        return manifest
+
+    locked_update(args.out, update, new=fresh)
+    return done
+
+
+def _feature_layers(args, model):
+    """The captured layers (None with --no-features), recorded in the folder's recipe."""
+    if args.no_features:
+        return None
+    layers = ([int(x) for x in args.capture_layers.split(",")] if args.capture_layers
+              else default_layer_ids(model.config.num_hidden_layers))
+
+    def set_layers(m):
+        _check_same_recipe(args.out, m["recipe"], {"feature_layers": layers})
+        m["recipe"]["feature_layers"] = layers
+        return m
+    locked_update(args.out, set_layers)
+    return layers
+
+
+def run(args) -> int:
+    torch.set_num_threads(args.threads)
+    if getattr(args, "sort_window", 64) < 1:  # refused before anything is written or loaded
+        raise DLiteInputError(f"--sort-window {args.sort_window}: must be >= 1 (conversations read ahead; 64 by default).")
+    gen_device = _generation_device(args)  # refused before anything is written or loaded
+    os.makedirs(args.out, exist_ok=True)
+    plan = plan_shards(args)
+    wanted = _check_only_sources(args, plan)  # refused before the manifest is written
+    target_path = resolve_target(args.target)
+    done = _open_folder(args, plan, target_path)
     wi, wn = (int(x) for x in getattr(args, "worker", "0/1").split("/"))
-    if only:
+    if wanted:
         plan = [x for x in plan if x[1] in wanted]
     todo = [x for j, x in enumerate(plan) if x[0] not in done and j % wn == wi]
     if getattr(args, "reverse", False):
@@ -273,6 +248,7 @@ def run(args) -> int:
     if args.max_shards is not None:
         todo = todo[: args.max_shards]
     n_done = sum(x[0] in done for x in plan)
+    only = getattr(args, "only_sources", None)
     print(f"gen-data: {len(plan)} shards planned{' of ' + only if only else ''}, {n_done} done, {len(todo)} to generate "
           f"by worker {wi}/{wn} -> {args.out}")
     if not todo:
@@ -280,18 +256,7 @@ def run(args) -> int:
     model, tok = load_target(target_path)
     if gen_device.type != "cpu":
         model = model.to(gen_device)
-    layers = None
-    if not args.no_features:
-        from ..config import default_layer_ids
-
-        layers = ([int(x) for x in args.capture_layers.split(",")] if args.capture_layers
-                  else default_layer_ids(model.config.num_hidden_layers))
-
-        def set_layers(m):
-            _check_same_recipe(args.out, m["recipe"], {"feature_layers": layers})
-            m["recipe"]["feature_layers"] = layers
-            return m
-        _locked_update(args.out, set_layers)
+    layers = _feature_layers(args, model)
     engine = getattr(args, "engine", "hf")
     if engine == "fast":
         if args.temperature > 0:
@@ -301,6 +266,11 @@ def run(args) -> int:
         if args.temperature > 0:
             raise DLiteInputError("--engine sglang regenerates greedily here; use --engine hf for --temperature > 0.")
         return _run_sglang(args, target_path, model, tok, todo, layers, wi, wn)
+    return _run_hf(args, model, tok, todo, layers, wi, wn)
+
+
+def _run_hf(args, model, tok, todo, layers, wi, wn) -> int:
+    """gen-data with ``hf_regen``: one ``Regenerator.run`` per claimed shard."""
     gen = Regenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens, args.temperature,
                       args.top_p, capture_layers=layers)
     t0 = time.time()
@@ -310,54 +280,13 @@ def run(args) -> int:
         if budget_s is not None and time.time() - t0 > budget_s:
             print(f"gen-data[{wi}/{wn}]: --budget-min {args.budget_min} reached; stopping (rerun to continue)", flush=True)
             break
-        if not _claim(args.out, fname):
+        if not claim(args.out, fname):
             continue  # another live worker is generating it, or it is finished
         seqs, masks, feats = gen.run(convs)
-        if layers:
-            import numpy as np
-
-            from .features import save_features
-
-            off = np.cumsum([0] + [len(x) for x in seqs])
-            H = model.config.hidden_size
-            # A conversation whose first prompt is already too long generated nothing and has no
-            # features (no anchor reads them): zero rows.
-            arrays = [f.numpy() if f is not None else np.zeros((0, len(layers) + 1, H), np.float16) for f in feats]
-            save_features(os.path.join(args.out, fname), arrays, off, layers, H)
-        info = save_shard(os.path.join(args.out, fname), seqs, masks)
-        info["source"] = src
-        manifest = _append_shard(args.out, info)
-        el = time.time() - t0
-        bar.set_postfix_str(f"{gen.new_tokens / el:.1f} new tok/s, {gen.new_tokens} new tokens")
-        print(f"gen-data[{wi}/{wn}]: {fname}: {info['num_seqs']} seqs, {info['num_tokens']} tokens "
-              f"({info['num_loss_tokens']} generated); total {gen.new_tokens} new tokens, {gen.new_tokens / el:.1f} tok/s",
-              flush=True)
-    el = time.time() - t0
-    run_rec = {"worker": f"{wi}/{wn}", "new_shards": len(todo), "new_tokens": gen.new_tokens, "wall_s": round(el, 1),
-               "tokens_per_s": round(gen.new_tokens / max(el, 1e-9), 1), "threads": args.threads}
-    _locked_update(args.out, lambda m: (m.setdefault("runs", []).append(run_rec), m)[1])
-    print(f"gen-data: {len(todo)} shards, {gen.new_tokens} generated tokens in {el:.0f}s ({gen.new_tokens / el:.1f} tok/s)")
+        info = save_generated(args, model, fname, src, seqs, masks, feats if layers else None, layers)
+        report_shard(bar, wi, wn, fname, info, gen.new_tokens, t0)
+    record_run(args, wi, wn, t0, len(todo), gen.new_tokens)
     return 0
-
-
-def _save_generated(args, model, fname, src, seqs, masks, feats, layers, extra=None) -> dict:
-    """Write one finished shard (features first, then the ids: a shard on disk has its features)."""
-    import numpy as np
-
-    if layers:
-        from .features import save_features
-
-        off = np.cumsum([0] + [len(x) for x in seqs])
-        H = model.config.hidden_size
-        # A conversation whose first prompt is already too long generated nothing and has no
-        # features (no anchor reads them): zero rows.
-        arrays = [np.asarray(f) if f is not None else np.zeros((0, len(layers) + 1, H), np.float16) for f in feats]
-        save_features(os.path.join(args.out, fname), arrays, off, layers, H)
-    info = save_shard(os.path.join(args.out, fname), seqs, masks)
-    info["source"] = src
-    info.update(extra or {})
-    _append_shard(args.out, info)
-    return info
 
 
 def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
@@ -366,13 +295,6 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
     Shards are claimed when their first conversation enters the queue (so ``--budget-min`` stops
     claiming new ones and lets the claimed ones finish). Every finished conversation is saved at
     once beside its shard (``<shard>.parts/``) and read back when a later run claims that shard."""
-    import torch
-    from tqdm.auto import tqdm
-
-    from .exactness import relabel
-    from .fast_regen import FastRegenerator
-    from .shard_parts import conversation_key, drop_parts, load_parts, save_part
-
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     do_relabel = args.relabel or dtype != torch.float32
     sort_window = getattr(args, "sort_window", 64)
@@ -381,8 +303,6 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
               continue_truncated=getattr(args, "continue_truncated_turns", False),
               attention=getattr(args, "fast_attention", "auto"))
     if (getattr(args, "spec_drafts", 0) or 0) > 0:
-        from .spec_regen import SpecRegenerator
-
         gen = SpecRegenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens,
                               num_drafts=args.spec_drafts, min_reach=getattr(args, "spec_min_reach", 0.3), **kw)
     else:
@@ -397,12 +317,12 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
 
     def items():
         for fname, src, convs in todo:
-            stop = _stop_reason(args, t0, budget_s)
+            stop = stop_reason(args, t0, budget_s)
             if stop:
                 print(f"gen-data[{wi}/{wn}]: {stop}; finishing the claimed shards and stopping (rerun to continue)",
                       flush=True)
                 return
-            if not _claim(args.out, fname):
+            if not claim(args.out, fname):
                 bar.update(1)
                 continue
             keys = [conversation_key(c, args, layers) for c in convs]
@@ -432,15 +352,11 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
             stats["dropped"] += dropped
         if fts is not None:
             fts = [None if f is None else f.numpy() for f in fts]
-        info = _save_generated(args, model, fname, p["src"], seqs, masks, fts if layers else None, layers, extra)
+        info = save_generated(args, model, fname, p["src"], seqs, masks, fts if layers else None, layers, extra)
         drop_parts(args.out, fname)
         stats["shards"] += 1
         bar.update(1)
-        el = time.time() - t0
-        bar.set_postfix_str(f"{gen.new_tokens / el:.1f} new tok/s, {gen.new_tokens} new tokens")
-        print(f"gen-data[{wi}/{wn}]: {fname}: {info['num_seqs']} seqs, {info['num_tokens']} tokens "
-              f"({info['num_loss_tokens']} generated); total {gen.new_tokens} new tokens, {gen.new_tokens / el:.1f} tok/s",
-              flush=True)
+        report_shard(bar, wi, wn, fname, info, gen.new_tokens, t0)
 
     for (fname, i), seq, mask, feats, margin in gen.stream(items()):
         p = pending[fname]
@@ -449,30 +365,21 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
         if len(p["res"]) == p["n"]:
             write_shard(fname)
     bar.close()
-    el = time.time() - t0
-    run_rec = {"worker": f"{wi}/{wn}", "engine": _engine_tag(args), "new_shards": stats["shards"],
-               "new_tokens": gen.new_tokens, "wall_s": round(el, 1), "tokens_per_s": round(gen.new_tokens / max(el, 1e-9), 1),
-               "threads": args.threads, "batch_size": args.batch_size, "sort_window": sort_window}
+    extra = {"batch_size": args.batch_size, "sort_window": sort_window}
     if do_relabel:
-        run_rec.update(sequences_cut=stats["cut"], generated_tokens_dropped=stats["dropped"])
+        extra.update(sequences_cut=stats["cut"], generated_tokens_dropped=stats["dropped"])
     if hasattr(gen, "summary"):
-        run_rec["spec"] = gen.summary()
-    _locked_update(args.out, lambda m: (m.setdefault("runs", []).append(run_rec), m)[1])
-    print(f"gen-data: {stats['shards']} shards, {gen.new_tokens} generated tokens in {el:.0f}s "
-          f"({gen.new_tokens / max(el, 1e-9):.1f} tok/s)")
+        extra["spec"] = gen.summary()
+    record_run(args, wi, wn, t0, stats["shards"], gen.new_tokens, _engine_tag(args), extra)
     return 0
 
 
 def _generation_device(args):
     """--device: the hf engine's target device (the CPU unless asked; the other engines refuse
     another one, naming the option they use)."""
-    import torch
-
     name = getattr(args, "device", "cpu") or "cpu"
     if name == "cpu":
         return torch.device("cpu")
-    from .distributed import resolve_device
-
     dev = resolve_device(name, flag="--device")
     engine = getattr(args, "engine", "hf")
     if dev.type != "cpu" and engine != "hf":
@@ -492,13 +399,7 @@ def _run_sglang(args, target_path, model, tok, todo, layers, wi, wn) -> int:
     conversation in flight at once (the scheduler batches continuously; later turns hit the radix
     cache), then one float32 target pass over the shard's sequences for the features and the
     exactness count. Shards are claimed and written as by the other engines (resumable)."""
-    from tqdm.auto import tqdm
-
-    from .sglang_regen import SglangRegenerator
-
     do_relabel = args.relabel or args.dtype != "float32"
-    from .distributed import resolve_device
-
     dev = resolve_device(getattr(args, "feature_device", "cpu") or "cpu", flag="--feature-device")
     if dev.type != "cpu":
         model = model.to(dev)
@@ -513,11 +414,11 @@ def _run_sglang(args, target_path, model, tok, todo, layers, wi, wn) -> int:
     try:
         bar = tqdm(todo, desc="gen-data[sglang]", unit="shard")
         for fname, src, convs in bar:
-            stop = _stop_reason(args, t0, budget_s)
+            stop = stop_reason(args, t0, budget_s)
             if stop:
                 print(f"gen-data[{wi}/{wn}]: {stop}; stopping (rerun to continue)", flush=True)
                 break
-            if not _claim(args.out, fname):
+            if not claim(args.out, fname):
                 continue
             seqs, masks, feats = gen.run(convs, relabel=do_relabel)
             extra = {"engine": _engine_tag(args), **gen.last}
@@ -525,24 +426,17 @@ def _run_sglang(args, target_path, model, tok, todo, layers, wi, wn) -> int:
             stats["cut"] += gen.last.get("sequences_cut", 0)
             stats["dropped"] += gen.last.get("generated_tokens_dropped", 0)
             fts = [None if f is None else f.numpy() for f in feats] if layers else None
-            info = _save_generated(args, model, fname, src, seqs, masks, fts, layers, extra)
+            info = save_generated(args, model, fname, src, seqs, masks, fts, layers, extra)
             stats["shards"] += 1
-            el = time.time() - t0
-            bar.set_postfix_str(f"{gen.new_tokens / el:.1f} new tok/s, {gen.new_tokens} new tokens")
-            print(f"gen-data[{wi}/{wn}]: {fname}: {info['num_seqs']} seqs, {info['num_tokens']} tokens "
-                  f"({info['num_loss_tokens']} generated, {extra.get('tokens_not_fp32_greedy')} not fp32-greedy); "
-                  f"total {gen.new_tokens} new tokens, {gen.new_tokens / el:.1f} tok/s", flush=True)
+            report_shard(bar, wi, wn, fname, info, gen.new_tokens, t0,
+                         f", {extra.get('tokens_not_fp32_greedy')} not fp32-greedy")
         bar.close()
     finally:
         gen.close()
-    el = time.time() - t0
-    run_rec = {"worker": f"{wi}/{wn}", "engine": _engine_tag(args), "new_shards": stats["shards"],
-               "new_tokens": gen.new_tokens, "wall_s": round(el, 1), "tokens_per_s": round(gen.new_tokens / max(el, 1e-9), 1),
-               "threads": args.threads, "batch_size": args.batch_size, "tokens_not_fp32_greedy": stats["not_greedy"],
-               "sglang": {k: round(v, 1) if isinstance(v, float) else v for k, v in gen.stats.items()}}
+    extra = {"batch_size": args.batch_size, "tokens_not_fp32_greedy": stats["not_greedy"],
+             "sglang": {k: round(v, 1) if isinstance(v, float) else v for k, v in gen.stats.items()}}
     if do_relabel:
-        run_rec.update(sequences_cut=stats["cut"], generated_tokens_dropped=stats["dropped"])
-    _locked_update(args.out, lambda m: (m.setdefault("runs", []).append(run_rec), m)[1])
-    print(f"gen-data: {stats['shards']} shards, {gen.new_tokens} generated tokens in {el:.0f}s "
-          f"({gen.new_tokens / max(el, 1e-9):.1f} tok/s; {stats['not_greedy']} not the float32 target's greedy choice)")
+        extra.update(sequences_cut=stats["cut"], generated_tokens_dropped=stats["dropped"])
+    record_run(args, wi, wn, t0, stats["shards"], gen.new_tokens, _engine_tag(args), extra,
+               f"; {stats['not_greedy']} not the float32 target's greedy choice")
     return 0
