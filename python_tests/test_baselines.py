@@ -22,7 +22,8 @@ from sglang_dlite.drafters import DLiteEngineDrafter, DraftRequest
 from sglang_dlite.registry import make_engine_drafter
 from sglang_dlite.engine import ReferenceEngine
 from sglang_dlite.errors import DLiteConfigError, DLiteInputError
-from sglang_dlite.model import DLiteDrafter, DraftProposal
+from sglang_dlite.model import DLiteDrafter
+from sglang_dlite.proposal import DraftProposal
 
 EOS = 2
 KV_NAMES = ["eagle3", "dflash", "dspark"]

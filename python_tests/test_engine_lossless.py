@@ -16,7 +16,8 @@ from conftest import tiny_dlite_config
 from sglang_dlite.drafters import DLiteEngineDrafter, DraftRequest, OracleDrafter
 from sglang_dlite.engine import ReferenceEngine
 from sglang_dlite.errors import DLiteInputError
-from sglang_dlite.model import DLiteDrafter, DraftProposal
+from sglang_dlite.model import DLiteDrafter
+from sglang_dlite.proposal import DraftProposal
 
 EOS = 2
 

@@ -12,7 +12,9 @@ from typing import Optional, Protocol
 
 import torch
 
-from .model import DLiteDrafter, DraftProposal, History
+from .model import DLiteDrafter
+from .model_variants import History
+from .proposal import DraftProposal
 from .speculation.context import last_rows
 
 

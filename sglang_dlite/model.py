@@ -1,6 +1,6 @@
 """The DLite drafter: a history-free parallel backbone plus a low-rank RNN head. Pure torch.
 
-One round (see ``ops/reference.py`` for the exact row layout)::
+One round, as the shipped drafter runs it (see ``ops/reference.py`` for the exact row layout)::
 
     target hidden states of L layers at the last C committed positions   (L*C rows)
     + the anchor token (last committed token)                            (1 row)
@@ -8,99 +8,48 @@ One round (see ``ops/reference.py`` for the exact row layout)::
       -> depth embeddings mark "hidden state of target layer l" vs "token"
       -> local RoPE positions 0..C+K, never the global position
       -> a few pre-norm transformer layers (bidirectional or causal inside the block)
-      -> low-rank RNN head: a gated rank-r recurrence over the K positions in hidden space
-      -> final norm + the target's frozen LM head, once per position, all K positions batched.
+      -> low-rank RNN head: a gated rank-r recurrence in hidden space over the K positions, fed the
+         previous draft token (``head_input="token"``)
+      -> final norm + the target's frozen LM head (its drafting-vocabulary rows), position by
+         position: each draft feeds the next step of the head.
 
 The drafter keeps no KV cache and nothing between rounds: its inputs are bounded (S rows) and
-independent of the context length. ``history="full"`` / ``"window:W"`` turn the same module into
-the history-aware teacher / sliding-window ablation: the attention then also sees the target
-features of earlier positions, injected as keys/values into every layer (DFlash-style).
+independent of the context length. The same module, with other config values, is each ablation
+(``model_variants.py``): the history-aware teacher / sliding-window variants (``history="full"`` /
+``"window:W"``) and the head fed backbone outputs (``head_input="hidden"``, one scan + one batched
+vocabulary projection). Its layers are in ``layers.py``; ``propose`` answers a ``DraftProposal``.
 
 This module imports no sglang: the SGLang plugin, the reference engine and training all use it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import model_variants as variants
 from . import ops
 from .config import DLiteConfig
 from .errors import DLiteConfigError, DLiteInputError
+from .layers import DLiteLayer, RMSNorm
+from .proposal import DraftProposal
+from .speculation.sampling import logits_to_probs
 from .target_binding import TargetBoundMixin
 from .target_binding import load_checkpoint as _load_checkpoint
-
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return ops.rms_norm(x, self.weight, self.eps)
-
-
-@dataclass
-class History:
-    """Target features of positions before the round's context window (teacher/window only).
-
-    hidden: [Bh, L, T, H] (Bh = 1 broadcasts one sequence's history to every anchor);
-    positions: [Bh, T] absolute positions; valid: [B, T] which history slots each row may see.
-    """
-
-    hidden: torch.Tensor
-    positions: torch.Tensor
-    valid: torch.Tensor
-
-
-class DLiteLayer(nn.Module):
-    def __init__(self, cfg: DLiteConfig):
-        super().__init__()
-        H, d = cfg.target_hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.input_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.q_proj = nn.Linear(H, cfg.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(H, cfg.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(H, cfg.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * d, H, bias=False)
-        self.post_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, H, bias=False)
-
-    def kv(self, x):
-        B, S, _ = x.shape
-        h = self.input_norm(x)
-        k = self.k_proj(h).view(B, S, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(h).view(B, S, self.num_kv_heads, self.head_dim)
-        return k, v
-
-    def forward(self, x, attend):
-        B, S, _ = x.shape
-        h = self.input_norm(x)
-        q = self.q_proj(h).view(B, S, self.num_heads, self.head_dim)
-        k = self.k_proj(h).view(B, S, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(h).view(B, S, self.num_kv_heads, self.head_dim)
-        x = x + self.o_proj(attend(self, q, k, v).reshape(B, S, -1))
-        h = self.post_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
 class LowRankRNNHead(nn.Module):
     """Restores the causal dependency inside the block with a rank-r recurrence in hidden space.
 
-    For block positions i = 0..K-1 with backbone outputs z_i (z_{-1} = the anchor row's output):
+    For block positions i = 0..K-1 with backbone outputs z_i, t_{-1} = the anchor token, s_{-1} = 0:
         a_i = sigmoid(W_g z_i + b_g)                       gate      [r]
-        u_i = W_u z_{i-1}   (head_input="hidden")          input     [r]
-            = W_e emb(t_{i-1})  (head_input="token": the previous draft token, ablation)
+        u_i = W_e emb(t_{i-1})                             input: the previous draft token   [r]
         s_i = a_i * s_{i-1} + (1 - a_i) * u_i              state     [r]
         y_i = z_i + W_o s_i                                corrected hidden state [H]
+    (W_e is ``in_proj``; ``model_variants.hidden_head`` feeds it z_{i-1} instead, the ablation.)
     W_o starts at zero, so an untrained head is the identity.
     """
 
@@ -112,27 +61,11 @@ class LowRankRNNHead(nn.Module):
         self.out_proj = nn.Linear(r, H, bias=False)
         nn.init.zeros_(self.out_proj.weight)
 
-    def forward(self, z_prev: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """Hidden-input variant. z_prev = [anchor row, rows 0..K-2], z = rows 0..K-1: [B, K, H]."""
-        s = ops.lowrank_rnn_scan(self.gate_proj(z), self.in_proj(z_prev))
-        return z + self.out_proj(s)
-
     def step(self, state, z_i, prev_token_embed):
-        """One step of the token-feedback variant: returns (new state, y_i)."""
+        """One step: (s_{i-1} [B, r] float32, z_i, emb(t_{i-1})) -> (s_i, y_i)."""
         a = torch.sigmoid(self.gate_proj(z_i).float())
         s = a * state + (1 - a) * self.in_proj(prev_token_embed).float()
         return s, z_i + self.out_proj(s.to(z_i.dtype))
-
-
-@dataclass
-class DraftProposal:
-    tokens: torch.Tensor  # [B, K] drafted token ids
-    probs: Optional[torch.Tensor]  # [B, K, V] the distribution each token was sampled from (None if greedy)
-    # [B, K] the drafter's probability of each greedy draft (softmax max over the drafting
-    # vocabulary), when asked for (``return_confidence``): its own acceptance estimate.
-    confidence: Optional[torch.Tensor] = None
-    source: Optional[str] = None  # which drafting source made the chain (hybrid drafting)
-    score: Optional[float] = None  # the source's expected accepted drafts (hybrid drafting)
 
 
 class DLiteDrafter(TargetBoundMixin, nn.Module):
@@ -165,7 +98,7 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    # ------------------------------------------------------------------ forward
+    # ------------------------------------------------------------------ backbone
     def _local_attend(self, context_valid):
         cfg = self.config
 
@@ -177,40 +110,10 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
 
         return attend
 
-    def _history_attend(self, context_valid, history: History, round_offset, hist_inputs):
-        """Torch path for the teacher / window variants: round rows also see history rows."""
-        cfg = self.config
-        L, C, K = cfg.num_capture_layers, cfg.num_context_positions, cfg.block_size
-        local = ops.round_positions(L, C, K, device=round_offset.device)
-        pos = round_offset[:, None] + local[None]  # [B, S] absolute positions
-        cos, sin = ops.rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
-        hpos = history.positions[:, None, :].expand(-1, L, -1).reshape(history.positions.shape[0], -1)
-        hcos, hsin = ops.rope_cos_sin(hpos, cfg.head_dim, cfg.rope_theta)
-        local_mask = ops.round_attention_mask(context_valid, L, K, cfg.block_attention == "causal")
-        hist_valid = history.valid.repeat(1, L)  # [B, L*T]
-        B, S = pos.shape
-        mask = torch.cat([hist_valid[:, None, :].expand(B, S, -1), local_mask], dim=2)[:, None]
-
-        def attend(layer, q, k, v):
-            hk, hv = layer.kv(hist_inputs)  # [Bh, L*T, Hkv, d]
-            Hq = q.shape[2]
-            q = ops.apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
-            k = ops.apply_rope(k, cos.to(q.dtype), sin.to(q.dtype))
-            hk = ops.apply_rope(hk, hcos.to(q.dtype), hsin.to(q.dtype))
-            if hk.shape[0] != B:
-                hk, hv = hk.expand(B, -1, -1, -1), hv.expand(B, -1, -1, -1)
-            keys = torch.cat([hk, k], dim=1).repeat_interleave(Hq // k.shape[2], dim=2)
-            vals = torch.cat([hv, v], dim=1).repeat_interleave(Hq // k.shape[2], dim=2)
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask
-            )
-            return out.transpose(1, 2)
-
-        return attend
-
-    def backbone(self, context_hidden, context_valid, anchor_ids, history: Optional[History] = None,
+    def backbone(self, context_hidden, context_valid, anchor_ids, history: Optional[variants.History] = None,
                  round_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Returns the backbone outputs of the anchor and the K placeholder rows: [B, K+1, H]."""
+        """Returns the backbone outputs of the anchor and the K placeholder rows: [B, K+1, H].
+        ``history`` / ``round_offset``: the teacher / window variants only (``model_variants``)."""
         self._check_bound()
         cfg = self.config
         self._check_inputs(context_hidden, context_valid, anchor_ids)
@@ -225,14 +128,7 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         if cfg.history_window == 0 or history is None:  # no history: the DLite path
             attend = self._local_attend(context_valid)
         else:
-            if round_offset is None:
-                raise DLiteInputError("history variants need round_offset (absolute position of context slot 0).")
-            Lh = history.hidden.shape[1]
-            hidden = history.hidden.to(dtype)
-            h_in = ops.rms_norm(hidden, self.ctx_norm_weight[None, :, None, :], cfg.rms_norm_eps)
-            h_in = h_in + self.depth_embed[:Lh, None, :]
-            hist_inputs = h_in.reshape(hidden.shape[0], -1, hidden.shape[-1])
-            attend = self._history_attend(context_valid, history, round_offset, hist_inputs)
+            attend = variants.history_attend(self, context_valid, history, round_offset)
         with ops.nvtx_range("dlite.backbone"):
             for layer in self.layers:
                 x = layer(x, attend)
@@ -250,12 +146,6 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
             raise DLiteInputError(f"context_valid must be a bool tensor [{B}, {C}], got {context_valid.dtype} {tuple(context_valid.shape)}.")
         if tuple(anchor_ids.shape) != (B,):
             raise DLiteInputError(f"anchor_ids must be [{B}], got {tuple(anchor_ids.shape)}.")
-
-    def lm_logits(self, y: torch.Tensor, vocab: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits over the whole vocabulary (training and scoring), or over the token ids ``vocab``
-        only (the frozen LM head's rows for them: the training-time vocabulary subset)."""
-        w = self.lm_head_weight if vocab is None else self.lm_head_weight[vocab]
-        return F.linear(self.final_norm(y), w.to(y.dtype))
 
     # ------------------------------------------------------------------ drafting vocabulary
     def set_draft_vocab(self, ids: Optional[torch.Tensor]) -> "DLiteDrafter":
@@ -294,6 +184,13 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
             self._gather_draft_head()
         return self
 
+    # ------------------------------------------------------------------ vocabulary projection
+    def lm_logits(self, y: torch.Tensor, vocab: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits over the whole vocabulary (training and scoring), or over the token ids ``vocab``
+        only (the frozen LM head's rows for them: the training-time vocabulary subset)."""
+        w = self.lm_head_weight if vocab is None else self.lm_head_weight[vocab]
+        return F.linear(self.final_norm(y), w.to(y.dtype))
+
     def _draft_head(self) -> torch.Tensor:
         """The vocabulary rows greedy drafting projects onto, in the drafter's dtype. A drafter run in
         another dtype than its target's weights (a float32 drafter beside a bf16 target on a CPU,
@@ -318,6 +215,21 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         idx = ops.lm_head_argmax(y, self.final_norm.weight, self.final_norm.eps, self._draft_head().to(y.dtype))
         return self._draft_ids(idx)
 
+    def confident_drafts(self, y: torch.Tensor):
+        """(greedy draft token ids, the softmax probability of each) of head outputs ``y`` [..., D],
+        from one unfused projection (the logits are written once)."""
+        logits = self.draft_logits(y).float()
+        top, idx = logits.max(-1)
+        return self._draft_ids(idx), torch.exp(top - torch.logsumexp(logits, -1))
+
+    def sampled_drafts(self, y: torch.Tensor, temperature: float, top_p: float,
+                       generator: Optional[torch.Generator]):
+        """(draft token ids sampled at ``temperature`` / ``top_p``, the law each was sampled from
+        over the whole vocabulary) of head outputs ``y`` [..., D]."""
+        probs = logits_to_probs(self.draft_logits(y).float(), temperature, top_p)
+        flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
+        return self._draft_ids(flat.view(probs.shape[:-1])), self._full_vocab_probs(probs)
+
     def _draft_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices into the drafting vocabulary -> token ids."""
         return self.draft_vocab[idx] if self.config.draft_vocab_size else idx
@@ -329,25 +241,26 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         full = p.new_zeros(*p.shape[:-1], self.config.vocab_size)
         return full.index_copy_(-1, self.draft_vocab, p)
 
-    def forward(self, context_hidden, context_valid, anchor_ids, history: Optional[History] = None,
+    # ------------------------------------------------------------------ training / scoring
+    def forward(self, context_hidden, context_valid, anchor_ids, history: Optional[variants.History] = None,
                 round_offset=None, feedback_tokens: Optional[torch.Tensor] = None,
                 vocab: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Training/scoring forward: logits [B, K, V] for the K draft positions (or [B, K, |vocab|]
         over the token ids ``vocab``: the training-time vocabulary subset).
 
-        ``feedback_tokens`` [B, K] (token-feedback head only): the tokens the head consumes at
-        positions 0..K-1 are [anchor, feedback_tokens[:, :-1]] (teacher forcing).
+        ``feedback_tokens`` [B, K] (the token-fed head): the tokens the head consumes at positions
+        0..K-1 are [anchor, feedback_tokens[:, :-1]] (teacher forcing).
         """
         return self.lm_logits(self.head_states(context_hidden, context_valid, anchor_ids, history, round_offset,
                                                feedback_tokens), vocab)
 
-    def head_states(self, context_hidden, context_valid, anchor_ids, history: Optional[History] = None,
+    def head_states(self, context_hidden, context_valid, anchor_ids, history: Optional[variants.History] = None,
                     round_offset=None, feedback_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The head's outputs [B, K, D] for the K draft positions, before the final norm and the
         vocabulary projection (``forward``'s arguments)."""
         z = self.backbone(context_hidden, context_valid, anchor_ids, history, round_offset)
-        if self.config.head_input == "hidden":
-            return self.head(z[:, :-1], z[:, 1:])
+        if self.config.head_input == "hidden":  # ablation
+            return variants.hidden_head(self.head, z[:, :-1], z[:, 1:])
         if feedback_tokens is None:
             raise DLiteInputError("the token-feedback head needs feedback_tokens in training.")
         prev = torch.cat([anchor_ids[:, None], feedback_tokens[:, :-1]], dim=1)
@@ -359,66 +272,46 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
             ys.append(y)
         return torch.stack(ys, 1)
 
+    # ------------------------------------------------------------------ drafting
     @torch.no_grad()
     def propose(self, context_hidden, context_valid, anchor_ids, *, temperature: float = 0.0,
                 top_p: float = 1.0, generator: Optional[torch.Generator] = None,
-                history: Optional[History] = None, round_offset=None,
+                history: Optional[variants.History] = None, round_offset=None,
                 num_drafts: Optional[int] = None, return_confidence: bool = False) -> DraftProposal:
         """Draft K tokens per request (greedy when temperature == 0), or only the first
         ``num_drafts`` of the chain: the backbone still sees the whole block, but the causal head
         and the vocabulary projection stop there (the tokens equal the full chain's prefix).
         ``return_confidence`` (greedy): also the softmax probability of each draft, from the same
-        single vocabulary projection (unfused: the logits are written once, [B, n, N])."""
+        vocabulary projection (unfused: the logits are written once).
+
+        The token-fed head drafts position by position: each step's draft (fused final norm +
+        drafting-vocabulary projection + argmax when greedy) is the next step's input."""
         K = self.config.block_size
         if num_drafts is not None and not 1 <= num_drafts <= K:
             raise DLiteInputError(f"num_drafts={num_drafts} must be in [1, K={K}].")
         n = K if num_drafts is None else num_drafts
         z = self.backbone(context_hidden, context_valid, anchor_ids, history, round_offset)
-        if self.config.head_input == "hidden":
-            with ops.nvtx_range("dlite.head"):
-                y = self.head(z[:, :n], z[:, 1:n + 1])
-            with ops.nvtx_range("dlite.projection"):
-                if temperature <= 0 and return_confidence:
-                    logits = self.draft_logits(y).float()
-                    top, idx = logits.max(-1)
-                    conf = torch.exp(top - torch.logsumexp(logits, -1))
-                    return DraftProposal(self._draft_ids(idx), None, confidence=conf)
-                if temperature <= 0:  # greedy: fused final norm + LM head + argmax
-                    return DraftProposal(self.greedy_drafts(y), None)
-                logits = self.draft_logits(y).float()
-            probs = logits_to_probs(logits, temperature, top_p)
-            flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
-            return DraftProposal(self._draft_ids(flat.view(probs.shape[:2])), self._full_vocab_probs(probs))
-        # token-feedback ablation: K sequential vocabulary projections
+        if self.config.head_input == "hidden":  # ablation: one scan, one batched projection
+            return variants.propose_hidden_head(self, z, n, temperature, top_p, generator, return_confidence)
         state = torch.zeros(z.shape[0], self.config.rnn_rank, device=z.device)
         prev = anchor_ids
-        toks, probs_all, confs = [], [], []
+        toks, probs, confs = [], [], []
         for i in range(n):
             emb = F.embedding(prev, self.embed_weight).to(z.dtype)
             state, y = self.head.step(state, z[:, 1 + i], emb)
-            if temperature <= 0 and not return_confidence:
-                prev = self.greedy_drafts(y)
-                toks.append(prev)
-                continue
-            logits = self.draft_logits(y).float()
-            if temperature <= 0:
-                top, idx = logits.max(-1)
-                confs.append(torch.exp(top - torch.logsumexp(logits, -1)))
-                prev = self._draft_ids(idx)
+            if temperature > 0:
+                prev, p = self.sampled_drafts(y, temperature, top_p, generator)
+                probs.append(p)
+            elif return_confidence:
+                prev, c = self.confident_drafts(y)
+                confs.append(c)
             else:
-                p = logits_to_probs(logits, temperature, top_p)
-                prev = self._draft_ids(torch.multinomial(p, 1, generator=generator).squeeze(1))
-                probs_all.append(self._full_vocab_probs(p))
+                prev = self.greedy_drafts(y)
             toks.append(prev)
-        return DraftProposal(torch.stack(toks, 1), torch.stack(probs_all, 1) if probs_all else None,
-                             confidence=torch.stack(confs, 1) if confs and return_confidence else None)
-
+        return DraftProposal(torch.stack(toks, 1), torch.stack(probs, 1) if probs else None,
+                             confidence=torch.stack(confs, 1) if confs else None)
 
 
 def load_checkpoint(path: str):
     """Read and validate (config, state dict) from a DLite checkpoint folder."""
     return _load_checkpoint(path, DLiteConfig)
-
-
-# Temperature + top-p: the speculative core's one definition (re-exported for the drafters).
-from .speculation.sampling import logits_to_probs  # noqa: E402,F401

@@ -15,8 +15,10 @@ import torch.nn.functional as F
 from ..drafter_config import DrafterConfig
 from ..drafters import DraftRequest
 from ..errors import DLiteInputError
-from ..model import DraftProposal, RMSNorm, logits_to_probs
+from ..layers import RMSNorm
+from ..proposal import DraftProposal
 from ..ops.reference import apply_rope, rope_cos_sin
+from ..speculation.sampling import logits_to_probs
 from ..target_binding import TargetBoundMixin
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..drafters import DraftRequest
 from ..errors import DLiteInputError
-from ..model import RMSNorm  # the same norm layer as DLite's
+from ..layers import RMSNorm  # the same norm layer as DLite's
 from .common import (
     MLP, Attention, BaselineConfig, BaselineDrafter, CacheState, KVCacheEngineDrafter, attend,
     check_training_inputs, init_weights, mark_synced, proposal, sample, valid_cached_prefix,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..drafters import DraftRequest
-from ..model import DraftProposal
+from ..proposal import DraftProposal
 
 
 def lookup(tokens, block_size: int, max_ngram: int = 3, min_ngram: int = 1) -> Optional[list]:

@@ -13,7 +13,7 @@ import torch
 
 from ..config import DLiteConfig
 from ..errors import DLiteInputError
-from ..model import History
+from ..model_variants import History
 from ..speculation.context import context_positions
 from .data import DataError, load_shard, read_manifest
 from .features import ensure_features, load_features

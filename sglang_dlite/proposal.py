@@ -1,0 +1,23 @@
+"""``DraftProposal``: what every drafter answers the engine each round.
+
+The DLite drafter's ``propose``, the reference engine's drafters (``drafters.py``, ``lookup/``,
+``baselines/``) and the SGLang worker all speak it; ``drafters.DraftRequest`` is the question.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class DraftProposal:
+    tokens: torch.Tensor  # [B, K] drafted token ids
+    probs: Optional[torch.Tensor]  # [B, K, V] the distribution each token was sampled from (None if greedy)
+    # [B, K] the drafter's probability of each greedy draft (softmax max over the drafting
+    # vocabulary), when asked for (``return_confidence``): its own acceptance estimate.
+    confidence: Optional[torch.Tensor] = None
+    source: Optional[str] = None  # which drafting source made the chain (hybrid drafting)
+    score: Optional[float] = None  # the source's expected accepted drafts (hybrid drafting)
