@@ -208,7 +208,7 @@ def test_lookup_drafters_are_lossless_greedy(tiny_target, which):
 def test_hybrid_sampling_keeps_target_distribution():
     """Empirical law of the second output token (the first one a round drafts) with hybrid
     drafting at temperature 0.8 vs the target's exact law, on an 8-token vocabulary."""
-    from sglang_dlite.model import logits_to_probs
+    from sglang_dlite.speculation.sampling import logits_to_probs
 
     target = make_tiny_llama(seed=3, vocab=8, hidden=32, layers=2)
     prompt = [1, 5, 6, 7, 5, 6, 7, 5, 6]

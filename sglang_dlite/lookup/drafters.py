@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..drafters import DLiteEngineDrafter, DraftRequest
-from ..model import DraftProposal
+from ..proposal import DraftProposal
 from .chooser import Calibration, choose, default_calibration, lookup_only, needs_dlite
 from .suffix import DEFAULT_MAX_MATCH, SuffixIndex
 
