@@ -23,6 +23,9 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import DLiteInputError
+from ..model import DLiteDrafter, load_checkpoint
+from .model_card import render_average_card
+from .run_summary import read_training_json, write_training_json
 
 # config fields that say nothing about the function the weights compute
 _CONFIG_NOISE = ("transformers_version", "_name_or_path", "architectures", "torch_dtype", "dtype")
@@ -89,8 +92,6 @@ def average_states(states: Sequence[dict], weights: Sequence[float]) -> dict:
 
 def average_drafters(paths: Sequence[str], weights: Optional[Sequence[float]] = None):
     """(DLiteDrafter holding the weighted average in float32, weights used, float dtype of the first file)."""
-    from ..model import DLiteDrafter, load_checkpoint
-
     ws = normalized_weights(len(paths), weights)
     loaded = [load_checkpoint(p) for p in paths]
     configs, states = [c for c, _ in loaded], [s for _, s in loaded]
@@ -102,8 +103,6 @@ def average_drafters(paths: Sequence[str], weights: Optional[Sequence[float]] = 
 
 def training_record(paths: Sequence[str], weights: Sequence[float]) -> dict:
     """``training.json`` of an average: every source's own record (None where it has none)."""
-    from .run_summary import read_training_json
-
     return {"format": 1, "average": {"method": "weighted" if len(set(weights)) > 1 else "uniform",
                                      "sources": [{"path": p, "weight": round(w, 6), "training": read_training_json(p)}
                                                  for p, w in zip(paths, weights)]}}
@@ -140,9 +139,6 @@ def split_weights(drafters: Sequence[str], weights: Optional[Sequence[str]]) -> 
 
 
 def run(args) -> int:
-    from .model_card import render_average_card
-    from .run_summary import write_training_json
-
     args.drafters, args.weights = split_weights(args.drafters, args.weights)
     out = os.path.abspath(args.out)
     if any(os.path.abspath(p) == out for p in args.drafters):

@@ -53,10 +53,10 @@ def plot_curves(out_dir: str, stages=("teacher", "distill", "stabilize")) -> Opt
     if not os.path.isfile(path):
         return None
     try:
-        import matplotlib
+        import matplotlib  # optional: the dev extra (no plot without it)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after use("Agg"): no display needed
     except ImportError:
         return None
     recs = [json.loads(x) for x in open(path) if x.strip()]

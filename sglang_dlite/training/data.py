@@ -12,8 +12,10 @@ shard that fails to load is reported with its path (delete it and rerun gen-data
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import re
 import zipfile
 from typing import Iterator
 
@@ -89,9 +91,6 @@ def select_shards(shards: list, specs) -> list:
     is an error, so a typo never silently trains on less data."""
     if not specs:
         return list(shards)
-    import fnmatch
-    import re
-
     picked = set()
     for spec in specs:
         spec = spec.strip()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import DLiteConfigError
 
@@ -159,8 +160,6 @@ def wrap(module: torch.nn.Module, ignore: tuple = ()) -> torch.nn.Module:
     (the target's frozen embedding and LM head): neither broadcast nor reduced."""
     if STATE.world == 1:
         return module
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     names = [n for n, _ in list(module.named_parameters()) + list(module.named_buffers()) if n.split(".")[-1] in ignore]
     DDP._set_params_and_buffers_to_ignore_for_model(module, names)
     kw = {"device_ids": [STATE.device.index or 0]} if STATE.device.type == "cuda" else {}

@@ -20,8 +20,10 @@ import os
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from ..errors import DLiteInputError
+from ..model import DLiteDrafter
 
 
 def token_counts(data_dir: str, vocab_size: int) -> np.ndarray:
@@ -75,8 +77,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..model import DLiteDrafter
-
     d = DLiteDrafter.from_pretrained(args.drafter)
     out = args.out or args.drafter
     saved_dtype = _checkpoint_float_dtype(args.drafter)
@@ -108,8 +108,6 @@ def with_card_line(card: str, line: str) -> str:
 
 
 def _checkpoint_float_dtype(path: str):
-    from safetensors import safe_open
-
     with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
         for k in f.keys():
             t = f.get_slice(k).get_dtype()

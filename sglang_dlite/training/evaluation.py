@@ -9,9 +9,13 @@ from typing import Optional
 
 import torch
 
+from ..drafters import DLiteEngineDrafter
+from ..engine import ReferenceEngine
 from ..model import DLiteDrafter
 from ..speculation.accept import greedy_accept_length
 from ..speculation.tau import tau_of_committed
+from ..workloads import load_workload
+from ..workloads.replay import eos_token_ids, evaluate_tau
 from .dataset import FeatureData, _hist_mode, concat_groups, to_device
 
 
@@ -88,11 +92,6 @@ def evaluate(model: DLiteDrafter, data: FeatureData, groups, autocast, device=No
 def make_engine_eval(target, tokenizer, workloads: list, max_convs: int, max_new_tokens: int):
     """Held-out tau through the reference engine (exact rounds) on a small workload sample:
     ``workloads`` e.g. ["sharegpt-heldout", "agent-stdlib"]; run at the end of every stage."""
-    from ..drafters import DLiteEngineDrafter
-    from ..engine import ReferenceEngine
-    from ..workloads import load_workload
-    from ..workloads.replay import eos_token_ids, evaluate_tau
-
     convs = {w: load_workload(w, max_convs=max_convs) for w in workloads}
 
     def fn(model, stage, step):

@@ -9,14 +9,14 @@ from typing import Optional
 
 import torch
 
+from .features import padded_forward_groups
+
 
 @torch.no_grad()
 def reference_greedy(model, seqs, layer_ids=None, batch_tokens: int = 4096):
     """One float32 HF forward per group of sequences (teacher-forced): per sequence, the target's
     greedy next token at every position ([len] int64; entry j = argmax after seq[:j+1]) and, with
     ``layer_ids``, its features [len, L+1, H] fp16."""
-    from .features import padded_forward_groups
-
     preds, feats = [None] * len(seqs), [None] * len(seqs)
     for group, st, logits in padded_forward_groups(model, seqs, layer_ids, batch_tokens, logits=True):
         am = logits.argmax(-1).cpu()

@@ -4,11 +4,12 @@ numbers: data (manifest), recipe, steps, wall times, held-out tau, and -- when m
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from typing import Optional
 
-from .run_summary import read_training_json, summarize, summarize_run  # noqa: F401  (read_training_json: re-exported)
+from .run_summary import read_training_json, summarize, summarize_run, write_training_json  # noqa: F401  (read_training_json: re-exported)
 
 BENCH_CMD = ("python bench/acceptance.py --engine reference --drafter {drafter} --workload {wl} --max-convs <N> "
              "--max-new-tokens 128 --check-lossless --threads 1 --ar-cache artifacts/results/v2/ar_<workload>.jsonl --out {out}")
@@ -306,8 +307,6 @@ def main(argv=None) -> int:
     """Re-render a model card: python -m sglang_dlite.training.model_card --run OUT --data DATA
     --dest CKPT_DIR [--bench label=result.json ...] [--ablation label=OUT ...] [--note TEXT].
     A weight-averaged checkpoint (its training.json names its sources) needs only --dest."""
-    import argparse
-
     p = argparse.ArgumentParser()
     p.add_argument("--run", default=None, help="the training run folder (not for a weight-averaged checkpoint)")
     p.add_argument("--data", default=None, help="its gen-data folder (not for a weight-averaged checkpoint)")
@@ -341,8 +340,6 @@ def main(argv=None) -> int:
             p.error(f"--heldout: {path!r} has no row {label!r} (rows: {[r.get('drafter') for r in res.get('rows', [])]})")
         record["heldout_tau"] = {"data": res.get("data"), "source": path, **{k: row[k] for k in
                                  ("tau", "tau_ci95", "anchors", "acc_per_pos", "by_source") if k in row}}
-        from .run_summary import write_training_json
-
         write_training_json(a.dest, record)
     if "average" in record:
         card = render_average_card(read_drafter_config(a.dest), record, rows, note)

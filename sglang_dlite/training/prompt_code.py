@@ -5,12 +5,17 @@ evaluation workloads' modules or packages (``EVAL_PACKAGES``, ``_eval_stdlib_fil
 
 from __future__ import annotations
 
+import ast
+import difflib
 import hashlib
 import json
 import os
 import random
 import re
 import sysconfig
+
+from ..workloads import load_workload
+from ..workloads.agent_stdlib import _grep, _list_dir, _numbered, _symbols, _window
 
 CODE_TASKS = (
     "Explain what this code does, function by function.",
@@ -44,10 +49,8 @@ def stdlib_files() -> list:
 def _eval_stdlib_files() -> set:
     """Modules the agent-stdlib evaluation workload reads (its conversations record them)."""
     try:
-        from ..workloads import load_workload
-
         recs = load_workload("agent-stdlib")
-    except Exception:  # noqa: BLE001 - no workloads module in this build: nothing to exclude
+    except Exception:  # noqa: BLE001 - the workload cannot be built here: nothing to exclude
         return set()
     return {str(r["module"]) for r in recs if r.get("module")}
 
@@ -153,8 +156,6 @@ def agent_files() -> list:
 
 
 def _outline(source: str) -> str:
-    import ast
-
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -171,8 +172,6 @@ def _outline(source: str) -> str:
 
 def _edit_diff(rel: str, lines: list, s0: int, s1: int, sym: str) -> str:
     """A unified diff of a small, plausible edit to the symbol's source (a docstring line added)."""
-    import difflib
-
     old = lines[s0 - 1:min(s1, s0 + 30)]
     if not old:
         return "(no changes)"
@@ -182,8 +181,6 @@ def _edit_diff(rel: str, lines: list, s0: int, s1: int, sym: str) -> str:
 
 
 def _agent_convs(n: int, rng: random.Random) -> list:
-    from ..workloads.agent_stdlib import _grep, _list_dir, _numbered, _symbols, _window
-
     files = agent_files()
     rng.shuffle(files)
     convs = []
@@ -236,8 +233,6 @@ CODEGEN_INSTRUCTIONS = (
 def _documented_functions(source: str) -> list:
     """(signature + docstring text, name) of the top-level functions with a docstring of >= 40
     characters and a body of >= 3 statements after it."""
-    import ast
-
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):

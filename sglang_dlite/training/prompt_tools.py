@@ -10,6 +10,8 @@ import os
 import random
 
 from ..errors import DLiteInputError
+from ..workloads.converters import function_tool
+from ..workloads.render import DEFAULT_TOOL_SYSTEM, tools_system_prompt
 
 BFCL_CATEGORIES = (
     "simple_python", "simple_java", "simple_javascript", "multiple", "parallel",
@@ -44,7 +46,7 @@ def _bfcl_convs(n: int, rng: random.Random) -> list:
 def _bfcl_items(rng: random.Random) -> list:
     """bfcl-eval's single-turn questions (``BFCL_CATEGORIES``), shuffled."""
     try:
-        import bfcl_eval
+        import bfcl_eval  # optional: bfcl-eval (the data extra)
     except ImportError as exc:
         raise DLiteInputError("the bfcl and toolchat prompt sources need `bfcl-eval` "
                               "(pip install --no-deps bfcl-eval==2026.3.23).") from exc
@@ -75,9 +77,6 @@ def _first_user_turn(item: dict):
 
 
 def _toolchat_convs(n: int, rng: random.Random) -> list:
-    from ..workloads.converters import function_tool
-    from ..workloads.render import DEFAULT_TOOL_SYSTEM, tools_system_prompt
-
     items = [(it, _first_user_turn(it)) for it in _bfcl_items(rng)]
     items = [(it, u) for it, u in items if u and it.get("function")]
     convs, i = [], 0

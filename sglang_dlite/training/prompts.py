@@ -36,14 +36,13 @@ import os
 import random
 
 from ..errors import DLiteInputError
+from ..workloads.sharegpt import load_sharegpt
 from .data import shard_file
 from .prompt_code import _agent_convs, _codegen_convs, _stdlib_convs
 from .prompt_tools import _bfcl_convs, _toolchat_convs
 
 
 def _sharegpt_convs(n: int, rng: random.Random, max_turns: int) -> list:
-    from ..workloads.sharegpt import load_sharegpt
-
     recs = list(load_sharegpt("train"))
     rng.shuffle(recs)
     convs = []

@@ -19,6 +19,15 @@ import shutil
 import time
 from typing import Optional
 
+import torch
+
+from ..config import low_mid_high_layer_ids, target_info
+from ..drafters import SHIPPED_DRAFTER_DIR
+from ..model import DLiteDrafter
+from ..target import resolve_target
+from . import draft_vocab as dv
+from . import gen_data, train
+from .model_card import read_drafter_config, render_card
 from .run_summary import read_training_json, summarize
 
 DEFAULT_DATA = os.path.join("artifacts", "train", "data")
@@ -79,8 +88,6 @@ def _ns(**kw):
 def layer_ids_for(target_path: str) -> str:
     """The recipe's captured layers for a target: EAGLE-3's low / mid / high choice
     (``config.low_mid_high_layer_ids``; 2,15,27 for the bundled 30-layer target)."""
-    from ..config import low_mid_high_layer_ids, target_info
-
     return ",".join(map(str, low_mid_high_layer_ids(target_info(target_path).num_layers)))
 
 
@@ -121,11 +128,6 @@ def train_args(args, out):
 def export(model_dir: str, dest: str, card: str, data_dir: Optional[str] = None, draft_vocab: int = 0) -> str:
     """The drafter in bf16 safetensors + its model card; with ``draft_vocab`` N > 0, a drafting
     vocabulary of the N most frequent tokens of ``data_dir`` (training/draft_vocab.py)."""
-    import torch
-
-    from ..model import DLiteDrafter
-    from . import draft_vocab as dv
-
     m = DLiteDrafter.from_pretrained(model_dir)
     if draft_vocab:
         card = dv.with_card_line(card, dv.apply(m, data_dir, draft_vocab))
@@ -144,9 +146,6 @@ def export(model_dir: str, dest: str, card: str, data_dir: Optional[str] = None,
 
 
 def run(args) -> int:
-    from ..target import resolve_target
-    from . import gen_data, train
-
     is_default = args.target in (None, "", "default")
     target_path = resolve_target(args.target)  # refuses unsupported architectures
     args.layer_ids = layer_ids_for(target_path)
@@ -157,15 +156,11 @@ def run(args) -> int:
     out = args.out if not args.single_stage else args.out + "-single-stage"
     train.run(train_args(args, out))
     t2 = time.time()
-    from .model_card import render_card
-
     final = os.path.join(out, "stabilize", "model")
     summary = summarize(out, args.data)
     summary["wall_s"] = {"gen_data_this_run": round(t1 - t0, 1), "train_this_run": round(t2 - t1, 1)}
 
     summary["training"] = read_training_json(final)
-    from .model_card import read_drafter_config
-
     name = export_name(target_path, is_default)
     summary.update(target_name=os.path.basename(os.path.normpath(target_path)), export_name=name,
                    drafter_config=read_drafter_config(final))
@@ -179,8 +174,6 @@ def run(args) -> int:
             print("train-default: --install is for the bundled target's shipped drafter; not installing a drafter "
                   f"for {target_path}")
             return 0
-        from ..drafters import SHIPPED_DRAFTER_DIR
-
         export(final, SHIPPED_DRAFTER_DIR, render_card(summary), args.data, args.draft_vocab)
         print(f"train-default: installed as the shipped default drafter in {SHIPPED_DRAFTER_DIR}")
     return 0

@@ -22,12 +22,17 @@ import asyncio
 import os
 import time
 
+import torch
+
+from ..cpu_launch import start_engine
 from ..errors import DLiteInputError
+from .exactness import count_disagreements, cut_at_disagreements, reference_greedy
+from .hf_regen import Regenerator
 
 
 def process_tree_cpu_seconds() -> float:
     """CPU seconds of this process and its live children (sglang's scheduler and detokenizer)."""
-    import psutil
+    import psutil  # optional: comes with the sglang extra
 
     me = psutil.Process()
     total = sum(me.cpu_times()[:2])
@@ -47,8 +52,6 @@ class SglangRegenerator:
 
     def __init__(self, target_path, model, tok, max_new_tokens=256, max_len=2048, max_user_tokens=1024,
                  capture_layers=None, batch_size=32, dtype="float32", threads=1, engine=None, **engine_kw):
-        from .hf_regen import Regenerator
-
         if dtype not in ("float32", "bfloat16"):
             raise DLiteInputError(f"--engine sglang: --dtype must be float32 or bfloat16 (got {dtype!r}).")
         self.helper = Regenerator(model, tok, max_new_tokens, max_len, max_user_tokens, capture_layers=None)
@@ -59,18 +62,14 @@ class SglangRegenerator:
         self.stats = {"requests": 0, "resumed_turns": 0, "gen_s": 0.0, "feature_pass_s": 0.0}
         self._owns_engine = engine is None
         if engine is None:
-            import torch
-
             kw = dict(dtype=dtype, max_running_requests=batch_size, skip_tokenizer_init=True)
             if torch.cuda.is_available():  # sglang's own GPU defaults (CUDA graphs, its attention backend)
-                import sglang as sgl
+                import sglang as sgl  # optional: the sglang extra
 
                 kw.update(model_path=str(target_path), log_level="error", random_seed=0)
                 kw.update(engine_kw)
                 engine = sgl.Engine(**kw)
             else:  # the project's CPU stack
-                from ..cpu_launch import start_engine
-
                 os.environ["OMP_NUM_THREADS"] = str(threads)  # the scheduler subprocess's torch threads
                 kw.update(max_total_tokens=min(batch_size * max_len, 1 << 17))
                 kw.update(engine_kw)
@@ -135,8 +134,6 @@ class SglangRegenerator:
     def run(self, convs, relabel: bool = False):
         """(sequences, masks, features or [None]*n) as ``Regenerator.run``; per-call exactness
         counts in ``self.last`` (tokens_not_fp32_greedy, sequences_cut, generated_tokens_dropped)."""
-        from .exactness import count_disagreements, cut_at_disagreements, reference_greedy
-
         seqs, masks = self.generate(convs)
         self.last = {}
         if self.model is None:

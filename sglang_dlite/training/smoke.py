@@ -17,9 +17,21 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ..cli import main as cli
+from ..drafters import DLiteEngineDrafter
+from ..engine import ReferenceEngine
+from ..model import DLiteDrafter
+from ..speculation.tau import tau_of_requests
+from .recipe import export
+from .tiny_target import save_tiny_target
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -62,8 +74,6 @@ def train_argv(target: str, data: str, out: str, steps: int = 40, device: str = 
 def training_throughput(run_dir: str, stage: str = "stabilize") -> dict:
     """Steps/s (steps over the stage's training wall time, evaluations excluded) and anchors/s (the
     median of the logged intervals after the first, which holds the warm-up) of a finished stage."""
-    import statistics
-
     with open(os.path.join(run_dir, stage, "DONE.json")) as f:
         done = json.load(f)
     rates = []
@@ -77,35 +87,19 @@ def training_throughput(run_dir: str, stage: str = "stabilize") -> dict:
             "anchors_per_s": round(statistics.median(steady), 1) if steady else None}
 
 
-def trainer_uses_torchrun() -> bool:
-    """True once ``sglang-dlite train`` runs under torchrun (DistributedDataParallel) instead of
-    its own ``--ddp N`` launcher."""
-    import importlib.util
-    import inspect
-
-    if importlib.util.find_spec("sglang_dlite.training.distributed") is not None:
-        return True
-    try:
-        from . import train
-        src = inspect.getsource(train)
-    except (ImportError, OSError):
-        return False
-    return "DistributedDataParallel" in src or "LOCAL_RANK" in src
-
-
-def train_command(argv: list, procs: int, launcher: str) -> list:
+def train_command(argv: list, procs: int, launcher: str = "torchrun") -> list:
+    """The training command: one process, or ``procs`` under torchrun (the trainer's only launcher;
+    its former ``--ddp N`` is refused)."""
+    if launcher != "torchrun":
+        raise ValueError(f"launcher {launcher!r}: training runs under torchrun only.")
     if procs <= 1:
         return [sys.executable, "-m", "sglang_dlite", *argv]
-    if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
-                "-m", "sglang_dlite", *argv]
-    return [sys.executable, "-m", "sglang_dlite", *argv, "--ddp", str(procs)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
+            "-m", "sglang_dlite", *argv]
 
 
 def target_greedy(target, prompts: list, max_new_tokens: int) -> list:
     """The target's own greedy continuation of each prompt (HF generate, fp32, batch 1)."""
-    import torch
-
     outs = []
     dev = next(target.parameters()).device
     for p in prompts:
@@ -127,13 +121,6 @@ def check_lossless(target_path: str, drafter_path: str, n_prompts: int = 2, max_
     """Reference engine with the drafter vs the target's own greedy decoding, on chat prompts:
     {"identical": bool, "tau": float, "outputs": [...], "target": [...]}. ``device``: where the
     target, the drafter and the engine run (default: the CPU)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..drafters import DLiteEngineDrafter
-    from ..engine import ReferenceEngine
-    from ..model import DLiteDrafter
-    from ..speculation.tau import tau_of_requests
-
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype="float32").eval()
     if device:
         target.to(device)
@@ -150,16 +137,12 @@ def check_lossless(target_path: str, drafter_path: str, n_prompts: int = 2, max_
 
 
 def run(args) -> int:
-    from ..cli import main as cli
-    from .recipe import export
-    from .tiny_target import save_tiny_target
-
     out = args.out
     if os.path.isdir(out) and not args.keep:
         shutil.rmtree(out)
     os.makedirs(out, exist_ok=True)
     times = {}
-    launcher = args.launcher if args.launcher != "auto" else ("torchrun" if trainer_uses_torchrun() else "ddp")
+    launcher = "torchrun"
 
     def step(name, fn):
         t = time.time()
@@ -220,7 +203,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join("artifacts", "train-smoke"))
     ap.add_argument("--arch", default="llama", help="llama | qwen3 | qwen2 | mistral")
     ap.add_argument("--procs", type=int, default=2, help="training processes")
-    ap.add_argument("--launcher", choices=("auto", "torchrun", "ddp"), default="auto")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=24)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 import time
 
 import torch
@@ -17,8 +19,10 @@ from . import distributed as dist
 from .checkpoint import plot_curves
 from .data import DataError, read_manifest, select_shards
 from .dataset import FeatureData
+from .features import ensure_features
 from .loop import Paused, run_stage
 from .options import STAGES, Stage, TrainOptions
+from .stream import ShardStream
 
 
 def bind(model: DLiteDrafter, embed_w, head_w) -> DLiteDrafter:
@@ -84,9 +88,6 @@ def init_from_target_layers(model: DLiteDrafter, target, layer_ids) -> DLiteDraf
 def this_command() -> str:
     """This process's command line, as a user would type it (``python -m sglang_dlite ...`` for the
     package's ``__main__``; torchrun's own options are not in ``sys.argv``)."""
-    import shlex
-    import sys
-
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     prog = "python -m sglang_dlite" if prog == "__main__.py" else prog
     return " ".join([prog, shlex.join(sys.argv[1:])]).strip()
@@ -213,9 +214,6 @@ def _streaming_data(target, data_dir: str, layer_ids, opts):
     """(held-out FeatureData over ``opts.eval_shards`` evenly spaced shards, with ``.stream`` the
     training ShardStream over every finished shard; info for train_info.json). Every rank builds
     the same stream and trains on its slice of each global batch."""
-    from .features import ensure_features
-    from .stream import ShardStream
-
     shards = select_shards(read_manifest(data_dir).get("shards", []), opts.shards)
     if not shards:
         raise DataError(f"{data_dir!r} lists no finished shards; run `sglang-dlite gen-data` first.")

@@ -25,6 +25,7 @@ import zlib
 import numpy as np
 
 from .data import DataError, load_shard
+from .dataset import build_group
 from .features import load_features
 
 
@@ -154,8 +155,6 @@ class ShardStream:
         return out
 
     def group(self, ref, C: int, K: int, history, want_target: bool, all_tokens: bool = False) -> dict:
-        from .dataset import build_group
-
         sh, start, length, anchors = ref
         return build_group(sh.ids, sh.mask, sh.feats, start, length, anchors, len(self.layer_ids), sh.feats.shape[-1],
                            C, K, history, want_target, all_tokens)

@@ -13,9 +13,16 @@ end-of-turn token's LM-head row is zero, so every turn runs to its token budget.
 
 from __future__ import annotations
 
+import argparse
 import os
 
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
 from ..config import SUPPORTED_TARGET_ARCHITECTURES
+from ..errors import DLiteInputError
 
 # arch name -> (transformers config class, model class, extra config fields)
 ARCHS = {
@@ -42,9 +49,6 @@ _CORPUS = [
 def build_tokenizer(vocab_size: int = 384):
     """A byte-level BPE tokenizer (every text encodes) with ChatML special tokens, trained on a
     few fixed lines: deterministic, offline, ~``vocab_size`` tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -60,11 +64,6 @@ def build_tokenizer(vocab_size: int = 384):
 def save_tiny_target(path, arch: str = "llama", seed: int = 0, hidden: int = 64, layers: int = 6,
                      heads: int = 4, kv_heads: int = 2, vocab_size: int = 384, sticky: float = 0.0) -> str:
     """Write a tiny random ``arch`` target (see ARCHS) with its tokenizer into ``path``."""
-    import torch
-    import transformers
-
-    from ..errors import DLiteInputError
-
     if arch not in ARCHS:
         raise DLiteInputError(f"unknown tiny target architecture {arch!r}; choose one of {sorted(ARCHS)}.")
     cfg_name, model_name, extra = ARCHS[arch]
@@ -93,8 +92,6 @@ def save_tiny_target(path, arch: str = "llama", seed: int = 0, hidden: int = 64,
 
 def main(argv=None) -> int:
     """``python -m sglang_dlite.training.tiny_target OUT [--arch qwen3]``"""
-    import argparse
-
     ap = argparse.ArgumentParser(description="write a tiny random-weight target checkpoint (with tokenizer)")
     ap.add_argument("out")
     ap.add_argument("--arch", default="llama", choices=sorted(ARCHS))

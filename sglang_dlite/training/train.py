@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import torch
 
+from ..target import load_target
 from . import distributed as dist
 from .dataset import FeatureData, eval_groups, sample_batch  # noqa: F401 - the trainer's public names
 from .evaluation import evaluate, make_engine_eval
@@ -51,8 +52,6 @@ from .stages import bind, init_from_drafter, init_from_target_layers, make_confi
 
 def run(args) -> int:
     """`sglang-dlite train`: one process, or one rank of a torchrun launch (the env says which)."""
-    from ..target import load_target
-
     opts = options_from_args(args)  # refuses the removed --ddp before anything loads
     torch.set_num_threads(args.threads)
     dist.setup(opts.device)
