@@ -30,6 +30,7 @@ from statistics import median
 from typing import Dict, List, Optional, Sequence
 
 from ..errors import DLiteConfigError
+from .accept import expected_accepted
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +52,7 @@ def reaches(probs: Sequence[float], min_reach: float = 0.0) -> List[float]:
 
 def expected_committed(probs: Sequence[float], n: int) -> float:
     """1 + sum_{i<=n} prod_{j<=i} p_j: tokens one request commits when n drafts are verified."""
-    s = 1.0
-    for reach in reaches(list(probs)[:n]):
-        s += reach
-    return s
+    return 1.0 + expected_accepted(list(probs)[:n])
 
 
 def select_drafts(chains: Sequence[Sequence[float]], fixed_rows: Optional[float]) -> List[int]:
