@@ -138,14 +138,9 @@ class FastLlama:
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, hd]
         S = start + T
         causal = torch.arange(S)[None, :] <= pos[:, None]  # [T, S]
-        caps = [None] * (len(self.capture) + 1)
+        caps = [None] * (len(self.capture) + 1) if want_features else None  # captured layers + final norm
         for li, p in enumerate(self.layers):
-            h = self._rms(x, p["ln1"])
-            qkv = p["qkv"](h)
-            q = qkv[:, : self.nh * self.hd].view(T, self.nh, self.hd)
-            k = qkv[:, self.nh * self.hd:(self.nh + self.kvh) * self.hd].view(T, self.kvh, self.hd)
-            v = qkv[:, (self.nh + self.kvh) * self.hd:].view(T, self.kvh, self.hd)
-            q, k = self._rot(q, cos, sin), self._rot(k, cos, sin)
+            q, k, v = self._qkv(p, x, cos, sin)
             self.k[li, slot, :, start:S] = k.transpose(0, 1)
             self.v[li, slot, :, start:S] = v.transpose(0, 1)
             self.hw[slot] = max(self.hw[slot], S)
@@ -156,16 +151,8 @@ class FastLlama:
                 o = F.scaled_dot_product_attention(qh, K, V, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
                 o = F.scaled_dot_product_attention(qh, K, V, attn_mask=causal, scale=self.scale, enable_gqa=True)
-            o = o[0].transpose(0, 1).reshape(T, self.nh * self.hd)
-            x = x + p["o"](o)
-            x = x + self._mlp(self._rms(x, p["ln2"]), p)
-            if want_features and li in self._cap_index:
-                caps[self._cap_index[li]] = x
-        normed = self._rms(x, self.norm_w)
-        feats = None
-        if want_features:
-            caps[-1] = normed
-            feats = torch.stack(caps, 1).to(torch.float16)
+            x = self._layer_out(li, p, x, o[0].transpose(0, 1).reshape(T, self.nh * self.hd), caps)
+        normed, feats = self._final(x, caps)
         return normed[-1], feats
 
     def _additive(self, valid):
@@ -182,15 +169,19 @@ class FastLlama:
                 self.v[:, b, :, self.hw[b]:S] = 0
                 self.hw[b] = S
 
-    def _attend_inputs(self, li, p, x, cos, sin, rows, pos):
-        """Layer li's queries [N, nh, hd] for the tokens x [N, H]; their rotated keys and values
-        are written into the cache at (slot rows, position pos)."""
+    def _qkv(self, p, x, cos, sin):
+        """A layer's rotated queries [N, nh, hd], keys and values [N, kvh, hd] for the tokens x [N, H]."""
         n = x.shape[0]
         qkv = p["qkv"](self._rms(x, p["ln1"]))
         q = qkv[:, : self.nh * self.hd].view(n, self.nh, self.hd)
         k = qkv[:, self.nh * self.hd:(self.nh + self.kvh) * self.hd].view(n, self.kvh, self.hd)
         v = qkv[:, (self.nh + self.kvh) * self.hd:].view(n, self.kvh, self.hd)
-        q, k = self._rot(q, cos, sin), self._rot(k, cos, sin)
+        return self._rot(q, cos, sin), self._rot(k, cos, sin), v
+
+    def _attend_inputs(self, li, p, x, cos, sin, rows, pos):
+        """Layer li's queries [N, nh, hd] for the tokens x [N, H]; their rotated keys and values
+        are written into the cache at (slot rows, position pos)."""
+        q, k, v = self._qkv(p, x, cos, sin)
         self.k[li, rows, :, pos] = k
         self.v[li, rows, :, pos] = v
         return q
@@ -233,7 +224,7 @@ class FastLlama:
             chunks.append((c0, c1, S, self._additive((torch.arange(S)[None, :] <= pos[c0:c1, None])[:, None, None, :])))
             self._clear_masked_tail(c0, c1, S)  # the masked tail [pos_b + 1, S) of a shorter row
         rows = torch.arange(B)
-        caps = [None] * (len(self.capture) + 1)
+        caps = [None] * (len(self.capture) + 1) if want_features else None
         for li, p in enumerate(self.layers):
             q = self._attend_inputs(li, p, x, cos, sin, rows, pos)
             # the g query heads of a KV head as g queries of that head: no K/V expansion for GQA
@@ -243,8 +234,8 @@ class FastLlama:
                 F.scaled_dot_product_attention(qb[c0:c1], self.k[li, c0:c1, :, :S], self.v[li, c0:c1, :, :S],
                                                attn_mask=valid, scale=self.scale)
                 for c0, c1, S, valid in chunks], 0)
-            x = self._layer_out(li, p, x, o.reshape(B, self.nh * self.hd), caps if want_features else None)
-        return self._final(x, caps if want_features else None)
+            x = self._layer_out(li, p, x, o.reshape(B, self.nh * self.hd), caps)
+        return self._final(x, caps)
 
     @torch.no_grad()
     def verify(self, ids, starts, lens, want_features: bool):
@@ -288,7 +279,7 @@ class FastLlama:
             sel_t = qi[offs[c0]:offs[c1]]
             chunks.append((c0, c1, S, Tm, self._additive(valid), sel_r, sel_t))
             self._clear_masked_tail(c0, c1, S)  # masked positions [starts_b + len_b, S)
-        caps = [None] * (len(self.capture) + 1)
+        caps = [None] * (len(self.capture) + 1) if want_features else None
         for li, p in enumerate(self.layers):
             q = self._attend_inputs(li, p, x, cos, sin, rows, pos)
             outs = []
@@ -302,20 +293,19 @@ class FastLlama:
                                                    attn_mask=valid, scale=self.scale)
                 o = o.view(c, self.kvh, self.g, Tm, self.hd).permute(0, 3, 1, 2, 4).reshape(c, Tm, self.nh, self.hd)
                 outs.append(o[sel_r, sel_t])  # [n_chunk, nh, hd]
-            x = self._layer_out(li, p, x, torch.cat(outs, 0).reshape(N, self.nh * self.hd),
-                                caps if want_features else None)
-        return self._final(x, caps if want_features else None)
+            x = self._layer_out(li, p, x, torch.cat(outs, 0).reshape(N, self.nh * self.hd), caps)
+        return self._final(x, caps)
 
     def _verify_kernel(self, x, cos, sin, rows, pos, starts, lens, want_features):
         """``verify``'s layers with ``ops.kv_cache_attention``: every row attends to exactly its
         own keys (no padding, no mask; the cache past a row's positions is never read)."""
         N = x.shape[0]
-        caps = [None] * (len(self.capture) + 1)
+        caps = [None] * (len(self.capture) + 1) if want_features else None
         for li, p in enumerate(self.layers):
             q = self._attend_inputs(li, p, x, cos, sin, rows, pos)
             o = ops.kv_cache_attention(q, self.k[li], self.v[li], starts, lens, self.scale)
-            x = self._layer_out(li, p, x, o.reshape(N, self.nh * self.hd), caps if want_features else None)
-        return self._final(x, caps if want_features else None)
+            x = self._layer_out(li, p, x, o.reshape(N, self.nh * self.hd), caps)
+        return self._final(x, caps)
 
     def move_slot(self, src: int, dst: int, length: int):
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
