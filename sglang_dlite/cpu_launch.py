@@ -61,8 +61,8 @@ def activate_cpu_standins() -> None:
     os.environ.update(cpu_environ())
     if str(CPU_STANDINS) not in sys.path:
         sys.path.insert(0, str(CPU_STANDINS))
-    import dlite_cpu_packed_linear
-    import dlite_cpu_verify_hook
+    import dlite_cpu_packed_linear  # process boundary: importable only after the sys.path edit above
+    import dlite_cpu_verify_hook  # process boundary: importable only after the sys.path edit above
 
     dlite_cpu_verify_hook.install_lazy()
     dlite_cpu_packed_linear.install_lazy()
@@ -90,7 +90,7 @@ def start_engine(model_path, **kw):
     """A started ``sglang.Engine`` on the CPU stack (call ``.shutdown()``)."""
     activate_cpu_standins()
     try:
-        import sglang as sgl
+        import sglang as sgl  # optional: sglang; after activate_cpu_standins()
     except ImportError as exc:
         raise MissingDependencyError("sglang is not installed: `make venv` installs the CPU stack "
                                      "(requirements/sglang-cpu.txt).") from exc

@@ -23,7 +23,13 @@ change has median 0.07, p99 0.30, max 0.72, so a fixed 0.25 called bf16 noise a 
 
 from __future__ import annotations
 
+import copy
+import json
+import subprocess
+import sys
 from typing import Callable, Optional, Sequence
+
+import torch
 
 # float32 logit gap under which a differing bf16 greedy token is a precision tie: two bf16 steps
 # at |logit| ~ 20 (where bf16 values are 0.125 apart)
@@ -98,10 +104,6 @@ class Fp32LogitGap:
         return self._ask({"op": "bf16_noise", "prefix": list(map(int, prefix))})
 
     def _ask(self, query: dict) -> float:
-        import json
-        import subprocess
-        import sys
-
         if self.proc is None:
             self.proc = subprocess.Popen([sys.executable, "-m", "sglang_dlite.divergence", self.target_path],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -137,11 +139,7 @@ def logit_gap_server(target_path: str, inp, out) -> None:
     """Read JSON queries, one per line, write one number per line: {"op": "gap", "prefix", "a", "b"}
     -> logit a - logit b of the float32 target; {"op": "bf16_noise", "prefix"} -> the largest
     ``top2_gap_change`` over the prefix's positions (the bf16 copy is made on first use)."""
-    import copy
-    import json
-
-    import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # start-up cost: ~2 s; the CLI's demo imports this module
 
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     model16 = None
@@ -166,6 +164,4 @@ def logit_gap_server(target_path: str, inp, out) -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
     logit_gap_server(sys.argv[1], sys.stdin, sys.stdout)

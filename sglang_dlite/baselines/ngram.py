@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..drafters import DraftRequest
+from ..errors import DLiteInputError
 from ..proposal import DraftProposal
 
 
@@ -48,7 +49,6 @@ class NGramDrafter:
 
     def __init__(self, block_size: int = 7, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
-            from ..errors import DLiteInputError
             raise DLiteInputError(f"n-gram sizes must satisfy 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram}).")
         self.block_size = block_size
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

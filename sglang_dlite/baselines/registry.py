@@ -11,7 +11,15 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import torch
+
+from ..config import DLiteConfig
+from ..drafters import DLiteEngineDrafter
 from ..errors import DLiteConfigError, DLiteInputError
+from ..model import DLiteDrafter
+from .dflash import DFlashConfig, DFlashDrafter, DFlashEngineDrafter, DSparkConfig, DSparkDrafter
+from .eagle3 import Eagle3Config, Eagle3Drafter, Eagle3EngineDrafter
+from .ngram import NGramDrafter
 
 DLITE_ABLATIONS = {  # name -> DLiteConfig.history the checkpoint must have
     "dlite-teacher": "full",
@@ -66,9 +74,6 @@ def training_output_dir(name: str) -> str:
 
 def model_classes(name: str):
     """(model class, config class) of a KV baseline name."""
-    from .dflash import DFlashConfig, DFlashDrafter, DSparkConfig, DSparkDrafter
-    from .eagle3 import Eagle3Config, Eagle3Drafter
-
     table = {"eagle3": (Eagle3Drafter, Eagle3Config), "dflash": (DFlashDrafter, DFlashConfig),
              "dspark": (DSparkDrafter, DSparkConfig)}
     if name not in table:
@@ -79,14 +84,9 @@ def model_classes(name: str):
 def new_model(name: str, target_config, seed: Optional[int] = 0, **overrides):
     """A randomly initialized, unbound model for ``name`` sized for a target (training starts here;
     benchmarks of cost use it as is). DLite ablation names return a ``DLiteDrafter``."""
-    import torch
-
     if seed is not None:
         torch.manual_seed(seed)
     if name in DLITE_ABLATIONS or name == "dlite":
-        from ..config import DLiteConfig
-        from ..model import DLiteDrafter
-
         overrides.setdefault("history", DLITE_ABLATIONS.get(name, "none"))
         return DLiteDrafter(DLiteConfig.for_target(target_config, **overrides))
     model_cls, cfg_cls = model_classes(name)
@@ -96,12 +96,9 @@ def new_model(name: str, target_config, seed: Optional[int] = 0, **overrides):
 def engine_adapter(name: str, model):
     """Wrap a bound model into the engine's ``Drafter`` protocol."""
     if name in DLITE_ABLATIONS or name == "dlite":
-        from ..drafters import DLiteEngineDrafter
         return DLiteEngineDrafter(model)
     if name == "eagle3":
-        from .eagle3 import Eagle3EngineDrafter
         return Eagle3EngineDrafter(model)
-    from .dflash import DFlashEngineDrafter
     return DFlashEngineDrafter(model)
 
 
@@ -123,11 +120,8 @@ def make_baseline_drafter(name: str, path: Optional[str], target):
     if name == "ngram":
         if path:
             raise DLiteInputError("the ngram drafter has no checkpoint: use --drafter ngram (no :PATH).")
-        from .ngram import NGramDrafter
         return NGramDrafter()
     if name in DLITE_ABLATIONS:
-        from ..model import DLiteDrafter
-
         path = _checkpoint_path(name, path)
         model = DLiteDrafter.from_pretrained(path)
         want = DLITE_ABLATIONS[name]

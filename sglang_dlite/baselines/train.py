@@ -27,7 +27,7 @@ import json
 import os
 import shutil
 import time
-
+from contextlib import nullcontext
 from typing import Optional
 
 import numpy as np
@@ -36,7 +36,13 @@ import torch
 from ..errors import DLiteInputError
 from ..speculation.accept import greedy_accept_length
 from ..speculation.tau import tau_of_committed
+from ..target import load_target
+from ..training import train as dlite_train
+from ..training.dataset import FeatureData, batch_vocab_subset, sample_batch
+from ..training.evaluation import GreedyTally
+from ..training.losses import tv_distance, weighted_ce
 from ..training.precision import warn_if_emulated_bf16
+from ..training.train import lr_at
 from .common import anchor_targets
 from .registry import BASELINE_NAMES, DLITE_ABLATIONS, KV_BASELINES, new_model, training_output_dir
 
@@ -75,11 +81,6 @@ def loss_fn(name, model, data, batch, weights, head_w, base_vocab=None, autocast
     """Mean loss over the batch's anchors and the training tau proxy. ``base_vocab``: the
     training-time vocabulary subset (frequent tokens; the batch's labels are added), as DLite's
     trainer uses it; ``autocast``: a context factory (bf16)."""
-    from contextlib import nullcontext
-
-    from ..training.losses import tv_distance, weighted_ce
-    from ..training.dataset import batch_vocab_subset
-
     K, L = model.config.block_size, model.config.num_capture_layers
     autocast = autocast or nullcontext
     inputs = [sequence_inputs(data, seq_i, anchors, K, L) for seq_i, anchors in batch]
@@ -120,10 +121,6 @@ def heldout_scores(model, data, groups, autocast=None):
     there (1 + leading drafts equal to the target's greedy tokens), and per draft position the
     accuracy. The drafts come from the training-time-test unroll, which drafts what the engine
     drafts (test_training_forward_matches_engine_draft). Returns (tau [N], acc per position)."""
-    from contextlib import nullcontext
-
-    from ..training.evaluation import GreedyTally
-
     K, L = model.config.block_size, model.config.num_capture_layers
     autocast = autocast or nullcontext
     tally = GreedyTally(K)
@@ -145,9 +142,6 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
     ``budget_min``: a wall-clock budget; the cosine schedule is re-planned to end inside it (the
     same rule as DLite's ``--stage-budget-min``), so drafters compare at equal training time;
     ``anchor_tokens``: as DLite's ``--anchor-tokens`` (generated spans only, or every position)."""
-    from ..training.dataset import FeatureData, sample_batch
-    from ..training.train import lr_at
-
     if name not in KV_BASELINES:
         raise DLiteInputError(f"train_kv_baseline trains {', '.join(KV_BASELINES)}, not {name!r}.")
     torch.manual_seed(seed)
@@ -204,8 +198,6 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
 
 def train_dlite_ablation(name: str, data_dir: str, out: str, target_support: str, extra: list) -> str:
     """`sglang-dlite train` with the ablation's options into OUT/_run, then OUT <- the stage's model."""
-    from ..training import train as dlite_train
-
     opts, stage = DLITE_TRAIN_ARGS[name]
     run_dir = out.rstrip("/") + "_run"
     p = argparse.ArgumentParser()
@@ -264,8 +256,6 @@ def main(argv=None) -> int:
         return 0
     if extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
-    from ..target import load_target
-
     target, _ = load_target(args.target)
     train_kv_baseline(args.drafter_type, target, args.data, out, steps=args.steps, lr=args.lr,
                       batch_size=args.batch_size, seqs_per_batch=args.seqs_per_batch, gamma=args.gamma,

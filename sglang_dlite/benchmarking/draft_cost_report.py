@@ -34,10 +34,10 @@ def draft_cost_table(data: dict) -> str:
 
 def plot_draft_cost(data: dict, png: Path):
     """PNG: ms per round and drafter memory per request vs context length, one line per drafter."""
-    import matplotlib
+    import matplotlib  # optional: matplotlib (the dev extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: matplotlib; after matplotlib.use("Agg")
 
     contexts, names, results = data["contexts"], data["drafters"], data["results"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -5,15 +5,18 @@ trained one is shipped (speed only: tau ~1); the sglang tests use all three.
 
 from __future__ import annotations
 
+import torch
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from ..config import DLiteConfig
+from ..model import DLiteDrafter
+
 
 def tiny_llama(seed: int = 0, vocab: int = 96, hidden: int = 64, layers: int = 6, *, tied: bool = False,
                max_positions: int = 2048, sticky=None):
     """A random-weight Llama (fp32, eval) with sharp logits (embedding ~ N(0, 1)), so that greedy
     outputs vary instead of looping at once. ``sticky``: an untied LM head = sticky * embedding +
     noise, whose greedy output mixes runs of repeated tokens with jumps."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -37,9 +40,6 @@ def save_tiny_llama(path, seed: int = 0, vocab: int = 96, hidden: int = 64, laye
 
 
 def save_tiny_qwen3(path, seed: int = 0, vocab: int = 96, hidden: int = 64, layers: int = 6) -> str:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     torch.manual_seed(seed)
     cfg = Qwen3Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -56,12 +56,6 @@ def save_tiny_qwen3(path, seed: int = 0, vocab: int = 96, hidden: int = 64, laye
 
 def save_random_dlite(path, target_path, seed: int = 0, **overrides) -> str:
     """A random-weight DLite drafter for the target at target_path (config from its config.json)."""
-    import torch
-    from transformers import AutoConfig
-
-    from sglang_dlite.config import DLiteConfig
-    from sglang_dlite.model import DLiteDrafter
-
     tc = AutoConfig.from_pretrained(target_path)
     kw = dict(target_hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
               target_num_layers=tc.num_hidden_layers)

@@ -145,10 +145,10 @@ def plot_title(tag, n_requests, cfg) -> str:
 
 
 def plot(samples, load_ends, path, title):
-    import matplotlib
+    import matplotlib  # optional: matplotlib (the dev extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: matplotlib; after matplotlib.use("Agg")
 
     t = [s["t"] / 60 for s in samples]
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)

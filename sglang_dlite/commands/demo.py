@@ -24,6 +24,20 @@ import os
 import tempfile
 import time
 
+import torch
+
+from .. import cpu_launch as F
+from ..config import drafter_config_for_target
+from ..divergence import DEFAULT_TIE_MARGIN as TIE_MARGIN
+from ..divergence import Fp32LogitGap, classify_divergences, is_mismatch
+from ..drafters import DLiteEngineDrafter, shipped_drafter_path
+from ..engine import ReferenceEngine
+from ..model import DLiteDrafter
+from ..speculation.tau import TAU_DEFINITION, tau_of_sglang
+from ..target import load_target, prepare_default_target
+from ..workloads import load_workload
+from ..workloads.render import render_turns
+
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "What is the capital of France? Answer in one sentence.",
@@ -49,17 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _drafter_path(args, target_dir) -> str:
-    from ..drafters import shipped_drafter_path
-
     path = args.draft or shipped_drafter_path()
     if path:
         print(f"drafter: {path}")
         return path
-    import torch
-
-    from ..config import drafter_config_for_target
-    from ..model import DLiteDrafter
-
     out = os.path.join(tempfile.mkdtemp(prefix="dlite-demo-"), "random-dlite")
     torch.manual_seed(0)
     DLiteDrafter(drafter_config_for_target(str(target_dir))).save_pretrained(out)
@@ -73,9 +80,6 @@ def _requests(args, tok):
     """[(label, prompt_ids)] : the agent conversation's turns, then the plain prompts."""
     reqs = []
     if not args.no_agent:
-        from ..workloads import load_workload
-        from ..workloads.render import render_turns
-
         conv = load_workload(args.workload, max_convs=1)[0]
         turns = render_turns(tok, conv, max_new_tokens=args.max_new_tokens)
         for t in turns:
@@ -92,8 +96,6 @@ def _requests(args, tok):
 
 
 def _run_sglang(target, draft, reqs, max_new, eos, dtype="float32", num_draft_tokens=None):
-    from .. import cpu_launch as F
-
     F.activate_cpu_standins()
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # sglang's CPU-platform warnings, x3 processes
     sp = {"temperature": 0.0, "max_new_tokens": max_new}
@@ -118,13 +120,6 @@ def _run_sglang(target, draft, reqs, max_new, eos, dtype="float32", num_draft_to
 
 
 def _run_reference(target_dir, draft, reqs, max_new, eos, speculative):
-    import torch
-
-    from ..drafters import DLiteEngineDrafter
-    from ..engine import ReferenceEngine
-    from ..model import DLiteDrafter
-    from ..target import load_target
-
     target, _ = load_target(str(target_dir))
     d = DLiteDrafter.from_pretrained(draft).bind_hf_target(target)
     eng = ReferenceEngine(target, DLiteEngineDrafter(d), eos_token_ids=eos)
@@ -144,8 +139,6 @@ def _run_reference(target_dir, draft, reqs, max_new, eos, speculative):
 
 def _fmt_tau(metas) -> str:
     """τ over the requests (``speculation.tau.tau_of_sglang``), 'n/a' without a verify round."""
-    from ..speculation.tau import tau_of_sglang
-
     t = tau_of_sglang(metas)
     return "n/a" if t is None else f"{t:.2f}"
 
@@ -153,8 +146,6 @@ def _fmt_tau(metas) -> str:
 def _summary(title, spec, base, reqs, target, dtype) -> bool:
     """Print one comparison; True when the outputs are identical, or (bf16) differ only at
     precision ties of the float32 target."""
-    from ..speculation.tau import TAU_DEFINITION
-
     (s_out, s_meta, s_wall, s_start), (b_out, _, b_wall, b_start) = spec, base
     s_toks, b_toks = sum(len(o) for o in s_out), sum(len(o) for o in b_out)
     print(f"\n=== {title} ===")
@@ -168,9 +159,6 @@ def _summary(title, spec, base, reqs, target, dtype) -> bool:
     print(f"outputs identical (DLITE vs no speculation, {dtype}): {'YES' if same else 'NO'}")
     if same:
         return True
-    from ..divergence import DEFAULT_TIE_MARGIN as TIE_MARGIN
-    from ..divergence import Fp32LogitGap, classify_divergences, is_mismatch
-
     scorer = Fp32LogitGap(str(target))
     noise = scorer.bf16_noise if dtype == "bfloat16" else None
     recs = classify_divergences([ids for _, ids in reqs], s_out, b_out, scorer, TIE_MARGIN, noise=noise)
@@ -198,9 +186,7 @@ def _verdict(rec: dict) -> str:
 
 
 def run(args) -> int:
-    from transformers import AutoTokenizer
-
-    from ..target import prepare_default_target
+    from transformers import AutoTokenizer  # start-up cost: ~2 s; the CLI imports every command module
 
     target = prepare_default_target(verbose=True)
     tok = AutoTokenizer.from_pretrained(str(target))

@@ -9,6 +9,10 @@ import time
 
 import torch
 
+from ..engine import ReferenceEngine
+from ..registry import make_engine_drafter
+from ..target import load_target
+
 
 def add_arguments(p):
     p.add_argument("prompts", nargs="*", default=["Write a Python function that checks if a number is prime."],
@@ -31,10 +35,6 @@ def chat_ids(tok, text: str) -> list:
 
 
 def run(args) -> int:
-    from ..registry import make_engine_drafter
-    from ..engine import ReferenceEngine
-    from ..target import load_target
-
     torch.set_num_threads(args.threads)
     target, tok = load_target(args.target)
     eng = ReferenceEngine(target, make_engine_drafter(args.drafter, target), [tok.eos_token_id])

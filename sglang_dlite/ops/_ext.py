@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from . import fake
+
 LIB_NAME = "sglang_dlite_ops"
 OPS = ("assemble_round_inputs", "round_attention", "lowrank_rnn_scan", "lm_head_argmax")
 BUILD_HINT = "build it with `make build-ext` (or `python -m sglang_dlite.ops.build`)"
@@ -59,8 +61,6 @@ def load() -> bool:
         _state["error"] = f"{path} is missing"
     ok = _state["ok"] = _state["path"] is not None and _registered()
     if ok:
-        from . import fake  # fake kernels: the ops trace under torch.compile
-
         fake.register()
     return ok
 

@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+from torch.utils.cpp_extension import CUDA_HOME, load
 
 from . import _ext
 
@@ -34,14 +35,10 @@ def nvcc_flags() -> list[str]:
 def want_cuda() -> bool:
     if torch.version.cuda is None:
         return False
-    from torch.utils.cpp_extension import CUDA_HOME
-
     return CUDA_HOME is not None or shutil.which("nvcc") is not None
 
 
 def build(verbose: bool = False, force: bool = False, cuda: bool | None = None) -> str:
-    from torch.utils.cpp_extension import load
-
     csrc = _ext.repo_root() / "csrc"
     out = _ext.build_dir()
     out.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Optional, Tuple
 
+import torch
+
 ATTENTION_THREADS = 128  # kAttentionThreads
 WARP = 32
 SM90_SMEM_OPTIN = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin of H100 / H200 / H800
@@ -42,15 +44,11 @@ def round_attention_plan(rows: int, head_dim: int, smem_limit: int = SM90_SMEM_O
 def device_smem_optin(device) -> int:
     """The opt-in shared memory per block of a CUDA device (bytes); asked once per device, so a
     draft round inside a CUDA graph capture does no device query."""
-    import torch  # only called for CUDA tensors; this module stays importable without torch
-
     index = torch.device(device).index
     return _smem_optin_of(torch.cuda.current_device() if index is None else index)
 
 
 @lru_cache(maxsize=None)
 def _smem_optin_of(index: int) -> int:
-    import torch
-
     props = torch.cuda.get_device_properties(index)
     return int(getattr(props, "shared_memory_per_block_optin", SM90_SMEM_OPTIN))

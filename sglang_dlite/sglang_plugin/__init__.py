@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import logging
 
+from transformers import AutoConfig
+
+from ..config import DLiteConfig
 from .versions import SUPPORTED_SGLANG, check_sglang_version  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -30,7 +33,7 @@ _registered = False
 
 
 def _worker_factory(server_args):
-    from .worker import DLiteWorker
+    from .worker import DLiteWorker  # optional: sglang (the worker imports it)
 
     return DLiteWorker
 
@@ -41,9 +44,9 @@ def _get_spec_info_hook(original, runner, *args, **kwargs):
     ``can_run_graph`` would refuse DLITE's FULL-capture verify."""
     algo = getattr(runner.model_runner, "spec_algorithm", None)
     if getattr(algo, "name", None) == ALGORITHM_NAME and not getattr(runner.model_runner, "is_draft_worker", False):
-        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode  # optional: sglang
 
-        from .info import DLiteVerifyInput
+        from .info import DLiteVerifyInput  # optional: sglang (info imports it)
 
         return DLiteVerifyInput(
             draft_token=None, positions=None, draft_token_num=runner.captured_req_width,
@@ -59,7 +62,7 @@ def _validate_request_hook(original, scheduler, req, *args, **kwargs):
     msg = original(scheduler, req, *args, **kwargs)
     algo = getattr(scheduler, "spec_algorithm", None)
     if msg is None and getattr(algo, "name", None) == ALGORITHM_NAME:
-        from .verify_logits import request_error
+        from .verify_logits import request_error  # start-up cost: keeps this entry point light (scheduler only)
 
         msg = request_error(req)
     return msg
@@ -71,19 +74,15 @@ def register() -> None:
     check_sglang_version()
     if _registered:
         return
-    from transformers import AutoConfig
-
-    from ..config import DLiteConfig
-
     try:
         AutoConfig.register("dlite", DLiteConfig)
     except ValueError:  # already registered in this process
         pass
 
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    from sglang.srt.speculative.spec_registry import get_spec
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # optional: sglang
+    from sglang.srt.speculative.spec_registry import get_spec  # optional: sglang
 
-    from .algorithm import DLiteSpecAlgo, validate_server_args
+    from .algorithm import DLiteSpecAlgo, validate_server_args  # optional: sglang (algorithm imports it)
 
     if get_spec(ALGORITHM_NAME) is None:
         SpeculativeAlgorithm.register(
@@ -94,7 +93,7 @@ def register() -> None:
         )(_worker_factory)
 
     try:
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # optional: sglang
 
         HookRegistry.register(
             "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info",
@@ -104,7 +103,7 @@ def register() -> None:
     except Exception as exc:  # pragma: no cover - only matters on CUDA
         logger.warning("DLITE: could not hook the CUDA-graph verify spec info (%s); verify runs eagerly.", exc)
     try:
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # optional: sglang
 
         HookRegistry.register(
             "sglang.srt.managers.scheduler.Scheduler.validate_dllm_request",
@@ -114,7 +113,7 @@ def register() -> None:
     except Exception as exc:  # pragma: no cover - sglang moved the per-request check
         logger.warning("DLITE: could not hook the scheduler's request validation (%s).", exc)
     try:  # request guards + client-readable errors (issue 18): launcher / tokenizer process only
-        from .guards import register_hooks
+        from .guards import register_hooks  # start-up cost: keeps this entry point light (register() only)
 
         register_hooks()
     except Exception as exc:  # pragma: no cover - sglang moved the tokenizer manager / http server

@@ -15,7 +15,14 @@ from __future__ import annotations
 import json
 import os
 
+from sglang.srt import runtime_context
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+from transformers import AutoConfig
+
+from ..errors import DLiteConfigError
+from ..lookup.batch import ENV_LOOKUP, lookup_enabled
+from ..model import load_checkpoint
+from ..speculation.verify_width import adaptive_width_wanted
 
 
 class DLiteSpecAlgo(CustomSpecAlgo):
@@ -37,7 +44,7 @@ class DLiteSpecAlgo(CustomSpecAlgo):
 
     def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens: bool = True,
                           needs_confidence_relay: bool = False):
-        from sglang.srt.managers.overlap_utils import FutureMap
+        from sglang.srt.managers.overlap_utils import FutureMap  # start-up cost: ~1 s, in every process register() runs in
 
         return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
 
@@ -65,8 +72,6 @@ class DLiteSpecAlgo(CustomSpecAlgo):
 
 
 def _read_draft_config(path):
-    from ..errors import DLiteConfigError
-
     if not path:
         raise DLiteConfigError(
             "--speculative-algorithm DLITE needs --speculative-draft-model-path: a DLite "
@@ -100,9 +105,6 @@ def default_num_draft_tokens(block_size: int, server_args, environ=None) -> int:
     """W when --speculative-num-draft-tokens is unset: K + 1 (anchor + all of DLite's drafts;
     GPUs: one CUDA-graph shape), or ``CPU_HYBRID_DRAFT_TOKENS`` where hybrid drafting picks the
     verify width per round (a CPU; see spec/verify_width.py)."""
-    from ..lookup.batch import lookup_enabled
-    from ..speculation.verify_width import adaptive_width_wanted
-
     device = str(getattr(server_args, "device", None) or "")
     tp = int(getattr(server_args, "tp_size", 1) or 1)
     if (lookup_enabled(environ) and device.startswith("cpu")
@@ -123,8 +125,6 @@ def draft_block_size(path) -> int:
 
 def _target_dims(model_path: str):
     """(hidden_size, vocab_size, num_layers, model_type) of the target from its config.json."""
-    from transformers import AutoConfig
-
     cfg = AutoConfig.from_pretrained(model_path)
     text = getattr(cfg, "get_text_config", lambda: cfg)()
     return text.hidden_size, text.vocab_size, text.num_hidden_layers, getattr(text, "model_type", None)
@@ -137,10 +137,6 @@ def validate_server_args(server_args) -> None:
     --speculative-num-draft-tokens / --speculative-num-steps / --speculative-eagle-topk all fail
     here with a message that says what to change.
     """
-    from ..errors import DLiteConfigError
-    from ..lookup.batch import ENV_LOOKUP, lookup_enabled
-    from ..model import load_checkpoint
-
     path = server_args.speculative_draft_model_path
     _read_draft_config(path)
     config, _state = load_checkpoint(path)  # validates config + safetensors (clear errors)
@@ -182,8 +178,6 @@ def validate_server_args(server_args) -> None:
 def check_capture_layers(layer_ids, num_layers: int) -> None:
     """sglang captures the *output* of a decoder layer for the drafter, and never the last one
     (its output is the final hidden state, which the capture hooks do not see)."""
-    from ..errors import DLiteConfigError
-
     bad = [i for i in layer_ids if not 0 <= int(i) <= num_layers - 2]
     if bad:
         raise DLiteConfigError(
@@ -218,10 +212,6 @@ def hybrid_reason(text_config) -> "str | None":
 
 
 def check_attention_only_target(model_path: str) -> None:
-    from transformers import AutoConfig
-
-    from ..errors import DLiteConfigError
-
     cfg = AutoConfig.from_pretrained(model_path)
     text = getattr(cfg, "get_text_config", lambda: cfg)()
     reason = hybrid_reason(text)
@@ -267,9 +257,7 @@ def verify_attention_backend(server_args):
     if name:
         return str(name), "--attention-backend"
     try:  # a scheduler process: sglang's resolved pair (its auto-picked default included)
-        from sglang.srt.runtime_context import attention_backends
-
-        prefill, decode = attention_backends()
+        prefill, decode = runtime_context.attention_backends()
     except Exception:  # the launcher, before sglang publishes its config
         return None, None
     name = decode if mode == "decode" else prefill
@@ -277,8 +265,6 @@ def verify_attention_backend(server_args):
 
 
 def check_attention_backend(server_args) -> None:
-    from ..errors import DLiteConfigError
-
     name, flag = verify_attention_backend(server_args)
     if name is None or name in VERIFY_ATTENTION_BACKENDS:
         return
@@ -295,8 +281,6 @@ def check_attention_backend(server_args) -> None:
 
 def check_deployment(server_args) -> None:
     """Deployment modes the DLITE worker does not implement: refused at launch."""
-    from ..errors import DLiteConfigError
-
     pp = getattr(server_args, "pp_size", 1)
     if pp not in (None, 1):
         raise DLiteConfigError(

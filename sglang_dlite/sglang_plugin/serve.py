@@ -14,6 +14,12 @@ import os
 import subprocess
 import sys
 
+from transformers import AutoConfig
+
+from ..cpu_launch import SERVER_CPU_ARGS, cpu_environ
+from ..drafters import shipped_drafter_path
+from ..errors import DLiteConfigError, DLiteInputError
+from ..target import resolve_target
 
 CPU_MALLOC_MMAP_THRESHOLD = 128 * 1024  # bytes: glibc's default start value, kept fixed
 
@@ -30,8 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_plugin_enabled(environ=None) -> None:
     """sglang loads only the plugins named in SGLANG_PLUGINS (when set): DLITE needs 'dlite'."""
-    from ..errors import DLiteConfigError
-
     allowed = (environ if environ is not None else os.environ).get("SGLANG_PLUGINS")
     if allowed:
         names = {x.strip() for x in allowed.split(",") if x.strip()}
@@ -44,10 +48,6 @@ def check_plugin_enabled(environ=None) -> None:
 
 
 def build_command(args) -> tuple[list, dict]:
-    from ..drafters import shipped_drafter_path
-    from ..errors import DLiteInputError
-    from ..target import resolve_target
-
     target = resolve_target(args.model_path)
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", target]
     env = dict(os.environ)
@@ -65,8 +65,6 @@ def build_command(args) -> tuple[list, dict]:
     if extra[:1] == ["--"]:
         extra = extra[1:]
     if args.cpu:
-        from ..cpu_launch import SERVER_CPU_ARGS, cpu_environ
-
         env.update(cpu_environ())
         # glibc's dynamic mmap threshold keeps freed large tensor buffers on the heap: the CPU
         # scheduler's RSS then climbs ~200 MB under varied batches and never comes back
@@ -92,8 +90,6 @@ def _machine_ram_bytes() -> int:
 
 def kv_bytes_per_token(model_path: str, dtype_bytes: int = 4) -> int:
     """K and V of every layer for one token (float32 on the CPU stack)."""
-    from transformers import AutoConfig
-
     cfg = AutoConfig.from_pretrained(model_path)
     text = getattr(cfg, "get_text_config", lambda: cfg)()
     heads = text.num_attention_heads

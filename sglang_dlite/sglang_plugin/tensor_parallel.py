@@ -5,14 +5,13 @@ per-round tensors made identical on every TP rank (broadcast from rank 0, option
 from __future__ import annotations
 
 import torch
+from sglang.srt.distributed import get_tp_group
 
 from ..errors import DLiteConfigError
 
 
 def tp_group(model_runner):
     """sglang's TP group coordinator when the target runs tensor-parallel, else None."""
-    from sglang.srt.distributed import get_tp_group
-
     group = get_tp_group()
     return group if group.world_size > 1 else None
 

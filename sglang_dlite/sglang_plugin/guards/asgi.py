@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from ..metrics import record_refusal
 from .checks import GUARDED_PATHS, RequestRefused, check_request, check_token_range, metric_field, parse_body
 from .messages import error_body, sanitize_message
 
@@ -43,8 +44,6 @@ class RequestGuardMiddleware:
                 check_token_range(scope["path"], body, self.vocab_size() if self.vocab_size else None)
             except RequestRefused as exc:
                 try:
-                    from ..metrics import record_refusal
-
                     record_refusal(scope["path"], metric_field(exc.param, self.known_generate_fields,
                                                               self.known_sampling_params))
                 except Exception:  # pragma: no cover - metrics must never break a refusal

@@ -4,7 +4,11 @@ process that launches the HTTP server."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import multiprocessing
+import os
+import sys
 
 from .asgi import RequestGuardMiddleware
 from .checks import GUARDED_PATHS, RequestRefused, is_int
@@ -15,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 def validate_tokenized(tm, obj, input_ids, *args, **kwargs):
     """BEFORE hook on ``TokenizerManager._validate_one_request(self, obj, input_ids)``."""
-    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.io_struct import GenerateReqInput  # optional: sglang
 
     if not isinstance(obj, GenerateReqInput):
         return None
@@ -41,10 +45,8 @@ def validate_tokenized(tm, obj, input_ids, *args, **kwargs):
 
 
 def known_fields():
-    import dataclasses
-
-    from sglang.srt.managers.io_struct import GenerateReqInput
-    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.managers.io_struct import GenerateReqInput  # optional: sglang
+    from sglang.srt.sampling.sampling_params import SamplingParams  # optional: sglang
 
     gen = {f.name for f in dataclasses.fields(GenerateReqInput)}
     sp = set(getattr(SamplingParams, "__struct_fields__", ()))
@@ -56,10 +58,10 @@ def known_fields():
 def install_http_guards(*args, **kwargs):
     """BEFORE hook on ``http_server.launch_server``: the middleware and the validation-error
     handler are added to sglang's FastAPI app before uvicorn starts it."""
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import ORJSONResponse
+    from fastapi.exceptions import RequestValidationError  # optional: fastapi (sglang's HTTP server)
+    from fastapi.responses import ORJSONResponse  # optional: fastapi (sglang's HTTP server)
 
-    from sglang.srt.entrypoints import http_server
+    from sglang.srt.entrypoints import http_server  # process boundary: sets the asyncio loop policy; launcher only
 
     app = http_server.app
     if getattr(app.state, "dlite_guards", False):
@@ -92,10 +94,6 @@ def install_http_guards(*args, **kwargs):
 def is_http_launcher() -> bool:
     """True in the process that runs sglang's HTTP server (``python -m sglang.launch_server`` or
     ``sglang serve``); False in scheduler / detokenizer subprocesses and in ``sgl.Engine`` users."""
-    import multiprocessing
-    import os
-    import sys
-
     if multiprocessing.parent_process() is not None:
         return False
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
@@ -108,9 +106,7 @@ def register_hooks() -> None:
     """Called by the plugin's ``register()``. The tokenizer-manager check runs wherever a
     TokenizerManager does (HTTP server and ``sgl.Engine``); the HTTP layer only in the launcher
     (importing sglang's http_server elsewhere would change the process's asyncio loop policy)."""
-    import multiprocessing
-
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # optional: sglang
 
     if multiprocessing.parent_process() is not None:
         return  # scheduler / detokenizer subprocesses have no tokenizer manager
