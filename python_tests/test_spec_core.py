@@ -129,3 +129,30 @@ def test_filters():
     f = spec.filter_top_k_top_p(probs, torch.tensor([1, 20]), torch.tensor([1.0, 0.5]))
     assert ((f[0] > 0).sum(-1) == 1).all()
     assert (f[1].sort(-1, descending=True).values.cumsum(-1)[..., 0] <= 1.0).all()
+
+
+def test_roll_last_rows_is_last_rows_of_the_committed_sequence():
+    """The sglang worker's carry (a fixed window rolled by each round's committed rows) equals the
+    reference engine's context (the last C rows of every committed position, ``last_rows``)."""
+    from sglang_dlite.speculation.context import roll_last_rows
+
+    g = torch.Generator().manual_seed(0)
+    B, C, W, D = 3, 4, 5, 2
+    seq = [torch.randn(2, D, generator=g) for _ in range(B)]  # committed rows per request (prefill: 2)
+    window = torch.stack([spec.last_rows(s, C, dim=0)[0] for s in seq])
+    for _ in range(6):
+        rows = torch.randn(B, W, D, generator=g)
+        keep = torch.randint(1, W + 1, (B,), generator=g)  # accepted drafts + 1
+        window = roll_last_rows(window, rows, keep)
+        seq = [torch.cat([s, rows[b, : int(keep[b])]]) for b, s in enumerate(seq)]
+        assert torch.equal(window, torch.stack([spec.last_rows(s, C, dim=0)[0] for s in seq]))
+
+
+def test_expected_accepted_is_the_sum_of_prefix_products():
+    from sglang_dlite.speculation.accept import expected_accepted, expected_accepted_prefixes
+
+    ps = [0.5, 0.4, 0.9]
+    assert expected_accepted([]) == 0.0
+    assert expected_accepted(ps) == pytest.approx(0.5 + 0.2 + 0.18)
+    pre = expected_accepted_prefixes(ps)
+    assert pre[0] == 0.0 and pre[1] == 0.5 and pre[-1] == expected_accepted(ps) and len(pre) == len(ps) + 1

@@ -33,7 +33,8 @@ p(d); on rejection the draw is p conditioned on != d) and it reuses every sampli
 target unchanged. Acceptance therefore stops at the first draft the grammar rejects (its logit
 is -inf in the row before it).
 
-Pure torch except ``grammar_mask`` / ``sglang_row_sampler`` (sglang imported lazily).
+Pure torch except ``process``'s custom processors, ``grammar_tree`` / ``grammar_mask`` and
+``sglang_row_sampler``: sglang is imported there only, so the rest runs (and is tested) without it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 import torch
+
+from ..speculation.accept import greedy_accept
 
 _STATE_ATTR = "_dlite_penalty_state"
 
@@ -196,7 +199,7 @@ def process(logits: torch.Tensor, W: int, batch, block: torch.Tensor, prefix_len
     bias = getattr(info, "logit_bias", None)
     if bias is not None:
         logits3.add_(bias[:, None, :].to(logits.device))
-    if getattr(info, "has_custom_logit_processor", False):
+    if getattr(info, "has_custom_logit_processor", False):  # sglang only here: the rest runs without it
         from sglang.srt.layers.sampler import apply_custom_logit_processor
 
         apply_custom_logit_processor(logits, info, num_tokens_in_batch=W)
@@ -208,17 +211,14 @@ def accept(drafts: torch.Tensor, logits3: torch.Tensor,
 
     ``sample_rows`` draws one token per row from [B*W, V] logits (None: all greedy -> argmax).
     Accepts the longest prefix of drafts equal to the per-row choice; the bonus is the choice at
-    the first mismatch (or after the last draft)."""
-    B, K = drafts.shape
-    W = logits3.shape[1]
+    the first mismatch (or after the last draft): the speculative core's ``greedy_accept`` against
+    those choices."""
+    B, W = logits3.shape[:2]
     if sample_rows is None:
         target = logits3.argmax(-1)
     else:
         target = sample_rows(logits3.reshape(B * W, -1)).view(B, W).to(torch.int64)
-    match = (drafts == target[:, :K]).to(torch.int64)
-    a = torch.cumprod(match, dim=1).sum(1)
-    bonus = target.gather(1, a[:, None]).squeeze(1)
-    return a, bonus
+    return greedy_accept(drafts, target)
 
 
 # ---------------------------------------------------------------------- sglang glue
@@ -252,7 +252,7 @@ def sglang_row_sampler(sampler, info, W: int, prefix_lens: torch.Tensor, inplace
     The sampler scales and softmaxes its input in place: ``inplace=True`` lets it work on the
     verify logits themselves (fine unless logprobs are read from them afterwards), otherwise
     it gets a copy (one more [B*W, V] tensor)."""
-    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput  # sglang only here (module docstring)
 
     exp = expand_sampling_info(info, W)
     positions = (prefix_lens.to(torch.int64)[:, None]
@@ -269,7 +269,7 @@ def grammar_tree(batch, block: torch.Tensor):
     """The linear-chain grammar tree over [anchor, d_1..d_K] (before the verify launch)."""
     if not getattr(batch, "has_grammar", False):
         return None
-    from sglang.srt.speculative.spec_utils import GrammarTree
+    from sglang.srt.speculative.spec_utils import GrammarTree  # sglang only here (module docstring)
 
     return GrammarTree.from_linear_chain(block)
 
@@ -279,7 +279,7 @@ def grammar_mask(batch, tree, device, barrier=None):
     after a draft the grammar rejects stay unconstrained (acceptance never reaches them)."""
     if tree is None:
         return None
-    from sglang.srt.speculative.spec_utils import build_grammar_vocab_mask
+    from sglang.srt.speculative.spec_utils import build_grammar_vocab_mask  # sglang only here (module docstring)
 
     return build_grammar_vocab_mask(reqs=batch.reqs, tree=tree, sampling_info=batch.sampling_info,
                                     device=device, barrier=barrier)

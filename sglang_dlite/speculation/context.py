@@ -46,3 +46,14 @@ def last_rows_of_segments(rows: torch.Tensor, seg_lens, C: int):
     idx, valid = idx.to(rows.device), valid.to(rows.device)
     out = rows[idx] * valid[..., None].to(rows.dtype)
     return out, valid
+
+
+def roll_last_rows(window: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """A round's carry, batched: per request the last C rows of ``[window, rows[:keep]]``.
+
+    window ``[B, C, D]`` (the context before the round), rows ``[B, W, D]`` (the round's verify
+    rows: anchor, drafts), keep ``[B]`` (rows committed: accepted drafts + 1) -> ``[B, C, D]``."""
+    C = window.shape[1]
+    cat = torch.cat([window, rows], dim=1)  # [B, C+W, D]
+    idx = keep[:, None] + torch.arange(C, device=window.device)[None, :]
+    return cat.gather(1, idx[..., None].expand(-1, -1, cat.shape[-1]))
