@@ -7,11 +7,14 @@ and returns a ``DraftProposal`` of K tokens. The DLite adapter reads only the la
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import torch
 
+from .config import DLiteConfig
 from .model import DLiteDrafter
 from .model_variants import History
 from .proposal import DraftProposal
@@ -110,15 +113,11 @@ class OracleDrafter:
 
 
 # ---------------------------------------------------------------------------- drafter specs
-SHIPPED_DRAFTER_DIR = __import__("os").path.join(
-    __import__("os").path.dirname(__file__), "checkpoints", "dlite-smollm2-135m"
-)
+SHIPPED_DRAFTER_DIR = os.path.join(os.path.dirname(__file__), "checkpoints", "dlite-smollm2-135m")
 
 
 def shipped_drafter_path() -> Optional[str]:
     """The committed default DLite checkpoint for SmolLM2-135M-Instruct, if present."""
-    import os
-
     ok = os.path.isfile(os.path.join(SHIPPED_DRAFTER_DIR, "model.safetensors"))
     return SHIPPED_DRAFTER_DIR if ok else None
 
@@ -126,10 +125,6 @@ def shipped_drafter_path() -> Optional[str]:
 def load_dlite(path: Optional[str], target, **config_overrides) -> DLiteDrafter:
     """A DLite drafter bound to a HF target: from ``path``, else the shipped default, else a
     randomly initialized one (with a warning: tau will be ~1 until it is trained)."""
-    import warnings
-
-    from .config import DLiteConfig
-
     path = path or shipped_drafter_path()
     if path:
         model = DLiteDrafter.from_pretrained(path)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 from ..speculation.accept import expected_accepted, expected_accepted_prefixes
+from ..speculation.verify_width import reaches
 from .suffix import LookupStep, SuffixIndex
 
 CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
@@ -228,12 +229,7 @@ def choose(index: SuffixIndex, k: int, cal: Calibration, dlite_tokens: Optional[
     that a position is reached falls below ``min_reach``."""
     c = pick(candidates(index, k, cal, dlite_tokens, dlite_conf, lookup, log), cal)
     if min_reach > 0:  # cut where the chance that a position is reached gets small
-        reach, n = 1.0, 0
-        for p in c.probs:
-            reach *= p
-            if reach < min_reach:
-                break
-            n += 1
+        n = len(reaches(c.probs, min_reach))
         c.tokens, c.probs = c.tokens[:n], c.probs[:n]
         c.score = expected_accepted(c.probs)
     return c
