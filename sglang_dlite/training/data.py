@@ -17,7 +17,6 @@ import json
 import os
 import re
 import zipfile
-from typing import Iterator
 
 import numpy as np
 
@@ -130,15 +129,3 @@ def write_manifest(data_dir: str, manifest: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)
     os.replace(tmp, path)
-
-
-def iter_sequences(data_dir: str) -> Iterator[tuple]:
-    """Yield (shard name, index, ids, mask) for every sequence listed in the manifest."""
-    man = read_manifest(data_dir)
-    shards = man.get("shards", [])
-    if not shards:
-        raise DataError(f"{data_dir!r} lists no finished shards; run gen-data first.")
-    for sh in shards:
-        ids, mask, off = load_shard(os.path.join(data_dir, sh["file"]))
-        for i in range(len(off) - 1):
-            yield sh["file"], i, ids[off[i]:off[i + 1]], mask[off[i]:off[i + 1]]

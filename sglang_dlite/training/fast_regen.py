@@ -76,14 +76,18 @@ class FastRegenerator:
         top = torch.topk(lg, 2, dim=-1)
         return top.indices[..., 0], top.values[..., 0] - top.values[..., 1]
 
-    def _extend(self, slot, ids, start):
-        """Prefill (first prompt or a new user turn); its CPU time and tokens are counted apart
-        (``prefill_cpu_s``, ``prefill_tokens``): decoding speed-ups cannot shorten it."""
+    def _extend(self, row: _Row, slot: int, start: int):
+        """Prefill the row's ids from ``start`` (first prompt or a new user turn) and push the
+        target's first token. Its CPU time and tokens are counted apart (``prefill_cpu_s``,
+        ``prefill_tokens``): decoding speed-ups cannot shorten it."""
         c0 = time.process_time()
-        out = self.engine.extend(slot, ids, start, bool(self.capture))
+        normed, f = self.engine.extend(slot, row.seq[start:], start, bool(self.capture))
         self.prefill_cpu_s = getattr(self, "prefill_cpu_s", 0.0) + time.process_time() - c0
-        self.prefill_tokens = getattr(self, "prefill_tokens", 0) + len(ids)
-        return out
+        self.prefill_tokens = getattr(self, "prefill_tokens", 0) + len(row.seq) - start
+        if f is not None:
+            row.feats.append(f)
+        tok, m = self._argmax(normed[None])
+        self._push(row, int(tok[0]), float(m[0]))
 
     def _begin_turn(self, row: _Row) -> bool:
         """Set the room of the current turn; False if the conversation cannot continue."""
@@ -120,11 +124,7 @@ class FastRegenerator:
         row.mask += [0] * len(suf)
         if not self._begin_turn(row):
             return False
-        normed, f = self._extend(slot, row.seq[start:], start)
-        if f is not None:
-            row.feats.append(f)
-        tok, m = self._argmax(normed[None])
-        self._push(row, int(tok[0]), float(m[0]))
+        self._extend(row, slot, start)
         return True
 
     def _admit(self, key, conv, slot: int, seq):
@@ -132,11 +132,7 @@ class FastRegenerator:
         row = _Row(key, conv, list(seq))
         if not (len(seq) + 16 < self.max_len) or not self._begin_turn(row):
             return row, False
-        normed, f = self._extend(slot, row.seq, 0)
-        if f is not None:
-            row.feats.append(f)
-        tok, m = self._argmax(normed[None])
-        self._push(row, int(tok[0]), float(m[0]))
+        self._extend(row, slot, 0)
         if self._turn_over(row) and not self._next_turn(row, slot):
             return row, False
         return row, True
