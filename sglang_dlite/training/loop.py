@@ -77,10 +77,10 @@ def use_bf16(opts: TrainOptions, device: torch.device) -> bool:
 
 
 def run_stage(spec: Stage, model: DLiteDrafter, data: FeatureData, out_dir: str, opts: TrainOptions,
-              embed_w, head_w, teacher: Optional[DLiteDrafter] = None) -> DLiteDrafter:
-    """Train ``model`` for one stage (``spec``): resumed from the stage's checkpoint with --resume,
-    evaluated and saved as the options ask; raises ``Paused`` when --stop-after-* stops it early.
-    The LM head used is the one bound into the drafter (``head_w`` / ``embed_w``: the callers')."""
+              teacher: Optional[DLiteDrafter] = None) -> DLiteDrafter:
+    """Train ``model`` (its target embedding and LM head bound in) for one stage (``spec``): resumed
+    from the stage's checkpoint with --resume, evaluated and saved as the options ask; raises
+    ``Paused`` when --stop-after-* stops it early."""
     run = _StageRun(spec, model, data, out_dir, opts, teacher)
     run.resume()
     run.start()

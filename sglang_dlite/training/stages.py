@@ -242,8 +242,7 @@ def _run_stages(stages, opts, target, tc, student_cfg, data, out_dir, embed_w, h
             teacher = bind(DLiteDrafter(make_config(tc, "full", opts.config_overrides)), embed_w, head_w)
             if opts.init_layers:
                 init_from_target_layers(teacher, target, opts.init_layers)
-            teacher = run_stage(Stage("teacher", opts.steps["teacher"], opts.lr, "ce", "full"), teacher, data,
-                                out_dir, opts, embed_w, head_w)
+            teacher = run_stage(Stage("teacher", opts.steps["teacher"], opts.lr, "ce", "full"), teacher, data, out_dir, opts)
         done["teacher"] = os.path.join(out_dir, "teacher", "model")
     if "distill" in stages:
         if finished("distill"):
@@ -255,7 +254,7 @@ def _run_stages(stages, opts, target, tc, student_cfg, data, out_dir, embed_w, h
             for p in teacher.parameters():
                 p.requires_grad_(False)
             student = run_stage(Stage("distill", opts.steps["distill"], opts.lr, "kl", opts.student_history),
-                                student, data, out_dir, opts, embed_w, head_w, teacher=teacher)
+                                student, data, out_dir, opts, teacher=teacher)
         done["distill"] = os.path.join(out_dir, "distill", "model")
     if "stabilize" in stages:
         if finished("stabilize"):
@@ -269,5 +268,5 @@ def _run_stages(stages, opts, target, tc, student_cfg, data, out_dir, embed_w, h
                     init_from_target_layers(student, target, opts.init_layers)
             lr = opts.lr if "distill" not in stages else opts.lr * 0.5
             student = run_stage(Stage("stabilize", opts.steps["stabilize"], lr, "ce+tv", opts.student_history),
-                                student, data, out_dir, opts, embed_w, head_w)
+                                student, data, out_dir, opts)
         done["stabilize"] = os.path.join(out_dir, "stabilize", "model")
