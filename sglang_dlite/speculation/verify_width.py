@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import bisect
 import logging
+import operator
 import os
 from collections import deque
+from itertools import accumulate, takewhile
 from statistics import median
 from typing import Dict, List, Optional, Sequence
 
@@ -41,13 +43,7 @@ def reaches(probs: Sequence[float], min_reach: float = 0.0) -> List[float]:
     """prod_{j<=i} p_j per draft i: the chance that draft i is accepted (every draft before it
     was), from the per-position acceptance probabilities; the chain ends before the first one
     below ``min_reach``."""
-    out, reach = [], 1.0
-    for p in probs:
-        reach *= float(p)
-        if reach < min_reach:
-            break
-        out.append(reach)
-    return out
+    return list(takewhile(lambda r: r >= min_reach, accumulate((float(p) for p in probs), operator.mul)))
 
 
 def expected_committed(probs: Sequence[float], n: int) -> float:
