@@ -249,25 +249,28 @@ def test_batch_lookup_follows_the_batch_and_frees_finished_requests():
     a, b, c = _Req("a", [1, 2, 3, 4, 1, 2]), _Req("b", [9, 8, 7, 9, 8]), _Req("c", [5, 6])
     bl.on_extend([a, b])
     assert len(bl) == 2
-    idxs, lks, need = bl.begin_round([a, b], anchors=[3, 7])
-    drafts, sources = bl.choose(idxs, lks)
-    assert drafts[0][:3] == [4, 1, 2] and sources[0] == "suffix"
+    # draft_round (what the worker calls): begin_round, the candidates, pick_round at n = K (DLite
+    # "ran" and drafted nothing: the lookup's chains only)
+    drafts = bl.draft_round([a, b], [3, 7], None, lambda: (None, None))
+    assert drafts[0][:3] == [4, 1, 2] and bl._round[2][0] == "suffix"
     assert all(len(d) == 4 for d in drafts)
-    # pick_round (what the worker calls): the same drafts, plus each real chain's calibrated
-    # probabilities (not padded)
-    drafts2, sources2, probs = bl.pick_round(idxs, bl.round_candidates(idxs, lks), bl.K)
-    assert (drafts2, sources2) == (drafts, sources)
+    # pick_round gives each real chain's calibrated probabilities too (not padded)
+    idxs = bl._round[0]
+    cands = bl.round_candidates(idxs, [lookup_only(i, 4, bl.cal) for i in idxs])
+    drafts2, sources2, probs = bl.pick_round(idxs, cands, 4)
+    assert (drafts2, sources2) == (drafts, bl._round[2])
     assert len(probs) == 2 and all(0.0 <= p <= 1.0 for ps in probs for p in ps)
     assert len(probs[0]) >= 3  # a: the quoted continuation 4 1 2 ...
-    bl.commit([a, b], idxs, drafts, [2, 0], sources)
+    assert bl.commit_round([a, b], [2, 0]) == sources2 and bl.commit_round([a, b], [0, 0]) is None
     assert bl.states["a"].tokens == [1, 2, 3, 4, 1, 2, 3, 4, 1]  # + anchor + 2 accepted
     assert bl.states["b"].tokens == [9, 8, 7, 9, 8, 7]
+    assert sum(bl.source_rounds.values()) == 2 and bl.source_rounds["suffix"] >= 1
     # a new request joins (merge), b finished or was aborted: it is not in the next decode batch
     bl.on_extend([c])
     assert len(bl) == 3
-    idxs, lks, _ = bl.begin_round([a, c], anchors=[2, 6])
+    bl.draft_round([a, c], [2, 6], None, lambda: (None, None))
     assert sorted(bl.states) == ["a", "c"]
-    bl.commit([a, c], idxs, bl.choose(idxs, lks)[0], [0, 0])
+    bl.commit_round([a, c], [0, 0])
     bl.begin_round([c], anchors=[5])
     assert sorted(bl.states) == ["c"]
 

@@ -102,3 +102,22 @@ def test_hybrid_equals_nospec_and_frees_lookup_state(tmp_path, monkeypatch):
     assert any("lk-abort" in x["live"] for x in ev)  # it was indexed
     third = [x for x in ev if x["event"] == "decode" and "lk-third" in x["rids"]]
     assert third and all(x["live"] == ["lk-third"] for x in third), third[:3]
+
+
+def test_serving_options_resolve_every_switch_once():
+    """The worker's SGLANG_DLITE_* switches: one object, the documented defaults, the same names."""
+    from sglang_dlite.sglang_plugin.options import ServingOptions
+
+    assert ServingOptions.from_env({}) == ServingOptions()
+    o = ServingOptions.from_env({
+        "SGLANG_DLITE_LOOKUP": "off", "SGLANG_DLITE_LOOKUP_TRACE": "/tmp/t.jsonl",
+        "SGLANG_DLITE_VERIFY_WIDTH": "fixed", "SGLANG_DLITE_DRAFTER_DTYPE": " BFloat16 ",
+        "SGLANG_DLITE_DRAFT_CUDA_GRAPH": "0", "SGLANG_DLITE_TP_SYNC": "0", "SGLANG_DLITE_TP_CHECK": "1",
+        "SGLANG_DLITE_ROUND_LOG": "/tmp/r.jsonl"})
+    assert o == ServingOptions(lookup=False, lookup_trace="/tmp/t.jsonl", verify_width="fixed",
+                               drafter_dtype="bfloat16", draft_cuda_graph=False, tp_sync=False, tp_check=True,
+                               round_log="/tmp/r.jsonl")
+    assert not o.adaptive_width("cpu", False, 1)
+    assert ServingOptions().adaptive_width("cpu", False, 1) and not ServingOptions().adaptive_width("cuda:0", False, 1)
+    with pytest.raises(AttributeError):  # frozen: read once at launch, never changed
+        o.lookup = True

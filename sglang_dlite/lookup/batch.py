@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from .chooser import Calibration, Candidate, best_chain, candidates, default_calibration, lookup_only, needs_dlite, pick
 from .suffix import DEFAULT_MAX_MATCH, SuffixIndex
@@ -48,7 +48,7 @@ class BatchLookup:
         self.states: dict = {}
         self.trace_path = trace_path
         self.source_rounds: dict = {}
-        self.source_accepted: dict = {}
+        self._round = None  # (indices, drafts, sources) of the round draft_round drafted
 
     def __len__(self) -> int:
         return len(self.states)
@@ -72,9 +72,6 @@ class BatchLookup:
             else:
                 idx.sync(toks)
         self._trace({"event": "extend", "rids": [r.rid for r in reqs], "live": sorted(self.states)})
-
-    def release(self, rid) -> None:
-        self.states.pop(rid, None)
 
     def retain(self, rids: Sequence) -> None:
         keep = set(rids)
@@ -101,13 +98,26 @@ class BatchLookup:
             lookups.append(lk)
         return idxs, lookups, need_dlite
 
-    def choose(self, idxs, lookups, dlite_tokens: Optional[List[list]] = None,
-               dlite_conf: Optional[List[list]] = None):
-        """Per request: K tokens to verify (a shorter chain is padded by repeating its last
-        token; the verify is K wide anyway) and the source that made them."""
-        cands = self.round_candidates(idxs, lookups, dlite_tokens, dlite_conf)
-        drafts, sources, _ = self.pick_round(idxs, cands, self.K)
-        return drafts, sources
+    def draft_round(self, reqs: Sequence, anchors: Sequence[int], seq_lens: Optional[Sequence[int]],
+                    dlite: Callable[[], tuple], choose_width: Optional[Callable[[list], int]] = None) -> List[list]:
+        """A decode round's chains, n tokens per request: ``dlite()`` -> DLite's (tokens, confidences)
+        lists, run only when some lookup does not skip it; n = ``choose_width(expected_table) - 1``
+        (a verify width policy's ``choose_expected``) or K. ``commit_round`` closes the round."""
+        idxs, lookups, need_dlite = self.begin_round(reqs, anchors, seq_lens)
+        d_toks, d_conf = dlite() if need_dlite else (None, None)
+        cands = self.round_candidates(idxs, lookups, d_toks, d_conf)
+        n = self.K if choose_width is None else choose_width(self.expected_table(cands, self.K)) - 1
+        drafts, sources, _ = self.pick_round(idxs, cands, n)
+        self._round = (idxs, drafts, sources)
+        return drafts
+
+    def commit_round(self, reqs: Sequence, accepted: Sequence[int]) -> Optional[List[str]]:
+        """``commit`` of the round ``draft_round`` drafted; its sources (None without one)."""
+        if self._round is None:
+            return None
+        (idxs, drafts, sources), self._round = self._round, None
+        self.commit(reqs, idxs, drafts, accepted, sources)
+        return sources
 
     def round_candidates(self, idxs, lookups, dlite_tokens: Optional[List[list]] = None,
                          dlite_conf: Optional[List[list]] = None) -> List[List[Candidate]]:
@@ -143,9 +153,8 @@ class BatchLookup:
         for idx, d, a in zip(idxs, drafts, accepted):
             idx.extend(d[: int(a)])
         if sources is not None:
-            for s, a in zip(sources, accepted):
+            for s in sources:
                 self.source_rounds[s] = self.source_rounds.get(s, 0) + 1
-                self.source_accepted[s] = self.source_accepted.get(s, 0) + int(a)
         if self.trace_path:
             self._trace({"event": "decode", "rids": [r.rid for r in reqs], "live": sorted(self.states),
                          "sources": sources, "accepted": [int(a) for a in accepted],

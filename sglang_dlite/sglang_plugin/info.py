@@ -20,6 +20,17 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
 
+def pack_context(rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Context rows [B, C, L*H] and validity [B, C] -> the carried layout [B, C, L*H + 1]."""
+    return torch.cat([rows, valid[..., None].to(rows.dtype)], dim=-1)
+
+
+def unpack_context(state: torch.Tensor, L: int, H: int):
+    """The carried layout -> (the drafter's context [B, L, C, H], validity [B, C] bool)."""
+    B, C = state.shape[:2]
+    return state[..., :-1].reshape(B, C, L, H).permute(0, 2, 1, 3), state[..., -1] > 0.5
+
+
 @dataclass
 class DLiteDraftInput(SpecInput):
     bonus_tokens: torch.Tensor

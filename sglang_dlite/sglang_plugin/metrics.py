@@ -30,14 +30,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections import deque
 from typing import Optional
 
+import torch
+
+from .options import ENV_ROUND_LOG, ServingOptions  # noqa: F401  (ENV_ROUND_LOG: this module's switch)
+
 logger = logging.getLogger(__name__)
 
-ENV_ROUND_LOG = "SGLANG_DLITE_ROUND_LOG"
 MS_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 50, 75, 100, 150, 250, 500, 1000, 2500)
 DEFAULT_SOURCE = "dlite"
 
@@ -54,7 +56,7 @@ def enable(num_context_positions: int = 8) -> bool:
     global _M
     if _M is not None:
         return True
-    try:
+    try:  # an optional dependency: without it DLITE's counters are off
         from prometheus_client import Counter, Histogram
     except ImportError:
         logger.warning("DLITE metrics: prometheus_client is not installed; DLITE's counters are off.")
@@ -83,7 +85,7 @@ def record_refusal(endpoint: str, field) -> None:
     if _refusals is False:
         return
     if _refusals is None:
-        try:
+        try:  # an optional dependency: without it refusals are not counted
             from prometheus_client import Counter
 
             if not metrics_requested(None):
@@ -129,9 +131,6 @@ class RoundTimer:
     round is recorded once its events completed (checked without blocking at later rounds)."""
 
     def __init__(self, device, log_path: Optional[str] = None):
-        import torch
-
-        self.torch = torch
         self.cuda = str(device).startswith("cuda") and torch.cuda.is_available()
         self.marks: list = []
         self.pending: deque = deque()
@@ -146,7 +145,7 @@ class RoundTimer:
 
     def _now(self):
         if self.cuda:
-            e = self.torch.cuda.Event(enable_timing=True)
+            e = torch.cuda.Event(enable_timing=True)
             e.record()
             return e
         return time.perf_counter()
@@ -162,7 +161,7 @@ class RoundTimer:
         """``context_valid``: [B, C] validity of the drafter's context rows (tensor) or None."""
         rows = None
         if context_valid is not None:
-            rows = (context_valid > 0.5).sum(dim=-1) if context_valid.dtype != self.torch.bool else context_valid.sum(-1)
+            rows = (context_valid > 0.5).sum(dim=-1) if context_valid.dtype != torch.bool else context_valid.sum(-1)
         if len(self.marks) < 3:
             return
         if not self.cuda:
@@ -187,7 +186,7 @@ class RoundTimer:
 def metrics_requested(server_args) -> bool:
     """Whether the server runs with --enable-metrics (sglang 0.5.23 keeps it in the runtime
     context's observability group; older layouts on server_args)."""
-    try:
+    try:  # sglang's runtime context (0.5.23); imported here so that this module loads without sglang
         from sglang.srt.runtime_context import get_observability
 
         return bool(get_observability().enable_metrics)
@@ -195,13 +194,14 @@ def metrics_requested(server_args) -> bool:
         return bool(getattr(server_args, "enable_metrics", False))
 
 
-def worker_timer(server_args, device, num_context_positions: int, tp_rank: int = 0) -> Optional[RoundTimer]:
+def worker_timer(server_args, device, num_context_positions: int, tp_rank: int = 0,
+                 options: Optional[ServingOptions] = None) -> Optional[RoundTimer]:
     """The DLITE worker's round timer, or None when neither metrics nor the round log
-    (``SGLANG_DLITE_ROUND_LOG``) is on (then the worker does nothing). Only TP rank 0 records
-    (every rank runs the same rounds)."""
+    (``SGLANG_DLITE_ROUND_LOG``, ``options.round_log``; None: read from the environment) is on
+    (then the worker does nothing). Only TP rank 0 records (every rank runs the same rounds)."""
     if tp_rank != 0:
         return None
-    log_path = os.environ.get(ENV_ROUND_LOG) or None
+    log_path = (options or ServingOptions.from_env()).round_log
     if not (metrics_requested(server_args) and enable(num_context_positions)) and not log_path:
         return None
     return RoundTimer(device, log_path)
