@@ -2,8 +2,9 @@
 
 ``ServingOptions.from_env()`` reads the environment of the process that builds the worker (the
 scheduler, which inherits the server's) once, when the worker starts; the worker carries the
-frozen result and nothing under ``sglang_plugin/`` reads ``os.environ`` again. Each field names its
-variable and default (sglang_plugin/README.md says more). ``SGLANG_DLITE_OPS`` (which kernels run)
+frozen result and reads no variable after that (the launcher's checks in ``algorithm.py`` and
+``serve.py`` read theirs before the scheduler starts). Each field names its variable and default
+(sglang_plugin/README.md says more). ``SGLANG_DLITE_OPS`` (which kernels run)
 stays the ops package's own switch: it dispatches every op on it, reference engine and worker alike.
 """
 
