@@ -42,6 +42,7 @@ Checked here, on a CPU-only torch:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import traceback
 import types
@@ -654,7 +655,8 @@ def test_spec_info_hook_captures_dlite_verify_graphs(sglang_side):
     from sglang_dlite.sglang_plugin import _get_spec_info_hook
     from sglang_dlite.sglang_plugin.info import DLiteVerifyInput
 
-    original = DecodeCudaGraphRunner.get_spec_info
+    # sglang's own method: another test of this process may have registered the plugin, which wraps it
+    original = inspect.unwrap(DecodeCudaGraphRunner.get_spec_info)
     runner = _graph_runner(sglang_side, width=8)
     assert original(runner, 4 * 8) is None  # sglang knows no plugin algorithm: why the hook exists
     with no_host_sync():  # capture_prepare runs it right before capturing
@@ -679,7 +681,8 @@ def test_graph_runner_accepts_a_dlite_verify_batch(sglang_side):
     assert not ragged_verify_compact_graphs_enabled(algo)  # the uniform-width path below is the one used
     assert algo.get_num_tokens_per_req_for_target_verify(8, False) == 8  # captured_req_width = W
     runner = _graph_runner(algo, width=8, max_bs=16)
-    original = DecodeCudaGraphRunner.get_spec_info
+    # sglang's own method: another test of this process may have registered the plugin, which wraps it
+    original = inspect.unwrap(DecodeCudaGraphRunner.get_spec_info)
     hooked = runner.capture_hidden_mode
     runner.capture_hidden_mode = get_required_capture_hidden_mode(hooked, _get_spec_info_hook(original, runner, 8))
     for bs in (1, 5, 16):
