@@ -29,12 +29,13 @@ os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
 
 import torch  # noqa: E402
 
+from sglang_dlite.ops import c_api  # noqa: E402
 from sglang_dlite.ops import reference as R  # noqa: E402
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 EPS = 1e-5
-I64, F32, INT, PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+PTR = ctypes.c_void_p
 
 # (B, L, C, K, H): C = 0 (no context yet), odd sizes, H >= 1024 (the 256-thread launch)
 ASSEMBLE_SMALL = [(1, 1, 0, 1, 64), (2, 2, 3, 4, 100), (3, 2, 4, 7, 576), (2, 3, 2, 3, 1030)]
@@ -55,16 +56,7 @@ ARGMAX_PROFILE = [(32 * 7, 49152, False)]
 
 
 def load_lib(path: str):
-    lib = ctypes.CDLL(path)
-    lib.dlite_assemble_round_inputs_cuda.argtypes = [INT, PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64, F32, PTR]
-    lib.dlite_round_attention_cuda.argtypes = [INT, PTR, PTR, PTR, PTR, PTR, PTR, PTR,
-                                               I64, I64, I64, I64, I64, I64, I64, INT, PTR]
-    lib.dlite_lowrank_rnn_scan_cuda.argtypes = [INT, PTR, PTR, PTR, I64, I64, I64, PTR]
-    lib.dlite_rowwise_argmax_cuda.argtypes = [INT, PTR, PTR, I64, I64, PTR]
-    for f in (lib.dlite_assemble_round_inputs_cuda, lib.dlite_round_attention_cuda,
-              lib.dlite_lowrank_rnn_scan_cuda, lib.dlite_rowwise_argmax_cuda):
-        f.restype = INT
-    return lib
+    return c_api.declare(ctypes.CDLL(path))
 
 
 def ptr(t: torch.Tensor):

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sglang_dlite.ops import c_api
+
 ROOT = Path(__file__).resolve().parents[1]
 # SGLANG_DLITE_KERNEL_CU points the check at another copy of the kernel file (a planted mutation)
 KERNEL_CU = Path(os.environ.get("SGLANG_DLITE_KERNEL_CU", ROOT / "csrc/cuda/dlite_cuda.cu"))
@@ -137,15 +139,8 @@ class Library:
     """The plain build through ctypes: launchers, the attention plan, emulator controls."""
 
     def __init__(self, path: Path | None = None):
-        self.lib = ctypes.CDLL(str(path or build("plain")))
-        L, vp, i64, f32 = self.lib, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        L.dlite_assemble_round_inputs_cuda.argtypes = [ctypes.c_int] + [vp] * 6 + [i64] * 5 + [f32, vp]
-        L.dlite_round_attention_cuda.argtypes = [ctypes.c_int] + [vp] * 7 + [i64] * 7 + [ctypes.c_int, vp]
-        L.dlite_lowrank_rnn_scan_cuda.argtypes = [ctypes.c_int, vp, vp, vp, i64, i64, i64, vp]
-        L.dlite_rowwise_argmax_cuda.argtypes = [ctypes.c_int, vp, vp, i64, i64, vp]
-        L.dlite_round_attention_plan.argtypes = [i64, i64, i64, ctypes.POINTER(i64), ctypes.POINTER(i64)]
-        L.dlite_round_attention_smem_bytes.argtypes = [i64, i64]
-        L.dlite_round_attention_smem_bytes.restype = i64
+        self.lib = c_api.declare(ctypes.CDLL(str(path or build("plain"))))
+        L, vp, i64 = self.lib, ctypes.c_void_p, ctypes.c_int64
         L.dlite_emu_configure.argtypes = [ctypes.c_int, ctypes.c_int]
         L.dlite_emu_message.restype = ctypes.c_char_p
         L.dlite_emu_stats.argtypes = [ctypes.POINTER(ctypes.c_long)]

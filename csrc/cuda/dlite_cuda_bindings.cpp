@@ -60,6 +60,23 @@ void check_launch(int err, const char* op) {
               cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
+// The launcher plans its own shared memory and answers cudaErrorInvalidConfiguration when not even
+// 32 keys of the round fit the device; this turns that answer into an error naming the shape and
+// the limit (asked only then: the draft round's launches query nothing).
+void check_attention_plan(int64_t S, int64_t D, const char* op) {
+  int dev = 0, smem_limit = 0;
+  check_launch(static_cast<int>(cudaGetDevice(&dev)), op);
+  check_launch(static_cast<int>(cudaDeviceGetAttribute(
+                   &smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)),
+               op);
+  int64_t tile = 0, smem = 0;
+  TORCH_CHECK_VALUE(dlite_round_attention_plan(S, D, smem_limit, &tile, &smem), "sglang_dlite::", op,
+                    ": a round of S=", S, " rows with head_dim D=", D, " needs ",
+                    dlite_round_attention_smem_bytes(S < 32 ? S : 32, D),
+                    " B of shared memory per block even in 32-key tiles; this GPU allows ",
+                    smem_limit, " B (use SGLANG_DLITE_OPS=auto or torch).");
+}
+
 at::Tensor assemble_round_inputs_cuda(const at::Tensor& ctx_, const at::Tensor& anchor_,
                                       const at::Tensor& norm_w_, const at::Tensor& depth_,
                                       const at::Tensor& mask_, int64_t K, double eps) {
@@ -122,24 +139,14 @@ at::Tensor round_attention_cuda(const at::Tensor& q_, const at::Tensor& k_, cons
   auto q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   auto cs = cos_.to(at::kFloat).contiguous(), sn = sin_.to(at::kFloat).contiguous();
   auto valid = valid_.contiguous();
-  int dev = 0, smem_limit = 0;
-  check_launch(static_cast<int>(cudaGetDevice(&dev)), op);
-  check_launch(static_cast<int>(cudaDeviceGetAttribute(
-                   &smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)),
-               op);
-  int64_t tile = 0, smem = 0;
-  TORCH_CHECK_VALUE(dlite_round_attention_plan(S, D, smem_limit, &tile, &smem), "sglang_dlite::", op,
-                    ": a round of S=", S, " rows with head_dim D=", D, " needs ",
-                    dlite_round_attention_smem_bytes(S < 32 ? S : 32, D),
-                    " B of shared memory per block even in 32-key tiles; this GPU allows ",
-                    smem_limit, " B (use SGLANG_DLITE_OPS=auto or torch).");
   auto out = at::empty({B, S, Hq, D}, q.options());
-  check_launch(dlite_round_attention_cuda(dt, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                          cs.data_ptr<float>(), sn.data_ptr<float>(),
-                                          reinterpret_cast<const uint8_t*>(valid.data_ptr<bool>()),
-                                          out.data_ptr(), B, S, Hq, Hkv, D, L, C, causal ? 1 : 0,
-                                          c10::cuda::getCurrentCUDAStream().stream()),
-               op);
+  const int err = dlite_round_attention_cuda(dt, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                             cs.data_ptr<float>(), sn.data_ptr<float>(),
+                                             reinterpret_cast<const uint8_t*>(valid.data_ptr<bool>()),
+                                             out.data_ptr(), B, S, Hq, Hkv, D, L, C, causal ? 1 : 0,
+                                             c10::cuda::getCurrentCUDAStream().stream());
+  if (err == cudaErrorInvalidConfiguration) check_attention_plan(S, D, op);  // say why, if it is the plan
+  check_launch(err, op);
   return out;
 }
 
