@@ -46,6 +46,7 @@ from sglang_dlite import ops
 from sglang_dlite.benchmarking.draft_rounds import latency_benches
 from sglang_dlite.config import DLiteConfig
 from sglang_dlite.model import DLiteDrafter
+from sglang_dlite.speculation.context import context_positions
 
 
 # ----------------------------------------------------------------------------- drafters
@@ -76,9 +77,8 @@ class DLiteBench:
             self.buffers[context] = torch.randn(L, context, H, device=self.device, dtype=self.dtype)
         buf = self.buffers[context]
         # request b's newest committed position is context-1-b: it reads positions end-C..end-1
-        ends = torch.tensor([max(context - 1 - b, C) for b in range(batch)], device=self.device)
-        idx = ends[:, None] - C + torch.arange(C, device=self.device)[None]  # [B, C]
-        valid = torch.ones(batch, C, dtype=torch.bool, device=self.device)
+        idx, valid = context_positions([max(context - 1 - b, C) for b in range(batch)], C)  # [B, C], all valid
+        idx, valid = idx.to(self.device), valid.to(self.device)
         anchor = torch.randint(0, cfg.vocab_size, (batch,), device=self.device)
         return buf, idx, valid, anchor
 
