@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from sglang_dlite.ops import c_api  # noqa: E402
 from sglang_dlite.ops import reference as R  # noqa: E402
 
-DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_CODE = c_api.DTYPE_CODE
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 EPS = 1e-5
 PTR = ctypes.c_void_p

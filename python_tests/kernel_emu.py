@@ -40,7 +40,7 @@ FLAVORS = {
 }
 SM90_SMEM_OPTIN = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin: H100 / H200 / H800
 SM80_SMEM_OPTIN = 166912  # A100
-DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_CODE = c_api.DTYPE_CODE
 OPS = {"assemble": 0, "attention": 1, "scan": 2, "argmax": 3, "configure": 4}
 
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import ctypes
 
+import torch
+
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+
+DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # enum DliteDtype
 
 SIGNATURES = {  # name: (restype, argtypes), in the header's order
     "dlite_round_attention_smem_bytes": (_I64, [_I64, _I64]),
