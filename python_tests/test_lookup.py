@@ -179,7 +179,7 @@ def test_lookup_drafters_are_lossless_greedy(tiny_target, which):
         dr = SuffixEngineDrafter(block_size=5)
     else:
         dr = _hybrid(tiny_target, min_reach=0.3 if which == "hybrid-cut" else 0.0,
-                     max_drafts=12 if which == "hybrid-long" else None)
+                     num_drafts=12 if which == "hybrid-long" else None)
     eng = ReferenceEngine(tiny_target, dr, [EOS])
     sess = eng.new_session()
     sources, accepted, longest = set(), 0, 0
@@ -340,7 +340,7 @@ def test_skip_dlite_scores_the_lookup_over_dlites_length():
     for k, want in ((7, True), (15, False)):
         calls = []
         dl = _StubDLite(k, calls)
-        dr = HybridEngineDrafter(dl, calibration=cal, max_drafts=15)
+        dr = HybridEngineDrafter(dl, calibration=cal, num_drafts=15)
         dr.draft(DraftRequest(tokens=list(toks), hidden=torch.zeros(1, 1, 1), hidden_start=len(toks) - 1))
         assert bool(calls) is want, (k, s7, s15)
 

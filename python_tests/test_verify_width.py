@@ -107,10 +107,10 @@ def test_cost_is_robust_to_one_slow_round():
 
 
 def test_bad_widths_raise():
-    with pytest.raises(ValueError, match="min_width"):
+    with pytest.raises(ValueError, match="min_verify_width"):
         VerifyWidthPolicy(1)
-    with pytest.raises(ValueError, match="min_width"):
-        VerifyWidthPolicy(4, min_width=5)
+    with pytest.raises(ValueError, match="min_verify_width"):
+        VerifyWidthPolicy(4, min_verify_width=5)
 
 
 def test_when_the_worker_adapts_the_width():

@@ -40,9 +40,9 @@ class BatchLookup:
     def __init__(self, num_drafts: int, calibration: Optional[Calibration] = None,
                  max_match: int = DEFAULT_MAX_MATCH, trace_path: Optional[str] = None,
                  dlite_drafts: Optional[int] = None):
-        self.K = int(num_drafts)
-        # chooser.needs_dlite: the lookup is scored over at most DLite's K drafts
-        self.skip_horizon = self.K if dlite_drafts is None else min(self.K, int(dlite_drafts))
+        self.num_drafts = int(num_drafts)
+        # chooser.needs_dlite: the lookup is scored over at most the drafts DLite makes (its K)
+        self.skip_horizon = self.num_drafts if dlite_drafts is None else min(self.num_drafts, int(dlite_drafts))
         self.cal = calibration or default_calibration()
         self.max_match = max_match
         self.states: dict = {}
@@ -92,7 +92,7 @@ class BatchLookup:
                     toks = toks[: int(seq_lens[i])]
                 idx = self.states[req.rid] = SuffixIndex(toks, self.max_match)
             idx.append(int(anchors[i]))
-            lk = lookup_only(idx, self.K, self.cal)
+            lk = lookup_only(idx, self.num_drafts, self.cal)
             need_dlite = need_dlite or needs_dlite(lk, self.cal, self.skip_horizon)
             idxs.append(idx)
             lookups.append(lk)
@@ -102,11 +102,13 @@ class BatchLookup:
                     dlite: Callable[[], tuple], choose_width: Optional[Callable[[list], int]] = None) -> List[list]:
         """A decode round's chains, n tokens per request: ``dlite()`` -> DLite's (tokens, confidences)
         lists, run only when some lookup does not skip it; n = ``choose_width(expected_table) - 1``
-        (a verify width policy's ``choose_expected``) or K. ``commit_round`` closes the round."""
+        (a verify width policy's ``choose_expected``) or ``num_drafts``. ``commit_round`` closes the round."""
         idxs, lookups, need_dlite = self.begin_round(reqs, anchors, seq_lens)
         d_toks, d_conf = dlite() if need_dlite else (None, None)
         cands = self.round_candidates(idxs, lookups, d_toks, d_conf)
-        n = self.K if choose_width is None else choose_width(self.expected_table(cands, self.K)) - 1
+        n = self.num_drafts
+        if choose_width is not None:
+            n = choose_width(self.expected_table(cands, self.num_drafts)) - 1
         drafts, sources, _ = self.pick_round(idxs, cands, n)
         self._round = (idxs, drafts, sources)
         return drafts
@@ -123,14 +125,14 @@ class BatchLookup:
                          dlite_conf: Optional[List[list]] = None) -> List[List[Candidate]]:
         """Per request, every chain it could verify this round (``chooser.candidates``)."""
         if dlite_tokens is None:
-            return [candidates(idx, self.K, self.cal, lookup=lk) for idx, lk in zip(idxs, lookups)]
-        return [candidates(idx, self.K, self.cal, dlite_tokens[i], dlite_conf[i], lookup=lk)
+            return [candidates(idx, self.num_drafts, self.cal, lookup=lk) for idx, lk in zip(idxs, lookups)]
+        return [candidates(idx, self.num_drafts, self.cal, dlite_tokens[i], dlite_conf[i], lookup=lk)
                 for i, (idx, lk) in enumerate(zip(idxs, lookups))]
 
-    def expected_table(self, cands: List[List[Candidate]], max_drafts: int) -> List[List[float]]:
+    def expected_table(self, cands: List[List[Candidate]], num_drafts: int) -> List[List[float]]:
         """table[r][n]: expected accepted drafts of request r's best chain when n of its tokens
-        are verified (n = 0 .. max_drafts): what a per-round verify width is chosen from."""
-        return [[best_chain(c, self.cal, n).score(n) for n in range(max_drafts + 1)] for c in cands]
+        are verified (n = 0 .. num_drafts): what a per-round verify width is chosen from."""
+        return [[best_chain(c, self.cal, n).score(n) for n in range(num_drafts + 1)] for c in cands]
 
     def pick_round(self, idxs, cands: List[List[Candidate]], n: int):
         """Per request: the chain to verify with n drafts per request (a shorter chain is padded

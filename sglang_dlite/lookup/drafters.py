@@ -68,12 +68,12 @@ class HybridEngineDrafter:
 
     def __init__(self, dlite: DLiteEngineDrafter, max_match: int = DEFAULT_MAX_MATCH,
                  calibration: Optional[Calibration] = None, min_reach: float = 0.0,
-                 round_log: Optional[list] = None, max_drafts: Optional[int] = None):
+                 round_log: Optional[list] = None, num_drafts: Optional[int] = None):
         self.dlite = dlite
-        # a chain may run past DLite's K drafts (the lookup continues it): max_drafts >= K
-        self.block_size = dlite.block_size if max_drafts is None else int(max_drafts)
+        # a chain may run past DLite's K drafts (the lookup continues it): num_drafts >= K
+        self.block_size = dlite.block_size if num_drafts is None else int(num_drafts)
         if self.block_size < dlite.block_size:
-            raise ValueError(f"max_drafts={max_drafts} is below DLite's K={dlite.block_size}; "
+            raise ValueError(f"num_drafts={num_drafts} is below DLite's K={dlite.block_size}; "
                              "verify a prefix with min_reach or a shorter K instead.")
         self.capture_layer_ids = dlite.capture_layer_ids
         self.hidden_rows_needed = dlite.hidden_rows_needed

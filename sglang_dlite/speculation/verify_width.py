@@ -94,10 +94,11 @@ def adaptive_width_wanted(device: str, disable_cuda_graph: bool, tp_size: int = 
 
 
 class VerifyWidthPolicy:
-    def __init__(self, max_width: int, min_width: int = 2, samples: int = 8):
-        if not 2 <= min_width <= max_width:
-            raise ValueError(f"verify widths need 2 <= min_width ({min_width}) <= max_width ({max_width}).")
-        self.max_width, self.min_width = int(max_width), int(min_width)
+    def __init__(self, max_verify_width: int, min_verify_width: int = 2, samples: int = 8):
+        if not 2 <= min_verify_width <= max_verify_width:
+            raise ValueError(f"verify widths need 2 <= min_verify_width ({min_verify_width}) <= "
+                             f"max_verify_width ({max_verify_width}).")
+        self.max_verify_width, self.min_verify_width = int(max_verify_width), int(min_verify_width)
         self._samples = int(samples)
         self._cost: Dict[int, deque] = {}  # total verify rows -> recent wall seconds
         self._rows: List[int] = []  # sorted keys of _cost
@@ -140,16 +141,16 @@ class VerifyWidthPolicy:
     def choose(self, chain_probs: Sequence[Sequence[float]]) -> int:
         """The width for this round; ``chain_probs[r]`` = request r's per-position acceptance
         probabilities (its chain length caps what it can gain; an empty chain gains nothing)."""
-        return self.choose_expected([[expected_committed(p, n) - 1.0 for n in range(self.max_width)]
+        return self.choose_expected([[expected_committed(p, n) - 1.0 for n in range(self.max_verify_width)]
                                      for p in chain_probs])
 
     def choose_expected(self, table: Sequence[Sequence[float]]) -> int:
         """The width for this round from ``table[r][n]``: request r's expected accepted drafts when
-        n drafts are verified (n = 0 .. max_width - 1; the hybrid re-picks each request's chain for
+        n drafts are verified (n = 0 .. max_verify_width - 1; the hybrid re-picks each request's chain for
         every n, so a chain whose value lies in a tail that would be cut does not win)."""
         bs = max(1, len(table))
-        best_w, best_v = self.max_width, -1.0
-        for w in range(self.min_width, self.max_width + 1):
+        best_w, best_v = self.max_verify_width, -1.0
+        for w in range(self.min_verify_width, self.max_verify_width + 1):
             c = self.cost(bs * w)
             gain = sum(1.0 + row[min(w - 1, len(row) - 1)] for row in table) if table else float(bs)
             v = gain if c is None else gain / max(c, 1e-9)
