@@ -80,9 +80,9 @@ def test_tau_definitions_agree():
     accepted = [0, 3, 1, 7]
     n_out = 1 + sum(x + 1 for x in accepted)  # prefill token + committed tokens
     assert spec.tau_of_rounds(accepted) == pytest.approx(sum(x + 1 for x in accepted) / 4)
-    assert spec.mean_tau(n_out, 1, 4) == pytest.approx(spec.tau_of_rounds(accepted))
+    assert spec.tau_of_requests([(n_out, 4)]) == pytest.approx(spec.tau_of_rounds(accepted))
     assert spec.tau_of_rounds(accepted, n_out) == spec.tau_of_rounds(accepted)  # nothing past the output
-    assert spec.mean_tau(10, 1, 0) is None and spec.tau_of_rounds([]) is None  # no round: undefined
+    assert spec.tau_of_requests([(10, 0)]) is None and spec.tau_of_rounds([]) is None  # no round: undefined
 
 
 @pytest.mark.parametrize("T", [0, 1, 3, 4, 9])

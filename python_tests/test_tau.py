@@ -36,7 +36,7 @@ def test_tau_formula_on_hand_values():
     assert T.tau_of_rounds([0, 0, 0]) == 1.0  # speculation did nothing: τ = 1
     assert T.tau_of_rounds([]) is None
     # the same request from its totals: 16 output tokens (the prefill's + 15) in 4 rounds
-    assert T.mean_tau(16, 1, 4) == T.tau_of_requests([(16, 4)]) == 3.75
+    assert T.tau_of_requests([(16, 4)]) == 3.75
     # the prefill's token is not counted: a request that stopped at its first token has no round
     assert T.tau_of_requests([(1, 0)]) is None and T.tau_of_requests([(1, 0), (9, 4)]) == 2.0
     # a round past the stop: accepted 7 in the last round, but only 3 of its 8 tokens were returned

@@ -16,4 +16,4 @@ One definition each, pure torch (imports no sglang), used by the reference engin
 from .accept import chain_rejection_sample, greedy_accept, greedy_accept_length  # noqa: F401
 from .context import context_positions, last_rows, last_rows_of_segments  # noqa: F401
 from .sampling import filter_top_k_top_p, logits_to_probs  # noqa: F401
-from .tau import mean_tau, tau_of_rounds  # noqa: F401
+from .tau import tau_of_requests, tau_of_rounds  # noqa: F401

@@ -87,11 +87,6 @@ def tau_of_requests(requests: Iterable[Tuple[int, int]]) -> Optional[float]:
     return tau(committed, rounds)
 
 
-def mean_tau(output_tokens: int, requests: int, rounds: int) -> Optional[float]:
-    """τ over many requests from totals: (output tokens - one prefill token per request) / rounds."""
-    return tau(output_tokens - requests, rounds)
-
-
 def tau_of_sglang(meta_infos: Iterable[dict]) -> Optional[float]:
     """τ over sglang requests from their ``meta_info`` (``completion_tokens``, ``spec_verify_ct``;
     the latter absent without speculation)."""
