@@ -165,6 +165,11 @@ class BaselineDrafter(TargetBoundMixin, nn.Module):
     def embed(self, ids):
         return F.embedding(ids, self.embed_weight).to(self.fc.weight.dtype)
 
+    def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, L, T, H] target features -> [B, T, H]: concatenated on the feature axis, then ``fc``."""
+        B, L, T, H = hidden.shape
+        return self.fc(hidden.to(self.fc.weight.dtype).permute(0, 2, 1, 3).reshape(B, T, L * H))
+
     # Training-time vocabulary subset (token ids; None = the full vocabulary): logits over those
     # rows of the frozen LM head only, as DLite's trainer does (``--vocab-subset``). Never saved.
     train_vocab = None
@@ -199,19 +204,6 @@ def check_training_inputs(cfg, hidden, input_ids, anchors, min_anchor: int = 0):
 
 
 # ---------------------------------------------------------------------------- engine adapters
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator):
-    """logits [B, V] -> (token ids [B], probs [B, V] or None when greedy)."""
-    if temperature <= 0:
-        return logits.argmax(-1), None
-    p = logits_to_probs(logits.float(), temperature, top_p)
-    return torch.multinomial(p, 1, generator=generator).squeeze(1), p
-
-
-def proposal(tokens: list, probs: list) -> DraftProposal:
-    toks = torch.stack(tokens, dim=1)
-    return DraftProposal(toks, torch.stack(probs, dim=1) if probs and probs[0] is not None else None)
-
-
 def common_prefix_len(a: list, b: list) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -268,8 +260,11 @@ def mark_synced(st: CacheState, tokens: list) -> None:
 
 class KVCacheEngineDrafter:
     """What the engine adapters of the KV baselines share: the per-request ``CacheState`` in
-    ``req.state[state_key]`` (created on first use with ``cache_layers`` K/V caches) and its size.
-    Subclasses implement ``sync`` (encode the new committed positions) and ``draft``."""
+    ``req.state[state_key]`` (created on first use with ``cache_layers`` K/V caches), its size, its
+    sync to the committed tokens and the sequential sampling of the drafts. Subclasses implement
+    ``encode`` (the new committed positions into the cache) and ``draft``."""
+
+    pair_shift = 0  # drafter position p is encoded from tokens[:p + 1 + pair_shift] (EAGLE-3: 1)
 
     def __init__(self, model, cache_layers: int):
         self.model = model
@@ -294,3 +289,36 @@ class KVCacheEngineDrafter:
         """Drafter-owned bytes kept per request between rounds (its KV cache)."""
         st = state.get(self.state_key)
         return 0 if st is None else st.used_bytes()
+
+    def sync(self, req: DraftRequest) -> CacheState:
+        """Crop the cache to the positions whose tokens are still committed and unchanged, then
+        ``encode`` the positions after them that have target features; returns the state."""
+        st, shift = self.state(req), self.pair_shift
+        n = max(0, min(st.n, req.hidden_end - shift, valid_cached_prefix(st, req.tokens) - shift))
+        if n < req.hidden_start:
+            raise DLiteInputError(
+                f"the {self.model.config.name} cache needs target features from position {n}, but the engine "
+                f"kept only positions >= {req.hidden_start} (this drafter sets hidden_rows_needed=None)."
+            )
+        st.crop(n)
+        self.encode(st, req, n)
+        mark_synced(st, req.tokens)
+        return st
+
+    def sample_steps(self, req: DraftRequest, step, prev: Optional[torch.Tensor] = None) -> DraftProposal:
+        """The proposal of ``block_size`` sequential draft steps: ``step(i, prev) -> logits [1, V]`` of
+        draft i, given the token drafted before it (``prev``: the caller's start value at i = 0).
+        Greedy at temperature 0, else sampled with top-p (the probabilities go with the proposal)."""
+        toks, probs, logits_all = [], [], []
+        for i in range(self.block_size):
+            logits = step(i, prev).float()
+            logits_all.append(logits[0])
+            if req.temperature <= 0:
+                prev, p = logits.argmax(-1), None
+            else:
+                p = logits_to_probs(logits, req.temperature, req.top_p)
+                prev = torch.multinomial(p, 1, generator=req.generator).squeeze(1)
+            toks.append(prev)
+            probs.append(p)
+        self.last_logits = torch.stack(logits_all)
+        return DraftProposal(torch.stack(toks, dim=1), None if probs[0] is None else torch.stack(probs, dim=1))

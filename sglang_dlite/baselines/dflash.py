@@ -32,11 +32,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..drafters import DraftRequest
-from ..errors import DLiteInputError
 from ..layers import RMSNorm  # the same norm layer as DLite's
 from .common import (
     MLP, Attention, BaselineConfig, BaselineDrafter, CacheState, KVCacheEngineDrafter, attend,
-    check_training_inputs, init_weights, mark_synced, proposal, sample, valid_cached_prefix,
+    check_training_inputs, init_weights,
 )
 
 
@@ -117,8 +116,7 @@ class DFlashDrafter(BaselineDrafter):
     # ------------------------------------------------------------------ building blocks
     def context(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, L, T, H] target features -> [B, T, H] fused context features c_p."""
-        B, L, T, H = hidden.shape
-        return self.ctx_norm(self.fc(hidden.to(self.fc.weight.dtype).permute(0, 2, 1, 3).reshape(B, T, L * H)))
+        return self.ctx_norm(self.fuse(hidden))
 
     def context_kv(self, c: torch.Tensor, pos: torch.Tensor) -> list:
         """Per layer (k, v) of the context features at global positions ``pos``."""
@@ -199,24 +197,14 @@ class DFlashEngineDrafter(KVCacheEngineDrafter):
     def __init__(self, model: DFlashDrafter):
         super().__init__(model, cache_layers=model.config.num_layers)
 
-    def sync(self, req: DraftRequest) -> CacheState:
-        """Crop the context cache to the committed, unchanged prefix; encode the new positions."""
-        m, st = self.model, self.state(req)
-        end = req.hidden_end
-        n = min(st.n, end, valid_cached_prefix(st, req.tokens))  # position p uses tokens[:p+1]
-        if n < req.hidden_start:
-            raise DLiteInputError(
-                f"the {m.config.model_type} cache needs target features from position {n}, but the engine "
-                f"kept only positions >= {req.hidden_start} (this drafter sets hidden_rows_needed=None)."
-            )
-        st.crop(n)
+    def encode(self, st: CacheState, req: DraftRequest, n: int) -> None:
+        """The context K/V of positions n..end-1 (the ones with target features) into the cache."""
+        m, end = self.model, req.hidden_end
         if end > n:
             rows = req.hidden[:, n - req.hidden_start:end - req.hidden_start]
             c = m.context(rows[None])
             for cache, (k, v) in zip(st.kv, m.context_kv(c, torch.arange(n, end, device=c.device))):
                 cache.append(k[0], v[0])
-        mark_synced(st, req.tokens)
-        return st
 
     @torch.no_grad()
     def draft(self, req: DraftRequest):
@@ -229,17 +217,9 @@ class DFlashEngineDrafter(KVCacheEngineDrafter):
         for layer, cache in zip(m.layers, st.kv):
             x = layer.forward_cached(x, pos, cache)
         logits = m.base_logits(x[:, 1:]).float()[0]  # [K, V]
-        toks, probs, prev = [], [], anchor[:, 0]
-        out_logits = []
-        for i in range(K):  # DFlash: independent per position; DSpark: biased by the previous token
-            li = logits[i:i + 1]
+
+        def step(i, prev):  # DFlash: independent per position; DSpark: biased by the previous token
             bias = m.step_bias(prev)
-            if bias is not None:
-                li = li + bias.float()
-            out_logits.append(li[0])
-            t, p = sample(li, req.temperature, req.top_p, req.generator)
-            toks.append(t)
-            probs.append(p)
-            prev = t
-        self.last_logits = torch.stack(out_logits)
-        return proposal(toks, probs)
+            return logits[i:i + 1] if bias is None else logits[i:i + 1] + bias.float()
+
+        return self.sample_steps(req, step, anchor[:, 0])

@@ -28,8 +28,8 @@ import torch
 from ..drafters import DraftRequest
 from ..errors import DLiteInputError
 from .common import (
-    MLP, Attention, BaselineConfig, BaselineDrafter, CacheState, KVCacheEngineDrafter,
-    attend, check_training_inputs, init_weights, mark_synced, proposal, sample, valid_cached_prefix,
+    MLP, Attention, BaselineConfig, BaselineDrafter, CacheState, KVCacheEngineDrafter, attend,
+    check_training_inputs, init_weights,
 )
 
 
@@ -71,11 +71,6 @@ class Eagle3Drafter(BaselineDrafter):
         init_weights(self, 1)
 
     # ------------------------------------------------------------------ building blocks
-    def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, L, T, H] target features -> [B, T, H] (concatenated on the feature axis, then fc)."""
-        B, L, T, H = hidden.shape
-        return self.fc(hidden.to(self.fc.weight.dtype).permute(0, 2, 1, 3).reshape(B, T, L * H))
-
     def layer_input(self, feat: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.embed_norm(self.embed(token_ids)), self.feat_norm(feat)], dim=-1)
 
@@ -134,36 +129,24 @@ class Eagle3Drafter(BaselineDrafter):
 class Eagle3EngineDrafter(KVCacheEngineDrafter):
     """Engine adapter: keeps the drafter's KV cache over the whole context in ``req.state``."""
 
+    pair_shift = 1  # pair p uses tokens[:p+2]; the last pair is always re-encoded (its query starts the draft)
+
     def __init__(self, model: Eagle3Drafter):
         super().__init__(model, cache_layers=1)
 
-    def sync(self, req: DraftRequest) -> CacheState:
-        """Crop the cache to what is still committed and encode the pairs not yet cached; always
-        re-encodes the last pair (its query starts the draft). Returns the state; the last pair's
-        layer input is left in ``st.last``."""
-        m, st = self.model, self.state(req)
-        end = req.hidden_end  # pairs 0..end-1 have features (end = len(tokens) - 1)
+    def encode(self, st: CacheState, req: DraftRequest, n: int) -> None:
+        """Encode pairs n..end-1 (end = len(tokens) - 1: the pairs with a feature) into the cache;
+        the last pair's layer input is left in ``st.last``."""
+        m, end = self.model, req.hidden_end
         if end < 1:
             raise DLiteInputError("EAGLE-3 drafting needs at least one committed position with a target feature.")
-        # pair p uses tokens[:p+2]: it is valid while that prefix is unchanged
-        n = min(st.n, end - 1, valid_cached_prefix(st, req.tokens) - 1)
-        n = max(n, 0)
-        if n < req.hidden_start:
-            raise DLiteInputError(
-                f"the EAGLE-3 cache needs target features from position {n}, but the engine kept only "
-                f"positions >= {req.hidden_start} (this drafter sets hidden_rows_needed=None)."
-            )
-        st.crop(n)
         rows = req.hidden[:, n - req.hidden_start:end - req.hidden_start]  # [L, end-n, H]
         feat = m.fuse(rows[None])
         toks = torch.tensor(req.tokens[n + 1:end + 1], device=feat.device)[None]
         x = m.layer_input(feat, toks)
-        pos = torch.arange(n, end, device=feat.device)
-        k, v = m.attn.kv(x, pos)
+        k, v = m.attn.kv(x, torch.arange(n, end, device=feat.device))
         st.kv[0].append(k[0], v[0])
         st.last = (feat[:, -1:], x[:, -1:], end - 1)
-        mark_synced(st, req.tokens)
-        return st
 
     @torch.no_grad()
     def draft(self, req: DraftRequest):
@@ -172,23 +155,19 @@ class Eagle3EngineDrafter(KVCacheEngineDrafter):
         feat, x, p = st.last
         cache = st.kv[0]
         base = cache.len
-        toks, probs, logits_all = [], [], []
+
+        def step(i, prev):
+            nonlocal feat, x, p
+            pos = torch.tensor([p], device=x.device)
+            if i > 0:
+                x = m.layer_input(feat, prev[:, None])
+                k, v = m.attn.kv(x, pos)
+                cache.append(k[0], v[0])
+            kk, vv = cache.view()
+            feat, p = m.finish(feat, attend(m.attn.q(x, pos), kk, vv)), p + 1
+            return m.lm_logits(feat[:, -1])
+
         try:
-            for step in range(self.block_size):
-                if step > 0:
-                    x = m.layer_input(feat, toks[-1][:, None])
-                    k, v = m.attn.kv(x, torch.tensor([p], device=x.device))
-                    cache.append(k[0], v[0])
-                q = m.attn.q(x, torch.tensor([p], device=x.device))
-                kk, vv = cache.view()
-                y = m.finish(feat, attend(q, kk, vv))
-                logits = m.lm_logits(y[:, -1]).float()
-                logits_all.append(logits[0])
-                t, pr = sample(logits, req.temperature, req.top_p, req.generator)
-                toks.append(t)
-                probs.append(pr)
-                feat, p = y, p + 1
+            return self.sample_steps(req, step)
         finally:
             cache.crop(base)  # draft keys are temporary
-        self.last_logits = torch.stack(logits_all)
-        return proposal(toks, probs)

@@ -22,8 +22,8 @@ from typing import List, Optional
 import torch
 
 from ..errors import DLiteConfigError
-from ..training.run_summary import summarize, write_training_json
-from .registry import KV_BASELINES, model_classes
+from ..training.run_summary import summarize, training_record, write_training_json
+from .registry import KV_BASELINES, model_class
 
 DESCRIPTIONS = {
     "eagle3": "EAGLE-3-style drafter: three target layers fused on features (Linear(3H->H)), one decoder layer "
@@ -40,14 +40,7 @@ def baseline_record(name: str, src: str, data_dir: Optional[str], acceptance: Li
         raise DLiteConfigError(f"{src!r} has no train_info.json: not a folder written by sglang_dlite.baselines.train.")
     with open(info_path) as f:
         info = json.load(f)
-    data = {}
-    if data_dir:
-        d = summarize(src, data_dir)["data"]
-        rec = d.get("recipe", {})
-        data = {"sequences": d["sequences"], "tokens": d["tokens"], "generated_tokens": d["generated_tokens"],
-                "shards": d["shards"], "prompt_sources": rec.get("prompts", []), "by_source": d["by_source"],
-                "engine": rec.get("engine"), "decoding": rec.get("decoding"), "max_len": rec.get("max_len"),
-                "feature_layers": rec.get("feature_layers")}
+    data = training_record(summarize(src, data_dir))["data"] if data_dir else {}
     measured = []
     for path in acceptance:
         with open(path) as f:
@@ -108,8 +101,7 @@ def export(name: str, src: str, dst: str, data_dir: Optional[str] = None, accept
     if name not in KV_BASELINES:
         raise DLiteConfigError(f"export ships KV baselines ({', '.join(KV_BASELINES)}), not {name!r}.")
     rec = baseline_record(name, src, data_dir, list(acceptance))
-    model_cls, _ = model_classes(name)
-    model = model_cls.from_pretrained(src)
+    model = model_class(name).from_pretrained(src)
     tmp = dst.rstrip("/") + ".partial"  # staged beside dst, then swapped in (as training/recipe.export)
     if os.path.exists(tmp):
         shutil.rmtree(tmp)

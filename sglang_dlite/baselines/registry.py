@@ -17,8 +17,8 @@ from ..config import DLiteConfig
 from ..drafters import DLiteEngineDrafter
 from ..errors import DLiteConfigError, DLiteInputError
 from ..model import DLiteDrafter
-from .dflash import DFlashConfig, DFlashDrafter, DFlashEngineDrafter, DSparkConfig, DSparkDrafter
-from .eagle3 import Eagle3Config, Eagle3Drafter, Eagle3EngineDrafter
+from .dflash import DFlashDrafter, DFlashEngineDrafter, DSparkDrafter
+from .eagle3 import Eagle3Drafter, Eagle3EngineDrafter
 from .ngram import NGramDrafter
 
 DLITE_ABLATIONS = {  # name -> DLiteConfig.history the checkpoint must have
@@ -72,13 +72,16 @@ def training_output_dir(name: str) -> str:
     return os.path.join(baselines_dir(), name)
 
 
-def model_classes(name: str):
-    """(model class, config class) of a KV baseline name."""
-    table = {"eagle3": (Eagle3Drafter, Eagle3Config), "dflash": (DFlashDrafter, DFlashConfig),
-             "dspark": (DSparkDrafter, DSparkConfig)}
-    if name not in table:
-        raise DLiteInputError(f"{name!r} is not a KV baseline; choose one of {', '.join(table)}.")
-    return table[name]
+# KV baseline name -> (model class, engine adapter class); the config class is the model's config_class
+_KV_CLASSES = {"eagle3": (Eagle3Drafter, Eagle3EngineDrafter), "dflash": (DFlashDrafter, DFlashEngineDrafter),
+               "dspark": (DSparkDrafter, DFlashEngineDrafter)}
+
+
+def model_class(name: str):
+    """The model class of a KV baseline name."""
+    if name not in KV_BASELINES:
+        raise DLiteInputError(f"{name!r} is not a KV baseline; choose one of {', '.join(KV_BASELINES)}.")
+    return _KV_CLASSES[name][0]
 
 
 def new_model(name: str, target_config, seed: Optional[int] = 0, **overrides):
@@ -89,17 +92,15 @@ def new_model(name: str, target_config, seed: Optional[int] = 0, **overrides):
     if name in DLITE_ABLATIONS or name == "dlite":
         overrides.setdefault("history", DLITE_ABLATIONS.get(name, "none"))
         return DLiteDrafter(DLiteConfig.for_target(target_config, **overrides))
-    model_cls, cfg_cls = model_classes(name)
-    return model_cls(cfg_cls.for_target(target_config, **overrides))
+    model_cls = model_class(name)
+    return model_cls(model_cls.config_class.for_target(target_config, **overrides))
 
 
 def engine_adapter(name: str, model):
     """Wrap a bound model into the engine's ``Drafter`` protocol."""
     if name in DLITE_ABLATIONS or name == "dlite":
         return DLiteEngineDrafter(model)
-    if name == "eagle3":
-        return Eagle3EngineDrafter(model)
-    return DFlashEngineDrafter(model)
+    return _KV_CLASSES[name][1](model)
 
 
 def _missing(name: str, path: str, explicit: bool) -> DLiteConfigError:
@@ -137,10 +138,7 @@ def make_baseline_drafter(name: str, path: Optional[str], target):
 def load_kv_baseline(name: str, path: Optional[str], target):
     """A KV baseline's model (eagle3 / dflash / dspark) from ``path`` (None: where ``--drafter
     NAME`` loads from), bound to the HF ``target``, in eval mode."""
-    if name not in KV_BASELINES:
-        raise DLiteInputError(f"{name!r} is not a KV baseline; choose one of {', '.join(KV_BASELINES)}.")
-    model_cls, _ = model_classes(name)
-    return model_cls.from_pretrained(_checkpoint_path(name, path)).bind_hf_target(target).eval()
+    return model_class(name).from_pretrained(_checkpoint_path(name, path)).bind_hf_target(target).eval()
 
 
 def _checkpoint_path(name: str, path: Optional[str]) -> str:

@@ -38,11 +38,12 @@ from ..speculation.accept import greedy_accept_length
 from ..speculation.tau import tau_of_committed
 from ..target import load_target
 from ..training import train as dlite_train
+from ..training.checkpoint import log_metrics
 from ..training.dataset import FeatureData, batch_vocab_subset, sample_batch
 from ..training.evaluation import GreedyTally
-from ..training.losses import tv_distance, weighted_ce
+from ..training.losses import position_weights, tv_distance, weighted_ce
+from ..training.loop import lr_at, target_probs
 from ..training.precision import warn_if_emulated_bf16
-from ..training.train import lr_at
 from .common import anchor_targets
 from .registry import BASELINE_NAMES, DLITE_ABLATIONS, KV_BASELINES, new_model, training_output_dir
 
@@ -55,8 +56,8 @@ DLITE_TRAIN_ARGS = {  # extra `sglang-dlite train` options, and the stage whose 
 
 
 def step_weights(name: str, K: int, gamma: float) -> torch.Tensor:
-    k = torch.arange(K, dtype=torch.float32)
-    return 0.8 ** k if name == "eagle3" else torch.exp(-k / gamma)
+    """EAGLE-3: 0.8**k; DFlash / DSpark: DLite's position weights exp(-k / gamma)."""
+    return 0.8 ** torch.arange(K, dtype=torch.float32) if name == "eagle3" else position_weights(K, gamma)
 
 
 def sequence_inputs(data, seq_i: int, anchors, K: int, L: int):
@@ -100,9 +101,7 @@ def loss_fn(name, model, data, batch, weights, head_w, base_vocab=None, autocast
             if name == "dspark":
                 feats = data.shards[data.seqs[seq_i][0]][2]
                 th = torch.from_numpy(np.asarray(feats[trows.reshape(-1), L], dtype=np.float32)).view(*trows.shape, -1)
-                with torch.no_grad():
-                    w = head_w if vocab is None else head_w[vocab]
-                    p = torch.softmax(torch.nn.functional.linear(th, w).float(), dim=-1)
+                p = target_probs(head_w, th, torch.float32, vocab)
                 loss = 0.1 * weighted_ce(logits, lab, val, weights) + 0.9 * tv_distance(p, logits, val, weights)
             else:
                 loss = weighted_ce(logits, lab, val, weights)
@@ -156,7 +155,6 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     rng = np.random.default_rng(seed)
     os.makedirs(out, exist_ok=True)
-    log = open(os.path.join(out, "metrics.jsonl"), "a")
     t0 = time.time()
     base_vocab = data.frequent_tokens(vocab_subset) if vocab_subset else None
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else None
@@ -176,16 +174,13 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % log_every == 0 or step == steps:
-            rec = {"drafter": name, "step": step, "loss": float(loss.detach()), "train_tau_proxy": tau, "lr": cur,
-                   "wall_s": round(time.time() - t0, 1)}
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
+            log_metrics(out, {"drafter": name, "step": step, "loss": float(loss.detach()), "train_tau_proxy": tau,
+                              "lr": cur, "wall_s": round(time.time() - t0, 1)})
             if progress:
                 print(f"train[{name}] step {step}/{steps} loss {float(loss.detach()):.3f} tau~{tau:.2f}", flush=True)
         if budget_min is not None and step % 5 == 0:
             per = (time.time() - t0) / step
             steps = max(step + 1, min(steps, int(budget_min * 60 / max(per, 1e-6))))
-    log.close()
     model.eval().save_pretrained(out)
     with open(os.path.join(out, "train_info.json"), "w") as f:
         json.dump({"drafter": name, "data": data_dir, "steps": steps, "batch_size": batch_size,
