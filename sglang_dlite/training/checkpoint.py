@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from .data import DataError
+from .options import STAGES
 
 
 def to_cpu(obj):
@@ -48,9 +49,18 @@ def log_metrics(out_dir: str, rec: dict) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-def plot_curves(out_dir: str, stages=("teacher", "distill", "stabilize")) -> Optional[str]:
+def read_metrics(out_dir: str) -> list:
+    """The records ``log_metrics`` appended to the run's metrics.jsonl ([] before the first)."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def plot_curves(out_dir: str, stages=STAGES) -> Optional[str]:
+    recs = read_metrics(out_dir)
+    if not recs:
         return None
     try:
         import matplotlib  # optional: the dev extra (no plot without it)
@@ -59,7 +69,6 @@ def plot_curves(out_dir: str, stages=("teacher", "distill", "stabilize")) -> Opt
         import matplotlib.pyplot as plt  # after use("Agg"): no display needed
     except ImportError:
         return None
-    recs = [json.loads(x) for x in open(path) if x.strip()]
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     offset = 0
     for st in stages:

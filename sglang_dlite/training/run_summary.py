@@ -9,37 +9,35 @@ import json
 import os
 from typing import Optional
 
+from .checkpoint import read_metrics
 from .data import read_manifest, select_shards, shard_source
+from .options import STAGES
+
 
 def summarize_run(out_dir: str) -> dict:
     """Stages (DONE files), final held-out eval and loss per stage, train_info of a run folder."""
-    s = {}
     stages = {}
-    for st in ("teacher", "distill", "stabilize"):
+    for st in STAGES:
         p = os.path.join(out_dir, st, "DONE.json")
         if os.path.isfile(p):
             with open(p) as f:
                 stages[st] = json.load(f)
-    s["stages"] = stages
-    recs = []
-    mp = os.path.join(out_dir, "metrics.jsonl")
-    if os.path.isfile(mp):
-        recs = [json.loads(x) for x in open(mp) if x.strip()]
-    s["final_eval"] = {}
+    recs = read_metrics(out_dir)
+    s = {"stages": stages, "final_eval": {}}
     for st in stages:
         ev = [r for r in recs if r.get("stage") == st and "tau_proxy" in r]
         tr = [r for r in recs if r.get("stage") == st and "loss" in r]
         if ev:
-            s["final_eval"][st] = {k: ev[-1][k] for k in ("tau_proxy", "acc_per_pos", "eval_anchors")}
-            s["final_eval"][st].update({k: ev[-1][k] for k in ("tau_ci95", "epochs") if k in ev[-1]})
-            s["final_eval"][st].update({k: v for k, v in ev[-1].items() if k.startswith("engine_")})
+            last = ev[-1]
+            s["final_eval"][st] = {k: last[k] for k in ("tau_proxy", "acc_per_pos", "eval_anchors", "tau_ci95", "epochs")
+                                   if k in last}
+            s["final_eval"][st].update({k: v for k, v in last.items() if k.startswith("engine_")})
         if tr:
             s["final_eval"].setdefault(st, {})["final_loss"] = round(tr[-1]["loss"], 4)
             s["final_eval"][st]["anchors_per_s"] = tr[-1].get("anchors_per_s")
-    ip = os.path.join(out_dir, "train_info.json")
-    if os.path.isfile(ip):
-        with open(ip) as f:
-            s["train_info"] = json.load(f)
+    info = read_json(os.path.join(out_dir, "train_info.json"))
+    if info is not None:
+        s["train_info"] = info
     return s
 
 
@@ -109,6 +107,15 @@ def training_record(s: dict, stage: Optional[str] = None) -> dict:
     }
 
 
+def read_json(path: str):
+    """The JSON object in ``path``, or None when it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def write_training_json(model_dir: str, record: dict) -> str:
     path = os.path.join(model_dir, TRAINING_JSON)
     with open(path + ".tmp", "w") as f:
@@ -118,11 +125,4 @@ def write_training_json(model_dir: str, record: dict) -> str:
 
 
 def read_training_json(model_dir: str) -> Optional[dict]:
-    path = os.path.join(model_dir, TRAINING_JSON)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
+    return read_json(os.path.join(model_dir, TRAINING_JSON))

@@ -2,7 +2,7 @@
 
     1. target      a tiny random-weight target with a tokenizer (training/tiny_target.py)
     2. gen-data    the target regenerates answers to a few prompts (features captured)
-    3. train       2 training processes (torchrun when the trainer supports it, else --ddp)
+    3. train       2 training processes (torchrun)
     4. export      bf16 safetensors + model card (training/recipe.export)
     5. reference   the exported drafter in the reference engine: greedy output == the target's own
 
@@ -30,6 +30,7 @@ from ..drafters import DLiteEngineDrafter
 from ..engine import ReferenceEngine
 from ..model import DLiteDrafter
 from ..speculation.tau import tau_of_requests
+from .checkpoint import read_metrics
 from .recipe import export
 from .tiny_target import save_tiny_target
 
@@ -76,11 +77,7 @@ def training_throughput(run_dir: str, stage: str = "stabilize") -> dict:
     median of the logged intervals after the first, which holds the warm-up) of a finished stage."""
     with open(os.path.join(run_dir, stage, "DONE.json")) as f:
         done = json.load(f)
-    rates = []
-    mp = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.isfile(mp):
-        rates = [r["anchors_per_s"] for r in map(json.loads, filter(str.strip, open(mp)))
-                 if r.get("stage") == stage and "anchors_per_s" in r]
+    rates = [r["anchors_per_s"] for r in read_metrics(run_dir) if r.get("stage") == stage and "anchors_per_s" in r]
     steady = rates[1:] or rates
     return {"steps": done.get("steps"), "train_wall_s": done.get("wall_s"), "device": done.get("device", "cpu"),
             "steps_per_s": round(done["steps"] / max(done.get("wall_s") or 0, 1e-9), 2),
