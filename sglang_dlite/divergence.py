@@ -27,24 +27,17 @@ import copy
 import json
 import subprocess
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
+
+from .workloads.replay import first_divergence
 
 # float32 logit gap under which a differing bf16 greedy token is a precision tie: two bf16 steps
 # at |logit| ~ 20 (where bf16 values are 0.125 apart)
 DEFAULT_TIE_MARGIN = 0.25
 
 Score = Callable[[list, int, int], float]  # (prefix ids, token a, token b) -> logit a - logit b (float32)
-
-
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
-    """Index of the first differing token (None if equal; the shorter length if one output is a
-    prefix of the other)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def classify_divergences(prompts, outs, base_outs, score: Score, tie_margin: float,

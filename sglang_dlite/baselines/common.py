@@ -6,6 +6,7 @@ Everything here is pure torch and imports no sglang.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -204,20 +205,6 @@ def check_training_inputs(cfg, hidden, input_ids, anchors, min_anchor: int = 0):
 
 
 # ---------------------------------------------------------------------------- engine adapters
-def common_prefix_len(a: list, b: list) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # binary search on the first mismatch (prefix equality is monotone)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 class CacheState:
     """A KV baseline's per-conversation state, kept in ``DraftRequest.state[key]``.
 
@@ -251,7 +238,7 @@ def valid_cached_prefix(st: CacheState, tokens: list) -> int:
     m = st.tokens_len
     if st.tokens is tokens and len(tokens) >= m and tokens[max(0, m - 4):m] == st.tail:
         return m
-    return common_prefix_len(st.tokens[:m], tokens)
+    return len(os.path.commonprefix([st.tokens[:m], tokens]))
 
 
 def mark_synced(st: CacheState, tokens: list) -> None:

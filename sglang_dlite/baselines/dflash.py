@@ -39,13 +39,6 @@ from .common import (
 )
 
 
-def dflash_layer_ids(num_target_layers: int) -> list:
-    """DFlash's [1, 9, 17, 25, 33] of 36 layers, mapped proportionally (30 -> [1, 7, 14, 21, 27])."""
-    L = num_target_layers
-    ids = [min(L - 1, max(0, round(x * (L - 1) / 35))) for x in (1, 9, 17, 25, 33)]
-    return sorted(set(ids))
-
-
 class DFlashConfig(BaselineConfig):
     model_type = "dlite-dflash"
 
@@ -55,7 +48,9 @@ class DFlashConfig(BaselineConfig):
 
     @staticmethod
     def default_layer_ids(num_target_layers: int) -> list:
-        return dflash_layer_ids(num_target_layers)
+        """DFlash's [1, 9, 17, 25, 33] of 36 layers, mapped proportionally (30 -> [1, 7, 14, 21, 27])."""
+        L = num_target_layers
+        return sorted({min(L - 1, max(0, round(x * (L - 1) / 35))) for x in (1, 9, 17, 25, 33)})
 
 
 class DSparkConfig(DFlashConfig):

@@ -33,13 +33,6 @@ from .common import (
 )
 
 
-def eagle3_layer_ids(num_target_layers: int) -> list:
-    """Low / middle / high layer: (2, L/2, L-3) as EAGLE-3 (30 layers -> [2, 15, 27])."""
-    L = num_target_layers
-    ids = [min(2, L - 1), L // 2, max(L - 3, 0)]
-    return sorted(set(ids)) if len(set(ids)) == 3 else list(range(min(3, L)))
-
-
 class Eagle3Config(BaselineConfig):
     model_type = "dlite-eagle3"
     num_capture_layers_expected = 3
@@ -55,7 +48,10 @@ class Eagle3Config(BaselineConfig):
 
     @staticmethod
     def default_layer_ids(num_target_layers: int) -> list:
-        return eagle3_layer_ids(num_target_layers)
+        """Low / middle / high layer: (2, L/2, L-3) as EAGLE-3 (30 layers -> [2, 15, 27])."""
+        L = num_target_layers
+        ids = {min(2, L - 1), L // 2, max(L - 3, 0)}
+        return sorted(ids) if len(ids) == 3 else list(range(min(3, L)))
 
 
 class Eagle3Drafter(BaselineDrafter):

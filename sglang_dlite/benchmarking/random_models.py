@@ -13,17 +13,19 @@ from ..model import DLiteDrafter
 
 
 def tiny_llama(seed: int = 0, vocab: int = 96, hidden: int = 64, layers: int = 6, *, tied: bool = False,
-               max_positions: int = 2048, sticky=None):
-    """A random-weight Llama (fp32, eval) with sharp logits (embedding ~ N(0, 1)), so that greedy
-    outputs vary instead of looping at once. ``sticky``: an untied LM head = sticky * embedding +
-    noise, whose greedy output mixes runs of repeated tokens with jumps."""
+               max_positions: int = 2048, sticky=None, arch: str = "llama"):
+    """A random-weight Llama (``arch="qwen3"``: a Qwen3, head_dim 16) (fp32, eval) with sharp logits
+    (embedding ~ N(0, 1)), so that greedy outputs vary instead of looping at once. ``sticky``: an
+    untied LM head = sticky * embedding + noise, whose greedy output mixes runs of repeated tokens
+    with jumps."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    qwen3 = arch == "qwen3"
+    cfg = (Qwen3Config if qwen3 else LlamaConfig)(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, **({"head_dim": 16} if qwen3 else {}),
     )
-    m = LlamaForCausalLM(cfg).eval()
+    m = (Qwen3ForCausalLM if qwen3 else LlamaForCausalLM)(cfg).eval()
     with torch.no_grad():
         m.model.embed_tokens.weight.normal_(0, 1.0)
         if sticky is not None:
@@ -40,17 +42,7 @@ def save_tiny_llama(path, seed: int = 0, vocab: int = 96, hidden: int = 64, laye
 
 
 def save_tiny_qwen3(path, seed: int = 0, vocab: int = 96, hidden: int = 64, layers: int = 6) -> str:
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    )
-    m = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        m.model.embed_tokens.weight.normal_(0, 1.0)
-        m.lm_head.weight.copy_(m.model.embed_tokens.weight + torch.randn_like(m.lm_head.weight))
-    m.save_pretrained(path)
+    tiny_llama(seed, vocab, hidden, layers, sticky=1.0, arch="qwen3").save_pretrained(path)
     return str(path)
 
 

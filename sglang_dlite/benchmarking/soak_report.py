@@ -4,6 +4,7 @@ the RSS slopes per process and phase, the per-kind request table and the soak pl
 from __future__ import annotations
 
 import re
+import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -45,14 +46,10 @@ def dlite_metrics(base: str) -> dict:
 
 
 def slope_mb_per_min(points):
-    """Least-squares slope of [(t_s, mb)] in MB/min (None with < 3 points)."""
-    if len(points) < 3:
+    """Least-squares slope of [(t_s, mb)] in MB/min (None with < 3 points or all at one time)."""
+    if len(points) < 3 or len({t for t, _ in points}) < 2:
         return None
-    n = len(points)
-    mt = sum(t for t, _ in points) / n
-    my = sum(y for _, y in points) / n
-    den = sum((t - mt) ** 2 for t, _ in points)
-    return None if den == 0 else 60.0 * sum((t - mt) * (y - my) for t, y in points) / den
+    return 60.0 * statistics.linear_regression(*zip(*points)).slope
 
 
 def rss_summary(samples, load_ends) -> dict:

@@ -37,6 +37,7 @@ from ..speculation.tau import TAU_DEFINITION, tau_of_sglang
 from ..target import load_target, prepare_default_target
 from ..workloads import load_workload
 from ..workloads.render import render_turns
+from .generate import chat_ids
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -86,13 +87,7 @@ def _requests(args, tok):
             if t.placeholder:
                 break
             reqs.append((f"agent {conv['id']} turn {t.index}", list(t.prompt_ids)))
-    for text in PROMPTS[: max(0, args.prompts)]:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                      tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        reqs.append((text, list(ids)))
-    return reqs
+    return reqs + [(text, chat_ids(tok, text)) for text in PROMPTS[: max(0, args.prompts)]]
 
 
 def _run_sglang(target, draft, reqs, max_new, eos, dtype="float32", num_draft_tokens=None):

