@@ -164,17 +164,18 @@ DDP_REMOVED = ("--ddp was removed: launch data-parallel training with torchrun, 
                "-m sglang_dlite train ...` (gloo on the CPU, NCCL on GPUs; --batch-size is per process).")
 
 
+# the options whose CLI flag names the field (``--batch-size`` -> ``batch_size``)
+_SAME_NAME = ("lr", "batch_size", "seqs_per_batch", "warmup_frac", "gamma", "ce_weight", "tv_weight", "kl_weight", "clip",
+              "bf16", "ema_decay", "device", "log_every", "eval_every", "eval_anchors", "save_every", "seed",
+              "vocab_subset", "anchor_tokens", "resume", "stream_window", "eval_shards", "shards", "stop_after_steps")
+
+
 def options_from_args(args) -> TrainOptions:
-    if getattr(args, "ddp", None) not in (None, 1):
+    """The options of a namespace parsed by ``add_arguments``, checked."""
+    if args.ddp not in (None, 1):
         raise DLiteConfigError(DDP_REMOVED)
     stages = ["stabilize"] if args.single_stage else [s.strip() for s in args.stages.split(",") if s.strip()]
-    ov = {}
-    if args.num_context_positions is not None:
-        ov["num_context_positions"] = args.num_context_positions
-    if args.num_layers is not None:
-        ov["num_layers"] = args.num_layers
-    if getattr(args, "head_input", None):
-        ov["head_input"] = args.head_input
+    ov = {k: getattr(args, k) for k in ("num_context_positions", "num_layers", "head_input") if getattr(args, k) is not None}
     if args.target_layer_ids:
         ov["target_layer_ids"] = [int(x) for x in args.target_layer_ids.split(",")]
     budget = None
@@ -188,32 +189,22 @@ def options_from_args(args) -> TrainOptions:
         budget = {s: v * 60 for s, v in zip(STAGES, vals)}
         if args.single_stage:  # one value: the stage's own budget; three: the recipe's total
             budget["stabilize"] = (vals[0] if one else sum(vals)) * 60
-    weights = {"--ce-weight": args.ce_weight, "--tv-weight": args.tv_weight,
-               "--kl-weight": getattr(args, "kl_weight", _D.kl_weight)}
+    weights = {"--ce-weight": args.ce_weight, "--tv-weight": args.tv_weight, "--kl-weight": args.kl_weight}
     if any(w < 0 for w in weights.values()) or not any(weights.values()):
         raise DLiteInputError("the stabilize loss weights must be >= 0 and not all 0 (got "
                               + ", ".join(f"{k} {v:g}" for k, v in weights.items()) + ").")
-    ema = getattr(args, "ema_decay", _D.ema_decay)
-    if not 0.0 <= ema < 1.0:
-        raise DLiteInputError(f"--ema-decay must be in [0, 1) (0: off), got {ema:g}.")
-    if getattr(args, "init_from_drafter", None):
-        if getattr(args, "init_from_target_layers", None):
+    if not 0.0 <= args.ema_decay < 1.0:
+        raise DLiteInputError(f"--ema-decay must be in [0, 1) (0: off), got {args.ema_decay:g}.")
+    if args.init_from_drafter:
+        if args.init_from_target_layers:
             raise DLiteInputError("--init-from-drafter and --init-from-target-layers both set the starting weights; "
                                   "pass one.")
         if list(stages) != ["stabilize"]:
             raise DLiteInputError("--init-from-drafter starts the stabilize stage alone; add --single-stage.")
     return TrainOptions(
-        stages=stages, steps={s: getattr(args, f"steps_{s}") for s in STAGES},
-        lr=args.lr, batch_size=args.batch_size, seqs_per_batch=args.seqs_per_batch, warmup_frac=args.warmup_frac,
-        gamma=args.gamma, ce_weight=args.ce_weight, tv_weight=args.tv_weight,
-        kl_weight=getattr(args, "kl_weight", _D.kl_weight), clip=args.clip, bf16=args.bf16, ema_decay=ema,
-        device=getattr(args, "device", _D.device), log_every=getattr(args, "log_every", _D.log_every),
-        eval_every=args.eval_every, eval_anchors=args.eval_anchors, save_every=args.save_every, seed=args.seed,
-        init_layers=[int(x) for x in args.init_from_target_layers.split(",")] if getattr(args, "init_from_target_layers", None) else None,
-        init_drafter=getattr(args, "init_from_drafter", None),
-        student_history=args.history, vocab_subset=args.vocab_subset,
-        anchor_tokens=getattr(args, "anchor_tokens", "generated"), resume=args.resume, progress=not args.no_progress, config_overrides=ov,
-        time_budget_s=budget, stream_window=getattr(args, "stream_window", 0), eval_shards=getattr(args, "eval_shards", 32), shards=getattr(args, "shards", None),
-        stop_after_s=None if getattr(args, "stop_after_min", None) is None else args.stop_after_min * 60,
-        stop_after_steps=getattr(args, "stop_after_steps", None),
+        stages=stages, steps={s: getattr(args, f"steps_{s}") for s in STAGES}, student_history=args.history,
+        init_layers=[int(x) for x in args.init_from_target_layers.split(",")] if args.init_from_target_layers else None,
+        init_drafter=args.init_from_drafter, progress=not args.no_progress, config_overrides=ov, time_budget_s=budget,
+        stop_after_s=None if args.stop_after_min is None else args.stop_after_min * 60,
+        **{k: getattr(args, k) for k in _SAME_NAME},
     )

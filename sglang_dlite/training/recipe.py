@@ -81,10 +81,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def _ns(**kw):
-    return argparse.Namespace(**kw)
-
-
 def layer_ids_for(target_path: str) -> str:
     """The recipe's captured layers for a target: EAGLE-3's low / mid / high choice
     (``config.low_mid_high_layer_ids``; 2,15,27 for the bundled 30-layer target)."""
@@ -98,31 +94,23 @@ def export_name(target_path: str, is_default: bool) -> str:
 
 
 def gen_args(args):
-    g = DEFAULT_GEN
-    return _ns(target=args.target, prompts=list(g["prompts"]), out=args.data, shard_size=g["shard_size"], worker="0/1",
-               reverse=False,
-               max_new_tokens=g["max_new_tokens"], max_len=g["max_len"], max_turns=g["max_turns"],
-               max_user_tokens=g["max_user_tokens"], temperature=g["temperature"], top_p=g["top_p"], seed=g["seed"],
-               threads=max(2, args.threads), max_shards=args.gen_max_shards,
-               capture_layers=getattr(args, "layer_ids", None) or DEFAULT_TRAIN["target_layer_ids"], no_features=False,
-               budget_min=args.gen_budget_min)
+    """gen-data's namespace for the recipe: DEFAULT_GEN and the recipe's own options."""
+    return argparse.Namespace(**dict(DEFAULT_GEN, prompts=list(DEFAULT_GEN["prompts"])), target=args.target, out=args.data,
+                              worker="0/1", reverse=False, threads=max(2, args.threads), max_shards=args.gen_max_shards,
+                              capture_layers=getattr(args, "layer_ids", None) or DEFAULT_TRAIN["target_layer_ids"],
+                              no_features=False, budget_min=args.gen_budget_min)
 
 
 def train_args(args, out):
-    t = DEFAULT_TRAIN
-    return _ns(data=args.data, out=out, target=args.target, stages="teacher,distill,stabilize",
-               single_stage=args.single_stage, history="none", steps_teacher=t["steps_teacher"],
-               steps_distill=t["steps_distill"], steps_stabilize=t["steps_stabilize"], lr=t["lr"],
-               batch_size=t["batch_size"], seqs_per_batch=t["seqs_per_batch"], gamma=t["gamma"],
-               ce_weight=t["ce_weight"], tv_weight=t["tv_weight"], clip=t["clip"], warmup_frac=t["warmup_frac"],
-               bf16=t["bf16"], vocab_subset=t["vocab_subset"], anchor_tokens=t["anchor_tokens"],
-               eval_every=t["eval_every"],
-               eval_anchors=t["eval_anchors"], save_every=t["save_every"], resume=True, seed=t["seed"],
-               threads=args.threads, num_context_positions=None, num_layers=None,
-               target_layer_ids=getattr(args, "layer_ids", None) or t["target_layer_ids"],
-               stage_budget_min=args.stage_budget_min, no_progress=args.no_progress,
-               engine_eval_convs=1, engine_eval_workloads="sharegpt-heldout,agent-stdlib", engine_eval_max_new_tokens=32,
-               engine_eval_stages="stabilize", device=args.device)
+    """`sglang-dlite train`'s namespace for the recipe: the trainer's CLI defaults, DEFAULT_TRAIN over them."""
+    p = argparse.ArgumentParser()
+    train.add_arguments(p)
+    ns = p.parse_args(["--data", args.data, "--out", out])
+    vars(ns).update(DEFAULT_TRAIN, target=args.target, single_stage=args.single_stage, resume=True, threads=args.threads,
+                    target_layer_ids=getattr(args, "layer_ids", None) or DEFAULT_TRAIN["target_layer_ids"],
+                    stage_budget_min=args.stage_budget_min, no_progress=args.no_progress, engine_eval_convs=1,
+                    engine_eval_stages="stabilize", device=args.device)
+    return ns
 
 
 def export(model_dir: str, dest: str, card: str, data_dir: Optional[str] = None, draft_vocab: int = 0) -> str:
