@@ -20,18 +20,19 @@ from sglang_dlite.training.exactness import count_disagreements, first_disagreem
 from sglang_dlite.ops.cpu_linear import MklPackedLinear, mkl_available
 from sglang_dlite.training.fast_llama import FastLlama
 from sglang_dlite.training.fast_regen import FastRegenerator
+from sglang_dlite.training.turns import TurnRules
 
 LAYERS = [1, 2]  # (not the last layer: HF reports the final-norm output as hidden_states[-1])
 
 
-class FakeHelper:
-    """Token-level stand-in for the chat template: a conversation's users are id lists; the
-    first prompt is users[0], a later turn appends [SEP] + users[t]."""
+class FakeTurns(TurnRules):
+    """The turn rules with a token-level stand-in for the chat template: a conversation's users
+    are id lists; the first prompt is users[0], a later turn appends [SEP] + users[t]."""
 
     SEP = 5
 
-    def __init__(self, eos):
-        self.eos = eos
+    def __init__(self, eos, max_new, max_len, continue_truncated=False):
+        self.eos, self.max_new, self.max_len, self.continue_truncated = eos, max_new, max_len, continue_truncated
 
     def start(self, conv):
         return list(conv["users"][0])
@@ -49,7 +50,7 @@ def hf_greedy_conv(model, conv, eos, max_new, max_len, continue_truncated=False)
         return seq, mask
     for t in range(len(conv["users"])):
         if t > 0:
-            suf = [FakeHelper.SEP] + list(conv["users"][t])
+            suf = [FakeTurns.SEP] + list(conv["users"][t])
             if seq[-1] != eos:  # continue_truncated: close the cut turn (not a label)
                 suf = [eos] + suf
             if len(seq) + len(suf) + 16 >= max_len:
@@ -71,16 +72,14 @@ def hf_greedy_conv(model, conv, eos, max_new, max_len, continue_truncated=False)
 
 def _fast(model, eos, batch_size, max_new=24, max_len=256, dtype=torch.float32, layers=LAYERS, continue_truncated=False,
           cls=FastRegenerator, packed=True, attention="auto"):
-    fr = cls.__new__(cls)  # the tokenizer helper replaced by FakeHelper
-    fr.helper = FakeHelper(eos)
-    fr.eos, fr.max_new, fr.max_len = eos, max_new, max_len
+    fr = cls.__new__(cls)  # the chat template replaced by FakeTurns
+    fr.turns = FakeTurns(eos, max_new, max_len, continue_truncated)
     fr.capture = list(layers)
     fr.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=fr.capture, packed=packed,
                           attention=attention)
     fr.engine.k.fill_(float("nan"))  # the cache is allocated unfilled: nothing unwritten may be read
     fr.engine.v.fill_(float("nan"))
-    fr.batch_size, fr.sort_window, fr.new_tokens, fr.L1 = batch_size, 64, 0, len(layers) + 1
-    fr.continue_truncated = continue_truncated
+    fr.batch_size, fr.sort_window, fr.new_tokens = batch_size, 64, 0
     return fr
 
 
@@ -140,12 +139,12 @@ def test_fast_text_equals_hf_fp32_greedy(tiny, batch_size, packed, attention):
     seqs, masks, feats = fr.run(convs)
     n_eos_turns = 0
     for c, s, m in zip(convs, seqs, masks):
-        rs, rm = hf_greedy_conv(tiny, c, eos, fr.max_new, fr.max_len)
+        rs, rm = hf_greedy_conv(tiny, c, eos, fr.turns.max_new, fr.turns.max_len)
         assert s == rs, f"conversation {c['id']} differs from HF greedy"
         assert m == rm
         n_eos_turns += sum(1 for j in range(1, len(s)) if s[j] == eos and m[j] == 1)
     assert n_eos_turns >= 2, "the test should exercise turns that end by EOS"
-    assert any(len(c["users"]) > 1 and s.count(FakeHelper.SEP) >= 1 for c, s in zip(convs, seqs)), "no multi-turn case"
+    assert any(len(c["users"]) > 1 and s.count(FakeTurns.SEP) >= 1 for c, s in zip(convs, seqs)), "no multi-turn case"
     assert fr.new_tokens == sum(sum(m) for m in masks)
 
 
@@ -157,8 +156,8 @@ def test_continue_truncated_turns(tiny):
     seqs, masks, feats = fr.run(convs)
     closed = 0
     for c, s, m, f in zip(convs, seqs, masks, feats):
-        assert (s, m) == hf_greedy_conv(tiny, c, eos, 6, fr.max_len, continue_truncated=True)
-        assert s.count(FakeHelper.SEP) == len(c["users"]) - 1  # every turn was reached
+        assert (s, m) == hf_greedy_conv(tiny, c, eos, 6, fr.turns.max_len, continue_truncated=True)
+        assert s.count(FakeTurns.SEP) == len(c["users"]) - 1  # every turn was reached
         closed += sum(1 for j in range(len(s)) if s[j] == eos and m[j] == 0)
         assert len(f) == len(s) - 1
     assert closed >= 1

@@ -83,8 +83,8 @@ def test_turn_stopped_at_another_eos_is_resumed(tiny_ckpt, sgl_engine):  # noqa:
     conv = {"users": ["Tell me something about word word word."]}
     gen = SglangRegenerator(tiny_ckpt, None, tok, max_new_tokens=20, engine=sgl_engine)
     seqs, masks = gen.generate([conv])
-    free = seqs[0][len(gen.helper.start(conv)):]
-    assert gen.stats["resumed_turns"] == 0 and len(free) == 20 and gen.eos not in free
+    free = seqs[0][len(gen.turns.start(conv)):]
+    assert gen.stats["resumed_turns"] == 0 and len(free) == 20 and gen.turns.eos not in free
     other = free[5]  # make a token the model emits an extra stop id: sglang stops there
 
     orig = sgl_engine.async_generate

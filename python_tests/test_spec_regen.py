@@ -32,7 +32,7 @@ def test_spec_text_equals_hf_fp32_greedy(tiny, batch_size, num_drafts, fixed_row
     fr = _spec(tiny, eos, batch_size, num_drafts=num_drafts, max_new=40, fixed_rows=fixed_rows, attention=attention)
     seqs, masks, feats = fr.run(convs)
     for c, s, m in zip(convs, seqs, masks):
-        assert (s, m) == hf_greedy_conv(tiny, c, eos, fr.max_new, fr.max_len), f"conversation {c['id']} differs"
+        assert (s, m) == hf_greedy_conv(tiny, c, eos, fr.turns.max_new, fr.turns.max_len), f"conversation {c['id']} differs"
     st = fr.summary()
     assert st["accepted"] >= 10, st  # multi-token commits happened ...
     assert st["accepted"] < st["drafted"], st  # ... and rejections
@@ -48,7 +48,7 @@ def test_spec_continue_truncated_and_max_len(tiny):
     fr = _spec(tiny, eos, 3, num_drafts=5, max_new=7, continue_truncated=True)
     seqs, masks, _ = fr.run(convs)
     for c, s, m in zip(convs, seqs, masks):
-        assert (s, m) == hf_greedy_conv(tiny, c, eos, 7, fr.max_len, continue_truncated=True)
+        assert (s, m) == hf_greedy_conv(tiny, c, eos, 7, fr.turns.max_len, continue_truncated=True)
     convs, eos = _convs(tiny, 4, seed=4)
     fr = _spec(tiny, eos, 2, num_drafts=5, max_new=40, max_len=70)
     for c, s, m in zip(convs, *fr.run(convs)[:2]):

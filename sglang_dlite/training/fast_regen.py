@@ -24,7 +24,6 @@ replace the captured ones. ``bench/gen_throughput.py`` measures both.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Iterable, Iterator
 
@@ -32,43 +31,25 @@ import torch
 
 from ..engine import accept_round
 from .fast_llama import FastLlama
-from .hf_regen import Regenerator
-
-
-class _Row:
-    __slots__ = ("key", "conv", "seq", "mask", "feats", "turn", "room", "gen", "margin")
-
-    def __init__(self, key, conv, seq):
-        self.key, self.conv, self.seq = key, conv, seq
-        self.mask = [0] * len(seq)
-        self.feats = []
-        self.turn = 0
-        self.room = 0
-        self.gen = 0
-        self.margin = math.inf
+from .turns import Conversation, TurnRules, columns
 
 
 class FastRegenerator:
     """Greedy turn-by-turn regeneration of conversations (the same sequences ``Regenerator``
-    builds: the chat template's user turns + the target's own ids), batched continuously.
-
-    ``tokenizer_helper``: a ``hf_regen.Regenerator`` (its prompt/turn rendering is reused)."""
+    builds, by the same ``turns.TurnRules``), batched continuously."""
 
     def __init__(self, model, tok, max_new_tokens=256, max_len=2048, max_user_tokens=1024, capture_layers=None,
                  batch_size=32, dtype=torch.float32, sort_window=64, continue_truncated=False, packed=True,
                  attention="auto"):
-        self.helper = Regenerator(model, tok, max_new_tokens, max_len, max_user_tokens, capture_layers=None)
-        self.eos, self.max_new, self.max_len = self.helper.eos, max_new_tokens, max_len
+        # A turn cut by max_new_tokens ends the conversation (Regenerator's rule), or, with
+        # continue_truncated, is closed with an end-of-turn token that is not a training label
+        # (mask 0) and the conversation goes on (long multi-turn contexts from a rambling target).
+        self.turns = TurnRules(tok, model, max_new_tokens, max_len, max_user_tokens, continue_truncated)
         self.capture = list(capture_layers) if capture_layers else []
         self.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=self.capture, packed=packed,
                                 attention=attention)
         self.batch_size, self.sort_window = batch_size, sort_window
-        # A turn cut by max_new_tokens ends the conversation (Regenerator's rule), or, with
-        # continue_truncated, is closed with an end-of-turn token that is not a training label
-        # (mask 0) and the conversation goes on (long multi-turn contexts from a rambling target).
-        self.continue_truncated = continue_truncated
         self.new_tokens = 0
-        self.L1 = len(self.capture) + 1
 
     # ------------------------------------------------------------------ rows
     def _argmax(self, normed):
@@ -76,7 +57,7 @@ class FastRegenerator:
         top = torch.topk(lg, 2, dim=-1)
         return top.indices[..., 0], top.values[..., 0] - top.values[..., 1]
 
-    def _extend(self, row: _Row, slot: int, start: int):
+    def _extend(self, row: Conversation, slot: int, start: int):
         """Prefill the row's ids from ``start`` (first prompt or a new user turn) and push the
         target's first token. Its CPU time and tokens are counted apart (``prefill_cpu_s``,
         ``prefill_tokens``): decoding speed-ups cannot shorten it."""
@@ -89,61 +70,28 @@ class FastRegenerator:
         tok, m = self._argmax(normed[None])
         self._push(row, int(tok[0]), float(m[0]))
 
-    def _begin_turn(self, row: _Row) -> bool:
-        """Set the room of the current turn; False if the conversation cannot continue."""
-        row.room = min(self.max_new, self.max_len - len(row.seq))
-        row.gen = 0
-        return row.room > 0
-
-    def _push(self, row: _Row, tok: int, margin: float):
-        row.seq.append(tok)
-        row.mask.append(1)
-        row.gen += 1
-        row.margin = min(row.margin, margin)
+    def _push(self, row: Conversation, tok: int, margin: float):
+        self.turns.push(row, [tok], margin)
         self.new_tokens += 1
 
-    def _turn_over(self, row: _Row) -> bool:
-        return row.seq[-1] == self.eos or row.gen >= row.room
-
-    def _next_turn(self, row: _Row, slot: int) -> bool:
+    def _next_turn(self, row: Conversation, slot: int) -> bool:
         """After a finished turn: append the next user turn to the slot (prefill only the new ids).
         Returns False if the conversation is over."""
-        closed = row.seq[-1] == self.eos
-        if not closed and not getattr(self, "continue_truncated", False):
-            return False  # truncated turn: the conversation ends here
-        row.turn += 1
-        if row.turn >= len(row.conv["users"]):
-            return False
-        suf = self.helper.turn_suffix(row.conv["users"][row.turn])
-        if not closed:
-            suf = [self.eos] + list(suf)  # close the cut turn (mask 0: not generated)
-        if len(row.seq) + len(suf) + 16 >= self.max_len:
-            return False
         start = len(row.seq) - 1  # the turn's last token (EOS) has not been fed yet
-        row.seq += suf
-        row.mask += [0] * len(suf)
-        if not self._begin_turn(row):
+        if not self.turns.next_turn(row):
             return False
         self._extend(row, slot, start)
         return True
 
-    def _admit(self, key, conv, slot: int, seq):
-        """Start a conversation (first prompt ``seq``) in ``slot``: (row, active?)."""
-        row = _Row(key, conv, list(seq))
-        if not (len(seq) + 16 < self.max_len) or not self._begin_turn(row):
-            return row, False
+    def _admit(self, row: Conversation, slot: int) -> bool:
+        """Start a conversation in ``slot``; False if it is already over."""
+        if not self.turns.begin(row):
+            return False
         self._extend(row, slot, 0)
-        if self._turn_over(row) and not self._next_turn(row, slot):
-            return row, False
-        return row, True
+        return not self.turns.turn_over(row) or self._next_turn(row, slot)
 
-    def _finish(self, row: _Row):
-        feats = None
-        if self.capture:
-            n = len(row.seq) - 1  # every position but the last was fed through the target
-            if row.feats:
-                feats = torch.cat(row.feats, 0)[:n]
-        return row.key, row.seq, row.mask, feats, row.margin
+    def _finish(self, row: Conversation):
+        return self.turns.record(row)
 
     # ------------------------------------------------------------------ driver
     def stream(self, items: Iterable) -> Iterator[tuple]:
@@ -155,12 +103,11 @@ class FastRegenerator:
         def pull():
             if not window:
                 for key, conv in it:
-                    seq = self.helper.start(conv)
-                    window.append((len(seq), (key, conv, seq)))
+                    window.append(self.turns.open(key, conv))
                     if len(window) >= self.sort_window:
                         break
-                window.sort(key=lambda t: -t[0])  # pop() takes the shortest first
-            return window.pop()[1] if window else None
+                window.sort(key=lambda r: -len(r.seq))  # pop() takes the shortest first
+            return window.pop() if window else None
 
         rows: list = []  # rows[b] decodes in cache slot b
         while True:
@@ -168,11 +115,10 @@ class FastRegenerator:
                 nxt = pull()
                 if nxt is None:
                     break
-                row, active = self._admit(nxt[0], nxt[1], len(rows), nxt[2])
-                if active:
-                    rows.append(row)
+                if self._admit(nxt, len(rows)):
+                    rows.append(nxt)
                 else:
-                    yield self._finish(row)
+                    yield self._finish(nxt)
             if not rows:
                 return
             done = self._step(rows)
@@ -216,24 +162,16 @@ class FastRegenerator:
             for tok, margin in zip(commit, margins[off:off + n].tolist()):
                 self._push(r, tok, margin)
                 pushed += 1
-                if self._turn_over(r):
+                if self.turns.turn_over(r):
                     break
             self._tally(d, a, pushed)
             if f is not None:
                 r.feats.append(f[off:off + pushed])  # the inputs fed for the pushed tokens
             off += n
-            if self._turn_over(r) and not self._next_turn(r, b):
+            if self.turns.turn_over(r) and not self._next_turn(r, b):
                 done.append(b)
         return done
 
     def run(self, convs):
         """(sequences, masks, features) in the order of ``convs`` (``Regenerator.run``'s API)."""
-        out = {}
-        self.margins = {}
-        for key, seq, mask, feats, margin in self.stream(enumerate(convs)):
-            out[key] = (seq, mask, feats)
-            self.margins[key] = margin
-        seqs = [out[i][0] for i in range(len(convs))]
-        masks = [out[i][1] for i in range(len(convs))]
-        feats = [out[i][2] for i in range(len(convs))] if self.capture else [None] * len(convs)
-        return seqs, masks, feats
+        return columns(self.stream(enumerate(convs)))

@@ -27,7 +27,7 @@ import torch
 from ..cpu_launch import start_engine
 from ..errors import DLiteInputError
 from .exactness import count_disagreements, cut_at_disagreements, reference_greedy
-from .hf_regen import Regenerator
+from .turns import TurnRules, columns
 
 
 def process_tree_cpu_seconds() -> float:
@@ -45,17 +45,15 @@ def process_tree_cpu_seconds() -> float:
 
 
 class SglangRegenerator:
-    """Turn-by-turn greedy regeneration of conversations in a started sglang engine.
-
-    ``helper``: a ``hf_regen.Regenerator`` (chat rendering, eos); ``model``: the HF target for the
-    feature / exactness pass (``None``: no pass)."""
+    """Turn-by-turn greedy regeneration of conversations in a started sglang engine (turn rules:
+    ``turns.TurnRules``); ``model``: the HF target for the feature / exactness pass (``None``: no pass)."""
 
     def __init__(self, target_path, model, tok, max_new_tokens=256, max_len=2048, max_user_tokens=1024,
                  capture_layers=None, batch_size=32, dtype="float32", threads=1, engine=None, **engine_kw):
         if dtype not in ("float32", "bfloat16"):
             raise DLiteInputError(f"--engine sglang: --dtype must be float32 or bfloat16 (got {dtype!r}).")
-        self.helper = Regenerator(model, tok, max_new_tokens, max_len, max_user_tokens, capture_layers=None)
-        self.model, self.eos, self.max_new, self.max_len = model, self.helper.eos, max_new_tokens, max_len
+        self.turns = TurnRules(tok, model, max_new_tokens, max_len, max_user_tokens)
+        self.model = model
         self.capture = list(capture_layers) if capture_layers else []
         self.dtype, self.batch_size = dtype, batch_size
         self.new_tokens = 0
@@ -82,44 +80,30 @@ class SglangRegenerator:
         self.engine = None
 
     # ------------------------------------------------------------------ generation
-    async def _conv(self, conv):
-        seq = self.helper.start(conv)
-        mask = [0] * len(seq)
-        if not len(seq) + 16 < self.max_len:
-            return seq, mask
-        for t in range(len(conv["users"])):
-            if t > 0:
-                suf = self.helper.turn_suffix(conv["users"][t])
-                if len(seq) + len(suf) + 16 >= self.max_len:
-                    break
-                seq += suf
-                mask += [0] * len(suf)
-            room = min(self.max_new, self.max_len - len(seq))
-            gen = 0
-            while gen < room:
+    async def _conv(self, c):
+        if not self.turns.begin(c):
+            return self.turns.record(c)
+        while True:
+            while not self.turns.turn_over(c):
+                left = c.room - c.gen
                 out = await self.engine.async_generate(
-                    input_ids=list(seq), sampling_params={"temperature": 0.0, "max_new_tokens": room - gen,
-                                                          "stop_token_ids": [self.eos]})
+                    input_ids=list(c.seq), sampling_params={"temperature": 0.0, "max_new_tokens": left,
+                                                            "stop_token_ids": [self.turns.eos]})
                 self.stats["requests"] += 1
-                ids = list(out["output_ids"])[: room - gen]
-                if self.eos in ids:
-                    ids = ids[: ids.index(self.eos) + 1]
-                seq += ids
-                mask += [1] * len(ids)
-                gen += len(ids)
+                ids = self.turns.until_end(list(out["output_ids"])[:left])
+                self.turns.push(c, ids)
                 self.new_tokens += len(ids)
-                if not ids or ids[-1] == self.eos:
+                if not ids:
                     break
-                if gen < room:
+                if not self.turns.turn_over(c):
                     self.stats["resumed_turns"] += 1  # stopped at another EOS id of the model: go on
-            if seq[-1] != self.eos:
-                break  # truncated turn: the conversation ends here (the other engines' rule)
-        return seq, mask
+            if not self.turns.next_turn(c):
+                return self.turns.record(c)
 
     def generate(self, convs):
         """(sequences, masks) in the order of ``convs``, all conversations in flight at once."""
         async def all_convs():
-            return await asyncio.gather(*[self._conv(c) for c in convs])
+            return await asyncio.gather(*[self._conv(self.turns.open(i, c)) for i, c in enumerate(convs)])
 
         t0 = time.time()
         try:
@@ -127,9 +111,9 @@ class SglangRegenerator:
         except RuntimeError:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
-        res = loop.run_until_complete(all_convs())
+        seqs, masks, _ = columns(loop.run_until_complete(all_convs()))
         self.stats["gen_s"] += time.time() - t0
-        return [r[0] for r in res], [r[1] for r in res]
+        return seqs, masks
 
     def run(self, convs, relabel: bool = False):
         """(sequences, masks, features or [None]*n) as ``Regenerator.run``; per-call exactness
