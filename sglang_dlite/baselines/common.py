@@ -179,6 +179,21 @@ class BaselineDrafter(TargetBoundMixin, nn.Module):
         w = self.lm_head_weight if self.train_vocab is None else self.lm_head_weight[self.train_vocab]
         return F.linear(self.final_norm(h), w.to(h.dtype))
 
+    def check_training_inputs(self, hidden, input_ids, anchors, min_anchor: int = 0):
+        """Refuse an unbound model or inputs of the wrong shape; returns (B, T, N)."""
+        self._check_bound()
+        L, H = self.config.num_capture_layers, self.config.target_hidden_size
+        if hidden.dim() != 4 or hidden.shape[1] != L or hidden.shape[3] != H:
+            raise DLiteInputError(f"hidden must be [B, {L} capture layers, T, {H}], got {tuple(hidden.shape)}.")
+        B, _, T, _ = hidden.shape
+        if tuple(input_ids.shape) != (B, T):
+            raise DLiteInputError(f"input_ids must be [{B}, {T}], got {tuple(input_ids.shape)}.")
+        if anchors.dim() != 2 or anchors.shape[0] != B:
+            raise DLiteInputError(f"anchor_positions must be [{B}, N], got {tuple(anchors.shape)}.")
+        if anchors.numel() and (int(anchors.min()) < min_anchor or int(anchors.max()) > T - 1):
+            raise DLiteInputError(f"anchor positions must lie in [{min_anchor}, {T - 1}].")
+        return B, T, anchors.shape[1]
+
 
 # ---------------------------------------------------------------------------- training helpers
 def anchor_targets(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int):
@@ -189,19 +204,6 @@ def anchor_targets(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: i
     valid = idx < T
     tgt = torch.gather(input_ids, 1, idx.clamp(max=T - 1).reshape(input_ids.shape[0], -1)).view(idx.shape)
     return tgt, valid
-
-
-def check_training_inputs(cfg, hidden, input_ids, anchors, min_anchor: int = 0):
-    L, H = cfg.num_capture_layers, cfg.target_hidden_size
-    if hidden.dim() != 4 or hidden.shape[1] != L or hidden.shape[3] != H:
-        raise DLiteInputError(f"hidden must be [B, {L} capture layers, T, {H}], got {tuple(hidden.shape)}.")
-    B, _, T, _ = hidden.shape
-    if tuple(input_ids.shape) != (B, T):
-        raise DLiteInputError(f"input_ids must be [{B}, {T}], got {tuple(input_ids.shape)}.")
-    if anchors.dim() != 2 or anchors.shape[0] != B:
-        raise DLiteInputError(f"anchor_positions must be [{B}, N], got {tuple(anchors.shape)}.")
-    if anchors.numel() and (int(anchors.min()) < min_anchor or int(anchors.max()) > T - 1):
-        raise DLiteInputError(f"anchor positions must lie in [{min_anchor}, {T - 1}].")
 
 
 # ---------------------------------------------------------------------------- engine adapters

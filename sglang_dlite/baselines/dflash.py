@@ -34,8 +34,7 @@ import torch.nn.functional as F
 from ..drafters import DraftRequest
 from ..layers import RMSNorm  # the same norm layer as DLite's
 from .common import (
-    MLP, Attention, BaselineConfig, BaselineDrafter, CacheState, KVCacheEngineDrafter, attend,
-    check_training_inputs, init_weights,
+    MLP, Attention, BaselineConfig, BaselineDrafter, CacheState, KVCacheEngineDrafter, attend, init_weights,
 )
 
 
@@ -125,9 +124,6 @@ class DFlashDrafter(BaselineDrafter):
         x = torch.cat([a, m], dim=-2)
         return x.reshape(anchor_ids.shape[0], -1, x.shape[-1])
 
-    def base_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_logits(x)
-
     def step_bias(self, prev_ids: torch.Tensor) -> Optional[torch.Tensor]:
         return None  # DSpark adds its Markov bias here
 
@@ -143,13 +139,8 @@ class DFlashDrafter(BaselineDrafter):
         (labels and validity: ``common.anchor_targets``). DSpark's Markov bias is teacher-forced
         with the ground-truth previous tokens input_ids[a+k].
         """
-        self._check_bound()
-        cfg = self.config
-        K = cfg.block_size
-        check_training_inputs(cfg, hidden, input_ids, anchor_positions)
-        B, _, T, _ = hidden.shape
-        N = anchor_positions.shape[1]
-        dev = hidden.device
+        B, T, N = self.check_training_inputs(hidden, input_ids, anchor_positions)
+        K, dev = self.config.block_size, hidden.device
         c = self.context(hidden)
         ctx_pos = torch.arange(T, device=dev)
         anchors = torch.gather(input_ids, 1, anchor_positions)
@@ -164,7 +155,7 @@ class DFlashDrafter(BaselineDrafter):
             k_ctx, v_ctx = layer.attn.kv(c, ctx_pos)
             x = layer(x, blk_pos, k_ctx, v_ctx, mask)
         x = x.view(B, N, K + 1, -1)[:, :, 1:]
-        logits = self.base_logits(x)
+        logits = self.lm_logits(x)
         prev = torch.gather(input_ids, 1, (anchor_positions[..., None] + torch.arange(K, device=dev))
                             .clamp(max=T - 1).reshape(B, -1)).view(B, N, K)
         bias = self.step_bias(prev)
@@ -211,7 +202,7 @@ class DFlashEngineDrafter(KVCacheEngineDrafter):
         pos = torch.arange(a, a + K + 1, device=x.device)
         for layer, cache in zip(m.layers, st.kv):
             x = layer.forward_cached(x, pos, cache)
-        logits = m.base_logits(x[:, 1:]).float()[0]  # [K, V]
+        logits = m.lm_logits(x[:, 1:]).float()[0]  # [K, V]
 
         def step(i, prev):  # DFlash: independent per position; DSpark: biased by the previous token
             bias = m.step_bias(prev)

@@ -28,8 +28,7 @@ import torch
 from ..drafters import DraftRequest
 from ..errors import DLiteInputError
 from .common import (
-    MLP, Attention, BaselineConfig, BaselineDrafter, CacheState, KVCacheEngineDrafter, attend,
-    check_training_inputs, init_weights,
+    MLP, Attention, BaselineConfig, BaselineDrafter, CacheState, KVCacheEngineDrafter, attend, init_weights,
 )
 
 
@@ -91,13 +90,8 @@ class Eagle3Drafter(BaselineDrafter):
         attends to the context pairs <= a-1 plus the chain's own keys of steps 1..k. The gradient
         flows through the unroll (training-time test). EAGLE-3 weights step k by 0.8**k.
         """
-        self._check_bound()
-        cfg = self.config
-        K = num_steps or cfg.block_size
-        check_training_inputs(cfg, hidden, input_ids, anchor_positions, min_anchor=1)
-        B, _, T, _ = hidden.shape
-        N = anchor_positions.shape[1]
-        dev = hidden.device
+        B, T, N = self.check_training_inputs(hidden, input_ids, anchor_positions, min_anchor=1)
+        K, dev = num_steps or self.config.block_size, hidden.device
         P = T - 1  # pairs (f_p, t_{p+1}), p = 0..T-2
         feat0 = self.fuse(hidden[:, :, :P])
         x0 = self.layer_input(feat0, input_ids[:, 1:])

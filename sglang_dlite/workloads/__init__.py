@@ -18,7 +18,7 @@ from typing import Optional
 
 from ..errors import DLiteInputError
 from . import agent_stdlib, converters
-from ._cache import cached
+from ._cache import cached, take
 from .format import load_jsonl_file
 
 BUILTIN_WORKLOADS = ("mtbench", "humaneval", "bfcl-multiturn", "sharegpt-heldout", "agent-stdlib")
@@ -40,8 +40,7 @@ def load_workload(name_or_path: str, max_convs: Optional[int] = None, refresh: b
     if max_convs is not None and max_convs < 1:
         raise DLiteInputError(f"max_convs must be >= 1 (got {max_convs}).")
     if name_or_path in BUILTIN_WORKLOADS:
-        recs = _builtin(name_or_path, refresh=refresh)
-        return recs if max_convs is None else recs[:max_convs]
+        return take(_builtin(name_or_path, refresh=refresh), max_convs)
     if name_or_path.endswith(".jsonl") or os.path.exists(name_or_path):
         return load_jsonl_file(name_or_path, max_convs=max_convs)
     raise DLiteInputError(

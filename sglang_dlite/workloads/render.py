@@ -76,23 +76,21 @@ _CAPS: dict = {}
 
 
 def template_caps(tokenizer) -> TemplateCaps:
+    """What the chat template supports (once per tokenizer): tools given as ``tools=`` (probed with a
+    dummy function name) and a tool role (its source mentions "tool")."""
     key = id(tokenizer)
-    if key in _CAPS:
-        return _CAPS[key]
-    src = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template)
-    src = src or ""
-    tools_ok = False
-    try:
-        probe = [{"type": "function", "function": {"name": _PROBE, "description": "probe",
-                                                   "parameters": {"type": "object", "properties": {}}}}]
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=probe, tokenize=False,
-                                             add_generation_prompt=True)
-        tools_ok = _PROBE in text
-    except Exception:  # noqa: BLE001 - any template failure means "no tool support"
-        tools_ok = False
-    caps = TemplateCaps(tools=tools_ok, tool_role="tool" in src)
-    _CAPS[key] = caps
-    return caps
+    if key not in _CAPS:
+        src = tokenizer.chat_template
+        src = src if isinstance(src, str) else json.dumps(src)
+        try:
+            probe = [{"type": "function", "function": {"name": _PROBE, "description": "probe",
+                                                       "parameters": {"type": "object", "properties": {}}}}]
+            tools_ok = _PROBE in tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=probe,
+                                                               tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - any template failure means "no tool support"
+            tools_ok = False
+        _CAPS[key] = TemplateCaps(tools=tools_ok, tool_role="tool" in (src or ""))
+    return _CAPS[key]
 
 
 def turn_indices(messages: list) -> list:

@@ -21,6 +21,7 @@ on the drafter, so contexts stay identical across drafters when the baseline run
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import hashlib
 import json
@@ -74,6 +75,8 @@ class ARCache:
     outputs and timings instead of regenerating them (``bench/acceptance.py --ar-cache FILE``).
     JSON lines keyed by a hash of (target, prompt ids, max new tokens, sampling, seed)."""
 
+    FIELDS = ("prompt_len", "output_ids", "prefill_ms", "decode_ms", "reused_prefix")  # of a GenerationResult
+
     def __init__(self, path: str, target_id: str):
         self.path, self.target_id, self.table = path, str(target_id), {}
         self.hits = 0
@@ -96,13 +99,10 @@ class ARCache:
         if rec is None:
             return None
         self.hits += 1
-        return GenerationResult(prompt_len=rec["prompt_len"], output_ids=list(rec["output_ids"]),
-                                prefill_ms=rec["prefill_ms"], decode_ms=rec["decode_ms"],
-                                reused_prefix=rec["reused_prefix"])
+        return GenerationResult(**{k: copy.copy(rec[k]) for k in self.FIELDS})
 
     def put(self, key, res) -> None:
-        rec = {"key": key, "prompt_len": res.prompt_len, "output_ids": list(res.output_ids),
-               "prefill_ms": res.prefill_ms, "decode_ms": res.decode_ms, "reused_prefix": res.reused_prefix}
+        rec = {"key": key, **{k: copy.copy(getattr(res, k)) for k in self.FIELDS}}
         self.table[key] = rec
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with open(self.path, "a") as f:
