@@ -70,8 +70,8 @@ def test_spec_features_equal_hf_hidden_states(tiny):
 
 @pytest.mark.parametrize("attention", ["auto", "sdpa"])
 def test_verify_equals_decode(tiny, attention):
-    """verify with rows of 1..4 tokens == the same tokens decoded one step at a time (auto: the
-    C++ kernel's verify against chunked SDPA's decode; sdpa: SDPA's verify against its decode)."""
+    """verify with rows of 1..4 tokens == the same tokens decoded one step at a time, one token per
+    slot (auto: the C++ kernel's verify against chunked SDPA's steps; sdpa: SDPA against itself)."""
     torch.manual_seed(0)
     V = tiny.config.vocab_size
     prompts = [torch.randint(3, V, (n,)).tolist() for n in (5, 17, 9)]
@@ -88,7 +88,7 @@ def test_verify_equals_decode(tiny, attention):
     for step in range(max(len(x) for x in nxt)):
         live = [s for s in range(3) if step < len(nxt[s])]
         assert live == list(range(len(live)))  # rows with more tokens come first here
-        n, f = b.decode(torch.tensor([nxt[s][step] for s in live]), torch.tensor([len(prompts[s]) + step for s in live]), True)
+        n, f = b.verify(torch.tensor([nxt[s][step] for s in live]), [len(prompts[s]) + step for s in live], [1] * len(live), True)
         for j, s in enumerate(live):
             outs[s].append((n[j], f[j]))
     flat = [o for s in range(3) for o in outs[s]]

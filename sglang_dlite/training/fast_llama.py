@@ -3,8 +3,8 @@
 
 * **Static KV cache** ``[layers, slots, kv_heads, max_len, head_dim]``, allocated once; a slot's
   cache is written in place (no per-step concatenation as in HF's dynamic cache).
-* ``extend`` (prefill a slot), ``decode`` (one token per slot) and ``verify`` (a few tokens per slot,
-  for ``spec_regen``): one GEMM per weight for the whole batch; attention per slot exactly to the
+* ``extend`` (prefill a slot) and ``verify`` (one token per slot, or a few for ``spec_regen``): one
+  GEMM per weight for the whole batch; attention per slot exactly to the
   slot's length through the C++ ``kv_cache_attention`` kernel (``attention="auto"|"kernel"``), or
   chunked SDPA with masks (``"sdpa"``, the fallback without the compiled ops).
 * fp32 (default) or bf16 weights/activations (RMSNorm and softmax in fp32, as HF does).
@@ -108,7 +108,8 @@ class FastLlama:
     def _rope(self, pos):
         freqs = pos[:, None].float() * self.inv_freq[None]
         emb = torch.cat((freqs, freqs), -1)
-        return (emb.cos() * self.att_scaling).to(self.dtype), (emb.sin() * self.att_scaling).to(self.dtype)
+        cos, sin = (emb.cos() * self.att_scaling).to(self.dtype), (emb.sin() * self.att_scaling).to(self.dtype)
+        return cos[:, None], sin[:, None]  # [T, 1, hd]: one rotation for every head
 
     @staticmethod
     def _rot(x, cos, sin):
@@ -135,15 +136,13 @@ class FastLlama:
         x = self.embed[torch.as_tensor(ids, dtype=torch.long)]  # [T, H]
         pos = torch.arange(start, start + T)
         cos, sin = self._rope(pos)
-        cos, sin = cos[:, None], sin[:, None]  # [T, 1, hd]
         S = start + T
         causal = torch.arange(S)[None, :] <= pos[:, None]  # [T, S]
         caps = [None] * (len(self.capture) + 1) if want_features else None  # captured layers + final norm
+        self.hw[slot] = max(self.hw[slot], S)
+        rows = torch.full_like(pos, slot)
         for li, p in enumerate(self.layers):
-            q, k, v = self._qkv(p, x, cos, sin)
-            self.k[li, slot, :, start:S] = k.transpose(0, 1)
-            self.v[li, slot, :, start:S] = v.transpose(0, 1)
-            self.hw[slot] = max(self.hw[slot], S)
+            q = self._attend_inputs(li, p, x, cos, sin, rows, pos)
             K = self.k[li, slot, :, :S][None]  # [1, kvh, S, hd]
             V = self.v[li, slot, :, :S][None]
             qh = q.transpose(0, 1)[None]  # [1, nh, T, hd]
@@ -169,22 +168,16 @@ class FastLlama:
                 self.v[:, b, :, self.hw[b]:S] = 0
                 self.hw[b] = S
 
-    def _qkv(self, p, x, cos, sin):
-        """A layer's rotated queries [N, nh, hd], keys and values [N, kvh, hd] for the tokens x [N, H]."""
+    def _attend_inputs(self, li, p, x, cos, sin, rows, pos):
+        """Layer li's rotated queries [N, nh, hd] for the tokens x [N, H]; their rotated keys and
+        values [N, kvh, hd] are written into the cache at (slot rows, position pos)."""
         n = x.shape[0]
         qkv = p["qkv"](self._rms(x, p["ln1"]))
         q = qkv[:, : self.nh * self.hd].view(n, self.nh, self.hd)
         k = qkv[:, self.nh * self.hd:(self.nh + self.kvh) * self.hd].view(n, self.kvh, self.hd)
-        v = qkv[:, (self.nh + self.kvh) * self.hd:].view(n, self.kvh, self.hd)
-        return self._rot(q, cos, sin), self._rot(k, cos, sin), v
-
-    def _attend_inputs(self, li, p, x, cos, sin, rows, pos):
-        """Layer li's queries [N, nh, hd] for the tokens x [N, H]; their rotated keys and values
-        are written into the cache at (slot rows, position pos)."""
-        q, k, v = self._qkv(p, x, cos, sin)
-        self.k[li, rows, :, pos] = k
-        self.v[li, rows, :, pos] = v
-        return q
+        self.k[li, rows, :, pos] = self._rot(k, cos, sin)
+        self.v[li, rows, :, pos] = qkv[:, (self.nh + self.kvh) * self.hd:].view(n, self.kvh, self.hd)
+        return self._rot(q, cos, sin)
 
     def _layer_out(self, li, p, x, attn, caps):
         """The rest of layer li after attention (output projection, MLP); records the layer's
@@ -204,46 +197,12 @@ class FastLlama:
         return normed, torch.stack(caps, 1).to(torch.float16)
 
     @torch.no_grad()
-    def decode(self, ids, pos, want_features: bool):
-        """One token for each of the slots 0..B-1: ``ids`` [B] at positions ``pos`` [B] (slot b's
-        cache holds 0..pos[b]-1). Returns (final-norm outputs [B, H], features [B, L+1, H] fp16)."""
-        B = len(ids)
-        if self.kernel_attention:
-            return self.verify(ids, pos, [1] * B, want_features)
-        x = self.embed[ids]  # [B, H]
-        cos, sin = self._rope(pos)
-        cos, sin = cos[:, None], sin[:, None]
-        # Attention runs per chunk of ATT_CHUNK consecutive slots, each to its own longest context
-        # (decode attention is memory-bound: reading every slot's cache to the batch's longest
-        # context wasted ~40 %); neighbouring slots were admitted together, so their lengths are close.
-        plist = pos.tolist()
-        chunks = []
-        for c0 in range(0, B, self.ATT_CHUNK):
-            c1 = min(B, c0 + self.ATT_CHUNK)
-            S = max(plist[c0:c1]) + 1
-            chunks.append((c0, c1, S, self._additive((torch.arange(S)[None, :] <= pos[c0:c1, None])[:, None, None, :])))
-            self._clear_masked_tail(c0, c1, S)  # the masked tail [pos_b + 1, S) of a shorter row
-        rows = torch.arange(B)
-        caps = [None] * (len(self.capture) + 1) if want_features else None
-        for li, p in enumerate(self.layers):
-            q = self._attend_inputs(li, p, x, cos, sin, rows, pos)
-            # the g query heads of a KV head as g queries of that head: no K/V expansion for GQA
-            # (HF's repeat_kv: KV head i serves query heads i*g .. i*g+g-1); 1.5x faster here
-            qb = q.view(B, self.kvh, self.g, self.hd)
-            o = torch.cat([  # K, V: views [rows, kvh, S, hd] (active rows are slots 0..B-1)
-                F.scaled_dot_product_attention(qb[c0:c1], self.k[li, c0:c1, :, :S], self.v[li, c0:c1, :, :S],
-                                               attn_mask=valid, scale=self.scale)
-                for c0, c1, S, valid in chunks], 0)
-            x = self._layer_out(li, p, x, o.reshape(B, self.nh * self.hd), caps)
-        return self._final(x, caps)
-
-    @torch.no_grad()
     def verify(self, ids, starts, lens, want_features: bool):
         """Several tokens for each of the slots 0..B-1 in one pass (a speculative verify):
         ``ids`` [N] the rows' tokens concatenated, slot b's ``lens[b]`` tokens at positions
         ``starts[b]..starts[b]+lens[b]-1`` (its cache holds 0..starts[b]-1). The weight GEMMs
         run on the N real tokens (no padding); attention per chunk of ATT_CHUNK slots with the
-        queries padded to the chunk's longest row. ``decode`` is the case lens == 1.
+        queries padded to the chunk's longest row; one token per slot is a plain decode step.
         Returns (final-norm outputs [N, H], features [N, L+1, H] fp16 or None)."""
         B = len(lens)
         N = int(sum(lens))
@@ -257,7 +216,6 @@ class FastLlama:
             raise DLiteInputError(f"sequence of {int(pos.max()) + 1} tokens exceeds the fast engine's max_len {self.max_len}.")
         x = self.embed[ids]  # [N, H]
         cos, sin = self._rope(pos)
-        cos, sin = cos[:, None], sin[:, None]
         if self.kernel_attention:
             return self._verify_kernel(x, cos, sin, rows, pos, torch.as_tensor(starts, dtype=torch.long),
                                        torch.as_tensor(lens, dtype=torch.long), want_features)
@@ -287,7 +245,8 @@ class FastLlama:
                 c = c1 - c0
                 qp = q.new_zeros(c, Tm, self.nh, self.hd)
                 qp[sel_r, sel_t] = q[offs[c0]:offs[c1]]
-                # grouped queries as in decode: [c, kvh, g * Tm, hd], the mask repeated per group
+                # the g query heads of a KV head as g queries of that head (no K/V expansion for GQA, HF's
+                # repeat_kv: KV head i serves query heads i*g .. i*g+g-1): [c, kvh, g * Tm, hd], the mask per group
                 qg = qp.view(c, Tm, self.kvh, self.g, self.hd).permute(0, 2, 3, 1, 4).reshape(c, self.kvh, self.g * Tm, self.hd)
                 o = F.scaled_dot_product_attention(qg, self.k[li, c0:c1, :, :S], self.v[li, c0:c1, :, :S],
                                                    attn_mask=valid, scale=self.scale)

@@ -131,9 +131,9 @@ class FastRegenerator:
                 rows.pop()
 
     def _propose(self, rows):
-        """This round's drafts per row (lists of token ids); None: the plain loop, one token per row
-        (``FastLlama.decode``). ``spec_regen.SpecRegenerator`` drafts."""
-        return None
+        """This round's drafts per row (lists of token ids): none in the plain loop, one token per
+        row; ``spec_regen.SpecRegenerator`` drafts."""
+        return [[]] * len(rows)
 
     def _tally(self, drafts: list, accepted: int, pushed: int) -> None:
         """A row's round: its drafts, how many were accepted, how many tokens it pushed."""
@@ -144,15 +144,9 @@ class FastRegenerator:
         greedy tokens, and a row's tokens are pushed up to the end of its turn (never past an end
         of turn or the turn's room). Returns the finished slots."""
         drafts = self._propose(rows)
-        if drafts is None:
-            drafts = [[]] * len(rows)
-            ids = torch.tensor([r.seq[-1] for r in rows], dtype=torch.long)
-            pos = torch.tensor([len(r.seq) - 1 for r in rows], dtype=torch.long)
-            normed, f = self.engine.decode(ids, pos, bool(self.capture))
-        else:
-            ids = torch.tensor([t for r, d in zip(rows, drafts) for t in [r.seq[-1]] + d], dtype=torch.long)
-            normed, f = self.engine.verify(ids, [len(r.seq) - 1 for r in rows], [1 + len(d) for d in drafts],
-                                           bool(self.capture))
+        ids = torch.tensor([t for r, d in zip(rows, drafts) for t in [r.seq[-1]] + d], dtype=torch.long)
+        normed, f = self.engine.verify(ids, [len(r.seq) - 1 for r in rows], [1 + len(d) for d in drafts],
+                                       bool(self.capture))
         toks, margins = self._argmax(normed)
         done, off = [], 0
         for b, (r, d) in enumerate(zip(rows, drafts)):

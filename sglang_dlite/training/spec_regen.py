@@ -14,7 +14,7 @@ target's own greedy text, whatever the drafts: a draft only decides how many pos
 in one pass. Tokens after an end of turn or past the turn's room are never committed.
 
 Features (captured layers + final norm) come from the verify pass: the rows of the committed
-inputs (the previous last token and the accepted drafts), the same positions ``decode`` captures.
+inputs (the previous last token and the accepted drafts), the same positions a plain step captures.
 Everything else (shard format, turns, continuous batching, compaction) is ``FastRegenerator``'s.
 """
 
