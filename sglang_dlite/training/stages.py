@@ -22,6 +22,7 @@ from .dataset import FeatureData
 from .features import ensure_features
 from .loop import Paused, run_stage
 from .options import STAGES, Stage, TrainOptions
+from .run_summary import read_json
 from .stream import ShardStream
 
 
@@ -93,30 +94,12 @@ def this_command() -> str:
     return " ".join([prog, shlex.join(sys.argv[1:])]).strip()
 
 
-def previous_invocations(out_dir: str) -> list:
-    """The commands that wrote this run folder before (a run resumed across working periods keeps
-    every invocation in train_info.json; a folder without that record gives []). Only a --resume
-    run inherits them: a fresh run into the same folder starts its own list."""
-    return list(previous_train_info(out_dir).get("invocations", []))
-
-
-def previous_train_info(out_dir: str) -> dict:
-    """The train_info.json an earlier invocation wrote into this run folder ({} if none)."""
-    try:
-        with open(os.path.join(out_dir, "train_info.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
-def check_resume_selection(out_dir: str, opts: TrainOptions) -> None:
+def check_resume_selection(out_dir: str, opts: TrainOptions, info: dict) -> None:
     """A --resume run continues the data schedule saved in its checkpoint, the shard list included,
-    so a --shards selection other than the one the folder was trained with would be silently
-    ignored: refuse it, naming both and the ways on."""
-    if not opts.resume:
-        return
-    before = previous_train_info(out_dir).get("options")
-    if before is None:  # nothing trained here yet
+    so a --shards selection other than the one the folder (its train_info.json: ``info``) was trained
+    with would be silently ignored: refuse it, naming both and the ways on."""
+    before = info.get("options")
+    if not opts.resume or before is None:  # nothing trained here yet
         return
     # a folder written before --shards existed trained on every shard
     was, now = list(before.get("shards") or []), list(opts.shards or [])
@@ -134,7 +117,9 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
     """Run the stages; returns {stage: model folder}. ``target``: a HF causal LM (frozen, on the
     CPU). Runs on ``opts.device``; under torchrun, as one rank of the data-parallel group."""
     dist.setup(opts.device)
-    check_resume_selection(out_dir, opts)  # every rank reads train_info.json before rank 0 rewrites it
+    # what an earlier invocation wrote into this folder, read by every rank before rank 0 rewrites it
+    before = read_json(os.path.join(out_dir, "train_info.json")) or {}
+    check_resume_selection(out_dir, opts, before)
     main = dist.is_main()
     if main:
         os.makedirs(out_dir, exist_ok=True)
@@ -172,7 +157,8 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
             "global_batch": {"anchors": opts.batch_size * st.world, "sequences": opts.seqs_per_batch * st.world}}
     if stream_info is not None:  # FeatureData is only the held-out view here
         info.update(stream_info, train_sequences=stream_info["streaming"]["sequences"], train_anchors=None)
-    info["invocations"] = (previous_invocations(out_dir) if opts.resume else []) + [
+    # every command that wrote the folder: a --resume run keeps the earlier ones, a fresh run starts its own list
+    info["invocations"] = (list(before.get("invocations", [])) if opts.resume else []) + [
         {"command": this_command(), "processes": st.world, "started": time.strftime("%Y-%m-%d %H:%M:%S")}]
     if main:
         with open(os.path.join(out_dir, "train_info.json"), "w") as f:
@@ -188,21 +174,8 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
             print(f"train: {st.world} process(es) on {st.device.type}, global batch {opts.batch_size * st.world} anchors "
                   f"({opts.seqs_per_batch * st.world} sequences) per step")
     done = {}
-
-    def finished(name):
-        """The stage is done, for the number of steps this run asks (asking for another number
-        with --resume extends it from its checkpoint)."""
-        path = os.path.join(out_dir, name, "DONE.json")
-        if not os.path.isfile(path):
-            return False
-        with open(path) as f:
-            return json.load(f).get("requested", opts.steps.get(name)) == opts.steps.get(name) or not opts.resume
-
-    def load_done(name):
-        return bind(DLiteDrafter.from_pretrained(os.path.join(out_dir, name, "model")), embed_w, head_w).train()
-
     try:
-        _run_stages(stages, opts, target, tc, student_cfg, data, out_dir, embed_w, head_w, finished, load_done, done)
+        _run_stages(stages, opts, target, student_cfg, data, out_dir, embed_w, head_w, done)
     except Paused as p:
         done["paused"] = str(p)
     if main:
@@ -232,41 +205,50 @@ def _streaming_data(target, data_dir: str, layer_ids, opts):
     return data, info
 
 
-def _run_stages(stages, opts, target, tc, student_cfg, data, out_dir, embed_w, head_w, finished, load_done, done):
-    teacher = None
-    student = None
+def _finished(out_dir: str, name: str, opts: TrainOptions) -> bool:
+    """The stage is done, for the number of steps this run asks (asking for another number with
+    --resume extends it from its checkpoint)."""
+    path = os.path.join(out_dir, name, "DONE.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return json.load(f).get("requested", opts.steps.get(name)) == opts.steps.get(name) or not opts.resume
+
+
+def _run_stages(stages, opts, target, student_cfg, data, out_dir, embed_w, head_w, done: dict) -> None:
+    """The stages in order, each trained or (finished before) loaded; ``done`` gets {stage: model folder}."""
+
+    def stage(name, lr, loss, history, start, teacher=None):
+        model_dir = os.path.join(out_dir, name, "model")
+        if _finished(out_dir, name, opts):
+            model = bind(DLiteDrafter.from_pretrained(model_dir), embed_w, head_w).train()
+        else:
+            model = run_stage(Stage(name, opts.steps[name], lr, loss, history), start(), data, out_dir, opts, teacher)
+        done[name] = model_dir
+        return model
+
+    def fresh(cfg, init_drafter=None):
+        """A new drafter, started from --init-from-drafter or the target's --init-from-target-layers."""
+        model = bind(DLiteDrafter(cfg), embed_w, head_w)
+        if init_drafter:
+            init_from_drafter(model, init_drafter)
+        elif opts.init_layers:
+            init_from_target_layers(model, target, opts.init_layers)
+        return model
+
+    def distill_start():
+        student = bind(DLiteDrafter(student_cfg), embed_w, head_w)
+        if opts.distill_init == "teacher":
+            student.load_state_dict(teacher.state_dict(), strict=False)
+        teacher.requires_grad_(False)
+        return student
+
+    teacher = student = None
     if "teacher" in stages or "distill" in stages:
-        if finished("teacher"):
-            teacher = load_done("teacher")
-        else:
-            teacher = bind(DLiteDrafter(make_config(tc, "full", opts.config_overrides)), embed_w, head_w)
-            if opts.init_layers:
-                init_from_target_layers(teacher, target, opts.init_layers)
-            teacher = run_stage(Stage("teacher", opts.steps["teacher"], opts.lr, "ce", "full"), teacher, data, out_dir, opts)
-        done["teacher"] = os.path.join(out_dir, "teacher", "model")
+        teacher = stage("teacher", opts.lr, "ce", "full", lambda: fresh(make_config(target.config, "full", opts.config_overrides)))
     if "distill" in stages:
-        if finished("distill"):
-            student = load_done("distill")
-        else:
-            student = bind(DLiteDrafter(student_cfg), embed_w, head_w)
-            if opts.distill_init == "teacher" and teacher is not None:
-                student.load_state_dict(teacher.state_dict(), strict=False)
-            for p in teacher.parameters():
-                p.requires_grad_(False)
-            student = run_stage(Stage("distill", opts.steps["distill"], opts.lr, "kl", opts.student_history),
-                                student, data, out_dir, opts, teacher=teacher)
-        done["distill"] = os.path.join(out_dir, "distill", "model")
+        student = stage("distill", opts.lr, "kl", opts.student_history, distill_start, teacher)
     if "stabilize" in stages:
-        if finished("stabilize"):
-            student = load_done("stabilize")
-        else:
-            if student is None:
-                student = bind(DLiteDrafter(student_cfg), embed_w, head_w)
-                if opts.init_drafter:
-                    init_from_drafter(student, opts.init_drafter)
-                elif opts.init_layers:
-                    init_from_target_layers(student, target, opts.init_layers)
-            lr = opts.lr if "distill" not in stages else opts.lr * 0.5
-            student = run_stage(Stage("stabilize", opts.steps["stabilize"], lr, "ce+tv", opts.student_history),
-                                student, data, out_dir, opts)
-        done["stabilize"] = os.path.join(out_dir, "stabilize", "model")
+        lr = opts.lr if "distill" not in stages else opts.lr * 0.5
+        stage("stabilize", lr, "ce+tv", opts.student_history,
+              lambda: student if student is not None else fresh(student_cfg, opts.init_drafter))
