@@ -143,11 +143,8 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
     ``anchor_tokens``: as DLite's ``--anchor-tokens`` (generated spans only, or every position)."""
     if name not in KV_BASELINES:
         raise DLiteInputError(f"train_kv_baseline trains {', '.join(KV_BASELINES)}, not {name!r}.")
-    torch.manual_seed(seed)
-    model = new_model(name, target.config, seed=seed)
-    embed_w = target.get_input_embeddings().weight.detach()
-    head_w = target.get_output_embeddings().weight.detach()
-    model.bind_target(embed_w, head_w).train()
+    model = new_model(name, target.config, seed=seed).bind_hf_target(target).train()  # seeds torch with seed
+    head_w = model.lm_head_weight
     data = FeatureData(data_dir, model.config.target_layer_ids, model_loader=lambda: target, progress=progress,
                        anchor_tokens=anchor_tokens)
     weights = step_weights(name, model.config.block_size, gamma)

@@ -18,8 +18,7 @@ from typing import Optional
 
 from ..errors import DLiteInputError
 from . import agent_stdlib, converters
-from ._cache import cached, take
-from .format import load_jsonl_file
+from .format import cached, load_jsonl_file, take
 
 BUILTIN_WORKLOADS = ("mtbench", "humaneval", "bfcl-multiturn", "sharegpt-heldout", "agent-stdlib")
 _VERSION = "v1"

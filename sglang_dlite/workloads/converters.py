@@ -20,7 +20,7 @@ import os
 from typing import Optional
 
 from ..errors import MissingDependencyError
-from ._cache import read_jsonl
+from .format import read_jsonl
 from .sharegpt import load_sharegpt
 
 

@@ -274,9 +274,7 @@ def replay(engine, tokenizer, conversations: list, max_new_tokens: int, *, tempe
     autoregressive = autoregressive or check
     stats = ReplayStats(block_size=int(engine.drafter.block_size) if engine.drafter is not None else 0)
     skip_ids = eos_token_ids(tokenizer, engine.target)
-    bar = None
-    if progress:
-        bar = tqdm(total=sum(count_turns(c) for c in conversations), desc=desc, unit="turn")
+    bar = tqdm(total=sum(count_turns(c) for c in conversations), desc=desc, unit="turn", disable=not progress)
     t0 = time.perf_counter()
     for conv in conversations:
         stats.conversations += 1
@@ -320,18 +318,15 @@ def replay(engine, tokenizer, conversations: list, max_new_tokens: int, *, tempe
                             d["margin_error"] = repr(exc)
                         stats.mismatch_details.append(d)
             stats.per_turn.append(rec)
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
             return (ar_res or sp_res).output_ids
 
         turns = render_turns(tokenizer, conv, max_context_tokens, max_new_tokens=max_new_tokens,
                              model_limit=engine.max_positions, generate=gen, decode_skip_ids=skip_ids)
         stats.skipped_turns += turns.skipped
-        if bar is not None and turns.skipped:
-            bar.update(turns.skipped)
+        bar.update(turns.skipped)
     stats.wall_s = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
+    bar.close()
     return stats
 
 

@@ -24,7 +24,7 @@ import re
 from typing import Iterator, Optional
 
 from ..errors import DLiteInputError, MissingDependencyError
-from ._cache import cached, take
+from .format import cached, take
 
 SPLITS = ("train", "heldout")
 HELDOUT_PER_10K = 200  # ~2 %
