@@ -15,7 +15,7 @@ import re
 import sysconfig
 
 from ..workloads import load_workload
-from ..workloads.agent_stdlib import _grep, _list_dir, _numbered, _symbols, _window
+from ..workloads.agent_stdlib import _grep, _list_dir, _module_name, _numbered, _symbols, _window
 
 CODE_TASKS = (
     "Explain what this code does, function by function.",
@@ -62,12 +62,19 @@ def stdlib_train_files() -> list:
     out = []
     for rel in stdlib_files():
         h = int.from_bytes(hashlib.sha256(("dlite-train-stdlib:" + rel).encode()).digest()[:8], "big")
-        mod = rel[:-3].replace(os.sep, ".")
-        if mod.endswith(".__init__"):
-            mod = mod[: -len(".__init__")]
-        if h % 2 == 0 and mod not in excl:
+        if h % 2 == 0 and _module_name(rel.replace(os.sep, "/")) not in excl:
             out.append(rel)
     return out
+
+
+def _sources(files):
+    """(root, relpath, text) of the readable UTF-8 files among ``files`` [(root, relpath)], in order."""
+    for root, rel in files:
+        try:
+            with open(os.path.join(root, rel), encoding="utf-8") as f:
+                yield root, rel, f.read()
+        except (OSError, UnicodeDecodeError):
+            continue
 
 
 def _stdlib_convs(n: int, rng: random.Random) -> list:
@@ -75,14 +82,9 @@ def _stdlib_convs(n: int, rng: random.Random) -> list:
     files = stdlib_train_files()
     rng.shuffle(files)
     convs = []
-    for rel in files:
+    for _, rel, text in _sources((root, rel) for rel in files):
         if len(convs) >= n:
             break
-        try:
-            with open(os.path.join(root, rel), encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError):
-            continue
         if len(text) < 400:
             continue
         size = rng.choice((1000, 1600, 2400))
@@ -185,20 +187,15 @@ def _agent_convs(n: int, rng: random.Random) -> list:
     rng.shuffle(files)
     convs = []
     tools = json.dumps(AGENT_TOOLS)
-    for root, rel in files:
+    for root, rel, source in _sources(files):
         if len(convs) >= n:
             break
-        try:
-            with open(os.path.join(root, rel), encoding="utf-8") as f:
-                source = f.read()
-        except (OSError, UnicodeDecodeError):
-            continue
         syms = _symbols(source)
         if not syms:
             continue
         sym, s0, s1 = rng.choice(syms)
         rel = rel.replace(os.sep, "/")
-        mod = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        mod = _module_name(rel)
         rel_dir = os.path.dirname(rel) or "."
         lines = source.splitlines()
         users = [rng.choice(AGENT_TASKS).format(sym=sym, mod=mod)]
@@ -219,7 +216,6 @@ def _agent_convs(n: int, rng: random.Random) -> list:
                                  "Now answer the original task.", "Please finish: answer the task in full.")))
         convs.append({"id": f"agent:{rel}:{sym}", "system": AGENT_SYSTEM + tools, "users": users})
     return convs
-
 
 
 CODEGEN_INSTRUCTIONS = (
@@ -257,14 +253,10 @@ def _codegen_convs(n: int, rng: random.Random) -> list:
     files = agent_files()
     rng.shuffle(files)
     convs = []
-    for root, rel in files:
+    for _, rel, source in _sources(files):
         if len(convs) >= n:
             break
-        try:
-            with open(os.path.join(root, rel), encoding="utf-8") as f:
-                fns = _documented_functions(f.read())
-        except (OSError, UnicodeDecodeError):
-            continue
+        fns = _documented_functions(source)
         if not fns:
             continue
         text, name = rng.choice(fns)

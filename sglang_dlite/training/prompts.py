@@ -80,7 +80,10 @@ def _jsonl_convs(path: str, n: int, max_turns: int) -> list:
     return convs
 
 
-SOURCES = ("sharegpt", "bfcl", "stdlib", "agent", "codegen", "toolchat")
+# the built-in sources besides sharegpt: (count, seeded rng) -> conversations (their own turn counts)
+_CODE_AND_TOOL_SOURCES = {"bfcl": _bfcl_convs, "stdlib": _stdlib_convs, "agent": _agent_convs,
+                          "codegen": _codegen_convs, "toolchat": _toolchat_convs}
+SOURCES = ("sharegpt",) + tuple(_CODE_AND_TOOL_SOURCES)
 
 
 def parse_source(spec: str):
@@ -104,19 +107,11 @@ def load_prompts(spec: str, seed: int, max_turns: int) -> tuple:
     rng = random.Random(f"{seed}:{name}")
     if name == "sharegpt":
         convs = _sharegpt_convs(n, rng, max_turns)
-    elif name == "bfcl":
-        convs = _bfcl_convs(n, rng)
-    elif name == "stdlib":
-        convs = _stdlib_convs(n, rng)
-    elif name == "agent":
-        convs = _agent_convs(n, rng)
-    elif name == "codegen":
-        convs = _codegen_convs(n, rng)
-    elif name == "toolchat":
-        convs = _toolchat_convs(n, rng)
-    else:
+    elif name == "jsonl":
         convs = _jsonl_convs(path, n, max_turns)
         name = "jsonl_" + hashlib.sha1(path.encode()).hexdigest()[:6]
+    else:
+        convs = _CODE_AND_TOOL_SOURCES[name](n, rng)
     if not convs:
         raise DLiteInputError(f"prompt source {spec!r} yielded no prompts (empty or unusable); check it.")
     return name, convs

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import zlib
+from collections import namedtuple
 
 import numpy as np
 
@@ -33,11 +34,8 @@ def is_heldout(name: str, heldout_mod: int) -> bool:
     return bool(heldout_mod) and int(hashlib.sha256(name.encode()).hexdigest(), 16) % heldout_mod == 0
 
 
-class _Shard:
-    __slots__ = ("file", "ids", "mask", "feats", "work")
-
-    def __init__(self, file, ids, mask, feats, work):
-        self.file, self.ids, self.mask, self.feats, self.work = file, ids, mask, feats, work
+# an open shard: its arrays and its shuffled work list of (start, length, anchors) chunks
+_Shard = namedtuple("_Shard", "file ids mask feats work")
 
 
 class ShardStream:
