@@ -249,17 +249,16 @@ def mark_synced(st: CacheState, tokens: list) -> None:
 
 class KVCacheEngineDrafter:
     """What the engine adapters of the KV baselines share: the per-request ``CacheState`` in
-    ``req.state[state_key]`` (created on first use with ``cache_layers`` K/V caches), its size, its
+    ``req.state[state_key]`` (created on first use, one K/V cache per drafter layer), its size, its
     sync to the committed tokens and the sequential sampling of the drafts. Subclasses implement
     ``encode`` (the new committed positions into the cache) and ``draft``."""
 
     pair_shift = 0  # drafter position p is encoded from tokens[:p + 1 + pair_shift] (EAGLE-3: 1)
 
-    def __init__(self, model, cache_layers: int):
+    def __init__(self, model):
         self.model = model
         cfg = model.config
         self.state_key = cfg.model_type
-        self.cache_layers = cache_layers
         self.block_size = cfg.block_size
         self.capture_layer_ids = list(cfg.target_layer_ids)
         self.hidden_rows_needed = None  # must see every position once, to encode it into its cache
@@ -270,7 +269,7 @@ class KVCacheEngineDrafter:
         st = req.state.get(self.state_key)
         if st is None:
             cfg, w = self.model.config, self.model.fc.weight
-            st = req.state[self.state_key] = CacheState(self.cache_layers, cfg.num_kv_heads, cfg.head_dim,
+            st = req.state[self.state_key] = CacheState(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                                         w.dtype, w.device)
         return st
 

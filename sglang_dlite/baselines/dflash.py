@@ -112,10 +112,6 @@ class DFlashDrafter(BaselineDrafter):
         """[B, L, T, H] target features -> [B, T, H] fused context features c_p."""
         return self.ctx_norm(self.fuse(hidden))
 
-    def context_kv(self, c: torch.Tensor, pos: torch.Tensor) -> list:
-        """Per layer (k, v) of the context features at global positions ``pos``."""
-        return [layer.attn.kv(c, pos) for layer in self.layers]
-
     def block_inputs(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """[B, N] anchors -> [B, N*(K+1), H] rows [E anchor, mask x K] per block."""
         K = self.config.block_size
@@ -180,16 +176,15 @@ class DSparkDrafter(DFlashDrafter):
 class DFlashEngineDrafter(KVCacheEngineDrafter):
     """Engine adapter (DFlash and DSpark): the context K/V cache lives in ``req.state``."""
 
-    def __init__(self, model: DFlashDrafter):
-        super().__init__(model, cache_layers=model.config.num_layers)
-
     def encode(self, st: CacheState, req: DraftRequest, n: int) -> None:
         """The context K/V of positions n..end-1 (the ones with target features) into the cache."""
         m, end = self.model, req.hidden_end
         if end > n:
             rows = req.hidden[:, n - req.hidden_start:end - req.hidden_start]
             c = m.context(rows[None])
-            for cache, (k, v) in zip(st.kv, m.context_kv(c, torch.arange(n, end, device=c.device))):
+            pos = torch.arange(n, end, device=c.device)
+            for layer, cache in zip(m.layers, st.kv):
+                k, v = layer.attn.kv(c, pos)
                 cache.append(k[0], v[0])
 
     @torch.no_grad()

@@ -121,9 +121,6 @@ class Eagle3EngineDrafter(KVCacheEngineDrafter):
 
     pair_shift = 1  # pair p uses tokens[:p+2]; the last pair is always re-encoded (its query starts the draft)
 
-    def __init__(self, model: Eagle3Drafter):
-        super().__init__(model, cache_layers=1)
-
     def encode(self, st: CacheState, req: DraftRequest, n: int) -> None:
         """Encode pairs n..end-1 (end = len(tokens) - 1: the pairs with a feature) into the cache;
         the last pair's layer input is left in ``st.last``."""

@@ -55,11 +55,6 @@ DLITE_TRAIN_ARGS = {  # extra `sglang-dlite train` options, and the stage whose 
 }
 
 
-def step_weights(name: str, K: int, gamma: float) -> torch.Tensor:
-    """EAGLE-3: 0.8**k; DFlash / DSpark: DLite's position weights exp(-k / gamma)."""
-    return 0.8 ** torch.arange(K, dtype=torch.float32) if name == "eagle3" else position_weights(K, gamma)
-
-
 def sequence_inputs(data, seq_i: int, anchors, K: int, L: int):
     """(hidden [1, L, T, H], input_ids [1, T], anchors [1, N], labels [1, N, K], valid [1, N, K],
     target_pos [N, K] absolute feature rows of the target's distribution for each label)."""
@@ -147,7 +142,8 @@ def train_kv_baseline(name: str, target, data_dir: str, out: str, steps: int = 9
     head_w = model.lm_head_weight
     data = FeatureData(data_dir, model.config.target_layer_ids, model_loader=lambda: target, progress=progress,
                        anchor_tokens=anchor_tokens)
-    weights = step_weights(name, model.config.block_size, gamma)
+    K = model.config.block_size  # step weights: EAGLE-3 0.8**k, DFlash / DSpark DLite's exp(-k / gamma)
+    weights = 0.8 ** torch.arange(K, dtype=torch.float32) if name == "eagle3" else position_weights(K, gamma)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     rng = np.random.default_rng(seed)

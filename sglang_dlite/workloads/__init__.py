@@ -17,7 +17,7 @@ import os
 from typing import Optional
 
 from ..errors import DLiteInputError
-from . import agent_stdlib, converters
+from . import agent_stdlib, converters, sharegpt
 from .format import cached, load_jsonl_file, take
 
 BUILTIN_WORKLOADS = ("mtbench", "humaneval", "bfcl-multiturn", "sharegpt-heldout", "agent-stdlib")
@@ -26,7 +26,7 @@ _VERSION = "v1"
 
 def _builtin(name: str, refresh: bool = False) -> list:
     if name == "sharegpt-heldout":
-        return converters.convert_sharegpt_heldout()
+        return sharegpt.load_sharegpt("heldout")
     if name == "agent-stdlib":
         return cached(agent_stdlib.cache_name(), agent_stdlib.convert_agent_stdlib, refresh=refresh)
     build = {"mtbench": converters.convert_mtbench, "humaneval": converters.convert_humaneval,

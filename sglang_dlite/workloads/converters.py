@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Optional
 
 from ..errors import MissingDependencyError
 from .format import read_jsonl
-from .sharegpt import load_sharegpt
 
 
 def _pkg_dir(module: str, pip_name: str) -> str:
@@ -123,7 +121,3 @@ def convert_bfcl_multiturn(category: str = "multi_turn_base") -> list:
                     "tools": bfcl_tools(e.get("involved_classes", []), e.get("excluded_function") or ()),
                     "messages": msgs})
     return out
-
-
-def convert_sharegpt_heldout(max_convs: Optional[int] = None) -> list:
-    return load_sharegpt("heldout", max_convs=max_convs)

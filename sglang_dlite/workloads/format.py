@@ -117,12 +117,6 @@ def load_jsonl_file(path, max_convs: Optional[int] = None) -> list:
     return out
 
 
-def workloads_cache_dir() -> Path:
-    d = cache_dir() / "workloads"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
 def write_jsonl_atomic(path: Path, records: Iterable[dict]) -> None:
     """Write JSON lines to ``path`` via a temp file + rename (concurrent readers never see a
     partial file; concurrent writers each write the same deterministic content)."""
@@ -141,7 +135,8 @@ def read_jsonl(path: Path) -> list:
 
 def cached(name: str, build, refresh: bool = False) -> list:
     """Records of cache file ``name`` (building and writing it once with ``build()``)."""
-    path = workloads_cache_dir() / name
+    path = cache_dir() / "workloads" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_file() and not refresh:
         try:
             return read_jsonl(path)
