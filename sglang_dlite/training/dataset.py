@@ -11,7 +11,6 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..config import DLiteConfig
 from ..errors import DLiteInputError
 from ..model_variants import History
 from ..speculation.context import context_positions
@@ -66,16 +65,8 @@ class FeatureData:
         self.eval_idx = held
         self.train_idx = [i for i in range(len(self.seqs)) if i not in set(held)] or list(range(len(self.seqs)))
         self.num_train_anchors = int(sum(len(self.train_anchors(i)) for i in self.train_idx))
-        counts = None
-        for i in self.train_idx:
-            k, a, n, _, _ = self.seqs[i]
-            c = np.bincount(self.shards[k][0][a:a + n], minlength=1)
-            if counts is None:
-                counts = c
-            else:
-                m = max(len(counts), len(c))
-                counts = np.pad(counts, (0, m - len(counts))) + np.pad(c, (0, m - len(c)))
-        self.token_counts = counts
+        train_ids = [self.shards[k][0][a:a + n] for k, a, n, _, _ in (self.seqs[i] for i in self.train_idx)]
+        self.token_counts = np.bincount(np.concatenate(train_ids))  # occurrences of each id in the training split
 
     def train_anchors(self, seq_i: int) -> np.ndarray:
         """The anchors training samples from: positions whose next token the target generated
@@ -138,10 +129,6 @@ def build_group(ids, mask, feats, start: int, length: int, anchors, L: int, H: i
                 positions=torch.from_numpy(hpos)[None], valid=torch.from_numpy(hv),
             )
     return out
-
-
-def _hist_mode(cfg: DLiteConfig):
-    return cfg.history_window  # 0 none, None full, W window
 
 
 def sample_batch(data: FeatureData, rng: np.random.Generator, batch_size: int, seqs_per_batch: int):

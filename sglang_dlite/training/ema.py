@@ -38,22 +38,21 @@ class WeightEMA:
         for e, p in zip(self.shadow, self.params):
             e.lerp_(p.detach(), w)
 
+    @torch.no_grad()
+    def _swap(self) -> None:
+        for e, p in zip(self.shadow, self.params):
+            tmp = p.detach().clone()
+            p.copy_(e)
+            e.copy_(tmp)
+
     @contextmanager
     def swapped(self):
         """The parameters hold the average inside the block, their trained values again after it."""
-        with torch.no_grad():
-            for e, p in zip(self.shadow, self.params):
-                tmp = p.detach().clone()
-                p.copy_(e)
-                e.copy_(tmp)
+        self._swap()
         try:
             yield
         finally:
-            with torch.no_grad():
-                for e, p in zip(self.shadow, self.params):
-                    tmp = p.detach().clone()
-                    p.copy_(e)
-                    e.copy_(tmp)
+            self._swap()
 
     @torch.no_grad()
     def copy_to_params(self) -> None:

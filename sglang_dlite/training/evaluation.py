@@ -16,7 +16,7 @@ from ..speculation.accept import greedy_accept_length
 from ..speculation.tau import tau_of_committed
 from ..workloads import load_workload
 from ..workloads.replay import eos_token_ids, evaluate_tau
-from .dataset import FeatureData, _hist_mode, concat_groups, to_device
+from .dataset import FeatureData, concat_groups, to_device
 
 
 def model_forward(model, b, vocab: Optional[torch.Tensor] = None):
@@ -65,7 +65,7 @@ def greedy_scores(model: DLiteDrafter, data: FeatureData, groups, autocast, chun
     drafting vocabulary (a shipped export) is scored as it drafts: the argmax over those ids."""
     cfg = model.config
     C, K = cfg.num_context_positions, cfg.block_size
-    hist = _hist_mode(cfg)
+    hist = cfg.history_window  # 0 none, None full, W window
     tally = GreedyTally(K)
     step = chunk if hist == 0 else 1
     for i in range(0, len(groups), step):

@@ -27,20 +27,21 @@ def reference_greedy(model, seqs, layer_ids=None, batch_tokens: int = 4096):
     return preds, feats
 
 
+def _off_greedy(seq, mask, pred) -> torch.Tensor:
+    """[len - 1] bool: entry j - 1 says generated token j (mask[j] == 1) is not pred[j - 1]."""
+    s = torch.as_tensor(seq[1:], dtype=torch.long)
+    return (s != pred[:-1].to(torch.long)) & torch.as_tensor(mask[1:], dtype=torch.bool)
+
+
 def first_disagreement(seq, mask, pred) -> Optional[int]:
     """Index j of the first generated token (mask[j] == 1) that is not the target's greedy choice
     after seq[:j] (pred[j - 1]); None if every generated token is."""
-    s = torch.as_tensor(seq[1:], dtype=torch.long)
-    m = torch.as_tensor(mask[1:], dtype=torch.bool)
-    bad = (s != pred[:-1].to(torch.long)) & m
-    nz = torch.nonzero(bad)
+    nz = torch.nonzero(_off_greedy(seq, mask, pred))
     return int(nz[0, 0]) + 1 if len(nz) else None
 
 
 def count_disagreements(seq, mask, pred) -> int:
-    s = torch.as_tensor(seq[1:], dtype=torch.long)
-    m = torch.as_tensor(mask[1:], dtype=torch.bool)
-    return int(((s != pred[:-1].to(torch.long)) & m).sum())
+    return int(_off_greedy(seq, mask, pred).sum())
 
 
 def relabel(model, seqs, masks, layer_ids=None):

@@ -31,7 +31,7 @@ from ..model import DLiteDrafter
 from . import distributed as dist
 from .checkpoint import load_checkpoint, log_metrics, plot_curves, save_checkpoint
 from .data import DataError
-from .dataset import FeatureData, _hist_mode, batch_vocab_subset, concat_groups, eval_groups, sample_batch, to_device
+from .dataset import FeatureData, batch_vocab_subset, concat_groups, eval_groups, sample_batch, to_device
 from .ema import WeightEMA
 from .evaluation import evaluate, model_forward
 from .losses import forward_kl, kl_to_target, position_weights, tv_distance, weighted_ce
@@ -109,7 +109,7 @@ class _StageRun:
         self.C, self.K = cfg.num_context_positions, cfg.block_size
         self.weights = position_weights(self.K, opts.gamma)
         self.weights_dev = self.weights.to(self.dev)
-        self.hist = _hist_mode(cfg)
+        self.hist = cfg.history_window  # 0 none, None full, W window
         self.S = opts.seqs_per_batch
         self.params = [p for p in model.parameters() if p.requires_grad]
         decay = [p for p in self.params if p.dim() >= 2]
@@ -205,23 +205,17 @@ class _StageRun:
 
     def batch(self):
         """This rank's share of the global batch: (groups, the drafter's batches, the teacher's or None)."""
-        C, K, hist, want_t, all_tok, world = self.C, self.K, self.hist, self.want_t, self.all_tok, self.world
-        stream, data = self.stream, self.data
-        if stream is not None:
-            refs = dist.rank_slice(stream.next_batch(self.S * world))
-            groups = [(r, r[3]) for r in refs]
-            bs = [stream.group(r, C, K, hist, want_t, all_tok) for r in refs]
-        else:
-            groups = dist.rank_slice(sample_batch(data, self.rng, self.opts.batch_size * world, self.S * world))
-            bs = [data.group(si, a, C, K, hist, want_t, all_tok) for si, a in groups]
-        tbs = None
-        if self.teacher is not None:
-            th = _hist_mode(self.teacher.config)
-            if stream is not None:
-                tbs = [stream.group(r, C, K, th, False, all_tok) for r in refs]
-            else:
-                tbs = [data.group(si, a, C, K, th, False, all_tok) for si, a in groups]
-        if hist == 0:
+        C, K, all_tok, world = self.C, self.K, self.all_tok, self.world
+        if self.stream is not None:  # a group is made from its reference into the stream's window
+            refs = dist.rank_slice(self.stream.next_batch(self.S * world))
+            groups, keys, group = [(r, r[3]) for r in refs], [(r,) for r in refs], self.stream.group
+        else:  # from (sequence, anchors)
+            groups = dist.rank_slice(sample_batch(self.data, self.rng, self.opts.batch_size * world, self.S * world))
+            keys, group = groups, self.data.group
+        bs = [group(*k, C, K, self.hist, self.want_t, all_tok) for k in keys]
+        tbs = None if self.teacher is None else [group(*k, C, K, self.teacher.config.history_window, False, all_tok)
+                                                 for k in keys]
+        if self.hist == 0:
             bs = [concat_groups(bs)]
         return groups, bs, tbs
 
