@@ -191,22 +191,21 @@ def run(args) -> int:
     n = args.max_new_tokens
     print(f"target: {target}\nrequests: {len(reqs)} ({sum(len(r[1]) for r in reqs)} prompt tokens), "
           f"greedy, max_new_tokens={n}\n")
-    # (title, dtype, verify width) of each comparison
+    # (title, dtype) of each comparison
     if args.dtype == "both":
         how = (f"--speculative-num-draft-tokens {args.num_draft_tokens}" if args.num_draft_tokens
                else "default drafting")
-        phases = [(f"exactness: float32, {how}", "float32", args.num_draft_tokens),
-                  (f"speed: bfloat16, {how}", "bfloat16", args.num_draft_tokens)]
+        phases = [(f"exactness: float32, {how}", "float32"), (f"speed: bfloat16, {how}", "bfloat16")]
     else:
-        phases = [(args.dtype, args.dtype, args.num_draft_tokens)]
+        phases = [(args.dtype, args.dtype)]
 
     engine = args.engine
     results = []
     if engine == "sglang":
         try:
-            for title, dtype, w in phases:
+            for title, dtype in phases:
                 print(f"[{title}]", flush=True)
-                results.append((title, dtype, _run_sglang(target, draft, reqs, n, eos, dtype, w),
+                results.append((title, dtype, _run_sglang(target, draft, reqs, n, eos, dtype, args.num_draft_tokens),
                                 _run_sglang(target, None, reqs, n, eos, dtype)))
         except Exception as exc:  # keep the demo alive on a machine where sglang cannot start
             print(f"NOTE: the sglang engine failed here ({type(exc).__name__}: {exc}); "

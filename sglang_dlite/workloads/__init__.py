@@ -1,9 +1,5 @@
-"""Workloads: conversations in one JSON-lines format, built-in converters, rendering and replay.
-
-Format (see ``format.py``), one conversation per line::
-
-    {"id": str, "source": str, "tools": [OpenAI-style function schemas] (optional),
-     "messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}]}
+"""Workloads: conversations in one JSON-lines format (one conversation per line, ``format.py``),
+built-in converters, rendering and replay.
 
 ``load_workload(name_or_path, max_convs=None)`` returns a built-in workload (converted from an
 installed package once, then cached as JSONL under ``$SGLANG_DLITE_CACHE/workloads/``) or a

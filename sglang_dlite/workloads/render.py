@@ -55,15 +55,17 @@ class Turn:
 
 
 class TurnList(list):
-    """list[Turn] with the count of turns skipped for being over the context limit."""
-
-    skipped: int = 0
-    skipped_ids: list
+    """list[Turn] with the turns skipped for being over the context limit: ``skipped_ids``
+    (conversation id, message index, prompt length or None when skipped after a skipped
+    placeholder), ``skipped`` their count."""
 
     def __init__(self, *a):
         super().__init__(*a)
-        self.skipped = 0
         self.skipped_ids = []
+
+    @property
+    def skipped(self) -> int:
+        return len(self.skipped_ids)
 
 
 @dataclass
@@ -179,12 +181,9 @@ def render_turns(tokenizer, conversation: dict, max_context_tokens: Optional[int
         placeholder = j < len(msgs) and is_placeholder(msgs[j])
         prompt = _encode_chat(tokenizer, adapt_messages(msgs[:j], tools, caps), tools, caps, True)
         if max_context_tokens is not None and len(prompt) > max_context_tokens:
-            out.skipped += 1
             out.skipped_ids.append((cid, j, len(prompt)))
             if placeholder:  # later turns need this reply: skip them all
-                rest = targets[n + 1:]
-                out.skipped += len(rest)
-                out.skipped_ids += [(cid, k, None) for k in rest]
+                out.skipped_ids += [(cid, k, None) for k in targets[n + 1:]]
                 break
             continue
         ref = None
