@@ -26,24 +26,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-
 import torch
-from tqdm.auto import tqdm
 
 from ..config import default_layer_ids
 from ..errors import DLiteInputError
 from ..target import load_target, resolve_target
 from .data import DataError, load_shard, shard_file
 from .distributed import resolve_device
-from .exactness import relabel
 from .fast_regen import FastRegenerator
-from .gen_output import claim, locked_update, record_run, report_shard, save_generated, stop_reason
+from .gen_output import ShardWriter, locked_update
 from .hf_regen import Regenerator
 from .prompt_tools import BFCL_CATEGORIES
 from .prompts import load_prompts
 from .sglang_regen import SglangRegenerator
-from .shard_parts import conversation_key, drop_parts, load_parts, save_part
+from .shard_parts import conversation_key, load_parts, save_part
 from .spec_regen import SpecRegenerator
 
 
@@ -273,19 +269,10 @@ def _run_hf(args, model, tok, todo, layers, wi, wn) -> int:
     """gen-data with ``hf_regen``: one ``Regenerator.run`` per claimed shard."""
     gen = Regenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens, args.temperature,
                       args.top_p, capture_layers=layers)
-    t0 = time.time()
-    bar = tqdm(todo, desc="gen-data", unit="shard")
-    budget_s = None if getattr(args, "budget_min", None) is None else args.budget_min * 60
-    for fname, src, convs in bar:
-        if budget_s is not None and time.time() - t0 > budget_s:
-            print(f"gen-data[{wi}/{wn}]: --budget-min {args.budget_min} reached; stopping (rerun to continue)", flush=True)
-            break
-        if not claim(args.out, fname):
-            continue  # another live worker is generating it, or it is finished
-        seqs, masks, feats = gen.run(convs)
-        info = save_generated(args, model, fname, src, seqs, masks, feats if layers else None, layers)
-        report_shard(bar, wi, wn, fname, info, gen.new_tokens, t0)
-    record_run(args, wi, wn, t0, len(todo), gen.new_tokens)
+    w = ShardWriter(args, model, layers, f"{wi}/{wn}", gen, _engine_tag(args), len(todo))
+    for fname, src, convs in w.claimed(todo):
+        w.write(fname, src, *gen.run(convs))
+    w.close({})
     return 0
 
 
@@ -309,22 +296,11 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
         gen = FastRegenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens, **kw)
     print(f"gen-data[fast]: {args.batch_size} slots, sort window {sort_window}, attention "
           f"{'C++ kv_cache_attention' if gen.engine.kernel_attention else 'chunked SDPA'}, {args.dtype}", flush=True)
-    t0 = time.time()
-    budget_s = None if getattr(args, "budget_min", None) is None else args.budget_min * 60
+    w = ShardWriter(args, model, layers, f"{wi}/{wn}", gen, _engine_tag(args), len(todo), relabel=do_relabel)
     pending = {}
-    stats = {"shards": 0, "cut": 0, "dropped": 0}
-    bar = tqdm(total=len(todo), desc="gen-data[fast]", unit="shard")
 
     def items():
-        for fname, src, convs in todo:
-            stop = stop_reason(args, t0, budget_s)
-            if stop:
-                print(f"gen-data[{wi}/{wn}]: {stop}; finishing the claimed shards and stopping (rerun to continue)",
-                      flush=True)
-                return
-            if not claim(args.out, fname):
-                bar.update(1)
-                continue
+        for fname, src, convs in w.claimed(todo, "finishing the claimed shards and stopping"):
             keys = [conversation_key(c, args, layers) for c in convs]
             # conversations a stopped run already finished (shard_parts.py): only the rest are generated
             res = load_parts(args.out, fname, keys)
@@ -341,22 +317,8 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
 
     def write_shard(fname):
         p = pending.pop(fname)
-        res = [p["res"][k] for k in range(p["n"])]
-        seqs, masks = [r[0] for r in res], [r[1] for r in res]
-        fts = [r[2] for r in res]
-        extra = {"engine": _engine_tag(args), "min_logit_margin": round(min(r[3] for r in res), 6)}
-        if do_relabel:
-            seqs, masks, fts, cut, dropped = relabel(model, seqs, masks, layers)
-            extra.update(relabeled=True, sequences_cut=cut, generated_tokens_dropped=dropped)
-            stats["cut"] += cut
-            stats["dropped"] += dropped
-        if fts is not None:
-            fts = [None if f is None else f.numpy() for f in fts]
-        info = save_generated(args, model, fname, p["src"], seqs, masks, fts if layers else None, layers, extra)
-        drop_parts(args.out, fname)
-        stats["shards"] += 1
-        bar.update(1)
-        report_shard(bar, wi, wn, fname, info, gen.new_tokens, t0)
+        seqs, masks, fts, margins = zip(*(p["res"][k] for k in range(p["n"])))
+        w.write(fname, p["src"], list(seqs), list(masks), list(fts), {"min_logit_margin": round(min(margins), 6)})
 
     for (fname, i), seq, mask, feats, margin in gen.stream(items()):
         p = pending[fname]
@@ -364,13 +326,10 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
         p["res"][i] = (seq, mask, feats, margin)
         if len(p["res"]) == p["n"]:
             write_shard(fname)
-    bar.close()
     extra = {"batch_size": args.batch_size, "sort_window": sort_window}
-    if do_relabel:
-        extra.update(sequences_cut=stats["cut"], generated_tokens_dropped=stats["dropped"])
     if hasattr(gen, "summary"):
         extra["spec"] = gen.summary()
-    record_run(args, wi, wn, t0, stats["shards"], gen.new_tokens, _engine_tag(args), extra)
+    w.close(extra)
     return 0
 
 
@@ -398,7 +357,7 @@ def _run_sglang(args, target_path, model, tok, todo, layers, wi, wn) -> int:
     """gen-data with ``sglang_regen``: one sglang engine for the run; per shard, every
     conversation in flight at once (the scheduler batches continuously; later turns hit the radix
     cache), then one float32 target pass over the shard's sequences for the features and the
-    exactness count. Shards are claimed and written as by the other engines (resumable)."""
+    exactness count (and the relabel cut). Shards are claimed and written as by the other engines."""
     do_relabel = args.relabel or args.dtype != "float32"
     dev = resolve_device(getattr(args, "feature_device", "cpu") or "cpu", flag="--feature-device")
     if dev.type != "cpu":
@@ -408,35 +367,15 @@ def _run_sglang(args, target_path, model, tok, todo, layers, wi, wn) -> int:
     gen = SglangRegenerator(target_path, model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens,
                             capture_layers=layers, batch_size=args.batch_size, dtype=args.dtype, threads=args.threads,
                             engine=getattr(args, "sglang_engine", None), **engine_kw)
-    t0 = time.time()
-    budget_s = None if getattr(args, "budget_min", None) is None else args.budget_min * 60
-    stats = {"shards": 0, "not_greedy": 0, "cut": 0, "dropped": 0}
+    w = ShardWriter(args, model, layers, f"{wi}/{wn}", gen, _engine_tag(args), len(todo), cuts=do_relabel)
     try:
-        bar = tqdm(todo, desc="gen-data[sglang]", unit="shard")
-        for fname, src, convs in bar:
-            stop = stop_reason(args, t0, budget_s)
-            if stop:
-                print(f"gen-data[{wi}/{wn}]: {stop}; stopping (rerun to continue)", flush=True)
-                break
-            if not claim(args.out, fname):
-                continue
+        for fname, src, convs in w.claimed(todo):
             seqs, masks, feats = gen.run(convs, relabel=do_relabel)
-            extra = {"engine": _engine_tag(args), **gen.last}
-            stats["not_greedy"] += gen.last.get("tokens_not_fp32_greedy", 0)
-            stats["cut"] += gen.last.get("sequences_cut", 0)
-            stats["dropped"] += gen.last.get("generated_tokens_dropped", 0)
-            fts = [None if f is None else f.numpy() for f in feats] if layers else None
-            info = save_generated(args, model, fname, src, seqs, masks, fts, layers, extra)
-            stats["shards"] += 1
-            report_shard(bar, wi, wn, fname, info, gen.new_tokens, t0,
-                         f", {extra.get('tokens_not_fp32_greedy')} not fp32-greedy")
-        bar.close()
+            w.write(fname, src, seqs, masks, feats, gen.last)
     finally:
         gen.close()
-    extra = {"batch_size": args.batch_size, "tokens_not_fp32_greedy": stats["not_greedy"],
-             "sglang": {k: round(v, 1) if isinstance(v, float) else v for k, v in gen.stats.items()}}
-    if do_relabel:
-        extra.update(sequences_cut=stats["cut"], generated_tokens_dropped=stats["dropped"])
-    record_run(args, wi, wn, t0, stats["shards"], gen.new_tokens, _engine_tag(args), extra,
-               f"; {stats['not_greedy']} not the float32 target's greedy choice")
+    not_greedy = w.totals["tokens_not_fp32_greedy"]
+    w.close({"batch_size": args.batch_size, "tokens_not_fp32_greedy": not_greedy,
+             "sglang": {k: round(v, 1) if isinstance(v, float) else v for k, v in gen.stats.items()}},
+            f"; {not_greedy} not the float32 target's greedy choice")
     return 0

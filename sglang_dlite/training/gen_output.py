@@ -14,9 +14,12 @@ import time
 from typing import Optional
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from .data import MANIFEST, read_manifest, save_shard, write_manifest
+from .exactness import relabel
 from .features import save_features
+from .shard_parts import drop_parts
 
 
 def locked_update(out, fn, new: Optional[dict] = None):
@@ -33,10 +36,10 @@ def locked_update(out, fn, new: Optional[dict] = None):
             fcntl.flock(lk, fcntl.LOCK_UN)
 
 
-def stop_reason(args, t0: float, budget_s) -> Optional[str]:
+def stop_reason(args, t0: float) -> Optional[str]:
     """Why no new shard may start (the --budget-min wall budget is spent, or the output disk is
     below --min-free-gb), or None."""
-    if budget_s is not None and time.time() - t0 > budget_s:
+    if getattr(args, "budget_min", None) is not None and time.time() - t0 > args.budget_min * 60:
         return f"--budget-min {args.budget_min} reached"
     free_gb = shutil.disk_usage(args.out).free / 1e9
     if free_gb < getattr(args, "min_free_gb", 0.0):
@@ -91,22 +94,60 @@ def save_generated(args, model, fname, src, seqs, masks, feats, layers, extra=No
     return info
 
 
-def record_run(args, wi, wn, t0: float, new_shards: int, new_tokens: int, engine: Optional[str] = None,
-               extra: Optional[dict] = None, note: str = "") -> None:
-    """Append this worker's run to the manifest (wall time, tokens/s, ``extra``) and print its line."""
-    el = time.time() - t0
-    rec = {"worker": f"{wi}/{wn}", **({"engine": engine} if engine else {}), "new_shards": new_shards,
-           "new_tokens": new_tokens, "wall_s": round(el, 1), "tokens_per_s": round(new_tokens / max(el, 1e-9), 1),
-           "threads": args.threads, **(extra or {})}
-    locked_update(args.out, lambda m: (m.setdefault("runs", []).append(rec), m)[1])
-    print(f"gen-data: {new_shards} shards, {new_tokens} generated tokens in {el:.0f}s "
-          f"({new_tokens / max(el, 1e-9):.1f} tok/s{note})")
+class ShardWriter:
+    """One worker's shards: which it claims (``claimed``), the write of a finished one (``write``:
+    cut at the float32 target's greedy choice first with ``relabel``) and the run's record (``close``)."""
 
+    def __init__(self, args, model, layers, worker: str, gen, tag: str, todo: int, relabel: bool = False,
+                 cuts: Optional[bool] = None):
+        self.args, self.model, self.layers, self.worker, self.gen, self.tag = args, model, layers, worker, gen, tag
+        self.relabel = relabel
+        self.cuts = relabel if cuts is None else cuts  # the run record counts cut sequences (here or by the engine)
+        self.t0 = time.time()
+        self.totals = dict.fromkeys(("shards", "tokens_not_fp32_greedy", "sequences_cut", "generated_tokens_dropped"), 0)
+        self.bar = tqdm(total=todo, desc=f"gen-data[{args.engine}]", unit="shard")
 
-def report_shard(bar, wi, wn, fname, info: dict, new_tokens: int, t0: float, note: str = "") -> None:
-    """The progress bar's rate and one line per written shard."""
-    el = time.time() - t0
-    bar.set_postfix_str(f"{new_tokens / el:.1f} new tok/s, {new_tokens} new tokens")
-    print(f"gen-data[{wi}/{wn}]: {fname}: {info['num_seqs']} seqs, {info['num_tokens']} tokens "
-          f"({info['num_loss_tokens']} generated{note}); total {new_tokens} new tokens, {new_tokens / el:.1f} tok/s",
-          flush=True)
+    def claimed(self, todo, stopping: str = "stopping"):
+        """The shards of ``todo`` this worker claims (finished ones and another live worker's are
+        skipped), until ``stop_reason`` stops it."""
+        for fname, src, convs in todo:
+            stop = stop_reason(self.args, self.t0)
+            if stop:
+                print(f"gen-data[{self.worker}]: {stop}; {stopping} (rerun to continue)", flush=True)
+                return
+            if claim(self.args.out, fname):
+                yield fname, src, convs
+            else:
+                self.bar.update(1)
+
+    def write(self, fname, src, seqs, masks, feats, extra: Optional[dict] = None) -> None:
+        extra = {"engine": self.tag, **(extra or {})}
+        if self.relabel:
+            seqs, masks, feats, cut, dropped = relabel(self.model, seqs, masks, self.layers)
+            extra.update(relabeled=True, sequences_cut=cut, generated_tokens_dropped=dropped)
+        for k in self.totals:
+            self.totals[k] += extra.get(k, 0)
+        self.totals["shards"] += 1
+        info = save_generated(self.args, self.model, fname, src, seqs, masks, feats if self.layers else None,
+                              self.layers, extra)
+        drop_parts(self.args.out, fname)
+        self.bar.update(1)
+        n, el = self.gen.new_tokens, time.time() - self.t0
+        note = f", {extra['tokens_not_fp32_greedy']} not fp32-greedy" if "tokens_not_fp32_greedy" in extra else ""
+        self.bar.set_postfix_str(f"{n / el:.1f} new tok/s, {n} new tokens")
+        print(f"gen-data[{self.worker}]: {fname}: {info['num_seqs']} seqs, {info['num_tokens']} tokens "
+              f"({info['num_loss_tokens']} generated{note}); total {n} new tokens, {n / el:.1f} tok/s", flush=True)
+
+    def close(self, extra: dict, note: str = "") -> None:
+        """Append this worker's run to the manifest (wall time, tokens/s, ``extra``) and print its line."""
+        self.bar.close()
+        if self.cuts:
+            extra.update(sequences_cut=self.totals["sequences_cut"],
+                         generated_tokens_dropped=self.totals["generated_tokens_dropped"])
+        n, el = self.gen.new_tokens, time.time() - self.t0
+        rec = {"worker": self.worker, "engine": self.tag, "new_shards": self.totals["shards"], "new_tokens": n,
+               "wall_s": round(el, 1), "tokens_per_s": round(n / max(el, 1e-9), 1), "threads": self.args.threads,
+               **extra}
+        locked_update(self.args.out, lambda m: (m.setdefault("runs", []).append(rec), m)[1])
+        print(f"gen-data: {self.totals['shards']} shards, {n} generated tokens in {el:.0f}s "
+              f"({n / max(el, 1e-9):.1f} tok/s{note})")
