@@ -182,7 +182,7 @@ def engine(args) -> dict:
                                                "lm_head_argmax")}
     got = [r.output_ids for r in res]
     plain = [eng.generate(p, n_new, speculative=False).output_ids for p in prompts]
-    oracle = ReferenceEngine(target, OracleDrafter({tuple(p + w): None for p, w in zip(prompts, want)}, block_size=7,
+    oracle = ReferenceEngine(target, OracleDrafter({tuple(p + w): None for p, w in zip(prompts, want)}, num_drafts=7,
                                                    vocab_size=c.vocab_size), [eos], device=dev)
     ores = [oracle.generate(p, n_new) for p in prompts]
     sampled = eng.generate(prompts[0], n_new, temperature=0.8, top_p=0.95, seed=0)

@@ -74,7 +74,7 @@ def test_acceptance_end_to_end_greedy_lossless(tiny_ckpt, tiny_drafter, workload
     assert r["lossless_checked"] is True and r["lossless_mismatches"] == 0, r["lossless_mismatch_details"]
     assert r["turns"] == 4 and r["lossless_compared_turns"] == 4 and r["skipped_turns"] == 0
     assert r["torch_threads"] == 1
-    K = r["block_size"]
+    K = r["num_drafts"]
     assert len(r["per_position_accept"]) == K and 1.0 <= r["tau"] <= K + 1
     assert set(r["tau_by_context"]) >= {"0-1k", "1-2k", "2-4k", "4-8k"} and r["tau_by_context"]["0-1k"] is not None
     assert r["rounds"] == r["rounds_by_context"]["0-1k"] > 0
@@ -142,7 +142,7 @@ def test_replay_metrics_with_oracle_drafter(tiny_target):
     prompt = tok(tok.apply_chat_template(conv["messages"]))["input_ids"]
     ref = ReferenceEngine(tiny_target, None, eos_token_ids=[2]).generate(prompt, 20, speculative=False)
     seq = tuple(prompt + ref.output_ids)
-    engine = ReferenceEngine(tiny_target, OracleDrafter({seq: None}, block_size=4), eos_token_ids=[2])
+    engine = ReferenceEngine(tiny_target, OracleDrafter({seq: None}, num_drafts=4), eos_token_ids=[2])
     r = evaluate_tau(engine, [conv], 20, tokenizer=tok)
     assert r["per_position_accept"][0] == 1.0 and r["tau"] > 3.0 and r["rounds"] >= 1
     s = replay(engine, tok, [conv], 20, check_lossless=True).to_dict()

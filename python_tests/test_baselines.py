@@ -49,7 +49,7 @@ class Checked:
 
     def __init__(self, inner, truth: dict, rng: random.Random):
         self.inner, self.truth, self.rng = inner, truth, rng
-        self.block_size = inner.block_size
+        self.num_drafts = inner.num_drafts
         self.capture_layer_ids = inner.capture_layer_ids
         self.hidden_rows_needed = inner.hidden_rows_needed
         self.checks = 0
@@ -66,8 +66,8 @@ class Checked:
             n = len(req.tokens)
             if tuple(req.tokens[:len(seq)]) == seq and n >= len(seq):
                 done = n - len(seq)
-                nxt = cont[done:done + self.block_size]
-                j = min(self.rng.randrange(self.block_size + 1), len(nxt))
+                nxt = cont[done:done + self.num_drafts]
+                j = min(self.rng.randrange(self.num_drafts + 1), len(nxt))
                 toks[0, :j] = torch.tensor(nxt[:j], dtype=toks.dtype)
         return DraftProposal(toks, None)
 
@@ -101,7 +101,7 @@ def test_kv_baseline_lossless_incremental_cache_multi_turn(tiny_target, name):
 
 @pytest.mark.parametrize("name", KV_NAMES + ["ngram"])
 def test_baseline_lossless_plain_and_sampling_runs(tiny_target, name):
-    drafter = NGramDrafter(block_size=4) if name == "ngram" else engine_adapter(name, tiny_baseline(name, tiny_target))
+    drafter = NGramDrafter(num_drafts=4) if name == "ngram" else engine_adapter(name, tiny_baseline(name, tiny_target))
     eng = ReferenceEngine(tiny_target, drafter, [EOS])
     rng = random.Random(2)
     for _ in range(3):
@@ -170,7 +170,7 @@ def test_ngram_proposes_the_continuation():
     assert lookup([1, 2, 3, 1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]  # runs into its own proposals
     assert lookup([1, 9, 3, 4, 9], 3) == [3, 4, 9]  # falls back to a 1-gram
     assert lookup([1, 2, 3, 4], 3) is None
-    d = NGramDrafter(block_size=3)
+    d = NGramDrafter(num_drafts=3)
     assert d.draft(DraftRequest([1, 2, 3, 4], torch.zeros(1, 1, 4), 2)).tokens.tolist() == [[4, 4, 4]]
     assert d.draft(DraftRequest(toks, torch.zeros(1, 1, 4), 11)).tokens.tolist() == [[8, 9, 10]]
 
@@ -178,7 +178,7 @@ def test_ngram_proposes_the_continuation():
 def test_ngram_accepts_repeats_in_engine(tiny_target):
     # the target's greedy output of this prompt loops, which prompt lookup continues
     p = [1, 5, 6, 7, 8, 9]
-    eng = ReferenceEngine(tiny_target, NGramDrafter(block_size=4), [EOS])
+    eng = ReferenceEngine(tiny_target, NGramDrafter(num_drafts=4), [EOS])
     res = eng.generate(p, 24)
     assert res.output_ids == greedy_ref(tiny_target, p, 24)
     assert res.tau > 2.0

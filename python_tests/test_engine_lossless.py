@@ -54,7 +54,7 @@ def test_untrained_dlite_is_lossless(tiny_target, variant):
         ref = hf_greedy(tiny_target, p, 24)
         res = eng.generate(p, 24)
         assert res.output_ids == ref
-        assert all(1 <= r.committed <= eng.drafter.block_size + 1 for r in res.rounds)
+        assert all(1 <= r.committed <= eng.drafter.num_drafts + 1 for r in res.rounds)
     eng.close()
 
 
@@ -62,7 +62,7 @@ def test_oracle_drafter_accepts_whole_blocks_and_stays_lossless(tiny_target):
     ps = prompts(10, tiny_target.config.vocab_size, seed=1)
     refs = [hf_greedy(tiny_target, p, 30) for p in ps]
     table = {tuple(p + r): None for p, r in zip(ps, refs)}
-    eng = ReferenceEngine(tiny_target, OracleDrafter(table, block_size=5), [EOS])
+    eng = ReferenceEngine(tiny_target, OracleDrafter(table, num_drafts=5), [EOS])
     taus = []
     for p, ref in zip(ps, refs):
         res = eng.generate(p, 30)
@@ -82,13 +82,13 @@ class _Corrupting:
 
     def __init__(self, inner, vocab):
         self.inner, self.vocab, self.calls = inner, vocab, 0
-        self.block_size = inner.block_size
+        self.num_drafts = inner.num_drafts
         self.capture_layer_ids = inner.capture_layer_ids
         self.hidden_rows_needed = inner.hidden_rows_needed
 
     def draft(self, req: DraftRequest) -> DraftProposal:
         prop = self.inner.draft(req)
-        j = self.calls % self.block_size
+        j = self.calls % self.num_drafts
         self.calls += 1
         toks = prop.tokens.clone()
         toks[0, j] = (toks[0, j] + 1) % self.vocab
@@ -106,7 +106,7 @@ def test_partial_acceptance_at_every_depth(tiny_target):
     ps = prompts(4, tiny_target.config.vocab_size, seed=2)
     refs = [hf_greedy(tiny_target, p, 40) for p in ps]
     table = {tuple(p + r): None for p, r in zip(ps, refs)}
-    drafter = _Corrupting(OracleDrafter(table, block_size=4), tiny_target.config.vocab_size)
+    drafter = _Corrupting(OracleDrafter(table, num_drafts=4), tiny_target.config.vocab_size)
     eng = ReferenceEngine(tiny_target, drafter, [EOS])
     seen = set()
     for p, ref in zip(ps, refs):
@@ -192,7 +192,7 @@ class _RecordingContext:
 
     def __init__(self, inner, dlite_adapter):
         self.inner, self.adapter = inner, dlite_adapter
-        self.block_size = inner.block_size
+        self.num_drafts = inner.num_drafts
         self.capture_layer_ids = dlite_adapter.capture_layer_ids
         self.hidden_rows_needed = dlite_adapter.hidden_rows_needed
         self.seen = []
@@ -201,7 +201,7 @@ class _RecordingContext:
         ctx, valid, _, offset = self.adapter.context_inputs(req)
         self.seen.append((list(req.tokens), ctx[0].clone(), valid[0].clone(), int(offset)))
         prop = self.inner.draft(req)
-        return DraftProposal(prop.tokens[:, : self.block_size], None)
+        return DraftProposal(prop.tokens[:, : self.num_drafts], None)
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
@@ -215,7 +215,7 @@ def test_drafter_context_equals_teacher_forced_hidden_states_every_round(tiny_ta
     C = d.model.config.num_context_positions
     ps = prompts(3, V, seed=5)
     refs = [hf_greedy(tiny_target, p, 30) for p in ps]
-    oracle = OracleDrafter({tuple(p + r): None for p, r in zip(ps, refs)}, block_size=4)
+    oracle = OracleDrafter({tuple(p + r): None for p, r in zip(ps, refs)}, num_drafts=4)
     inner = _Corrupting(oracle, V) if corrupt else oracle
     rec = _RecordingContext(inner, d)
     eng = ReferenceEngine(tiny_target, rec, [EOS])

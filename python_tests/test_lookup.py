@@ -176,7 +176,7 @@ def _repetitive_prompts(vocab, n=6, seed=0):
 def test_lookup_drafters_are_lossless_greedy(tiny_target, which):
     cap = 12 if which == "hybrid-long" else 5  # hybrid-long: chains past DLite's K=5, lookup-continued
     if which == "suffix":
-        dr = SuffixEngineDrafter(block_size=5)
+        dr = SuffixEngineDrafter(num_drafts=5)
     else:
         dr = _hybrid(tiny_target, min_reach=0.3 if which == "hybrid-cut" else 0.0,
                      num_drafts=12 if which == "hybrid-long" else None)
@@ -351,12 +351,12 @@ class _StubDLite:
     capture_layer_ids, hidden_rows_needed = [0], 1
 
     def __init__(self, k, calls):
-        self.block_size, self.calls, self.model = k, calls, self
+        self.num_drafts, self.calls, self.model = k, calls, self
 
     def context_inputs(self, req):
         return None, None, None, None
 
     def propose(self, *args, **kw):
         self.calls.append(1)
-        return types.SimpleNamespace(tokens=torch.zeros(1, self.block_size, dtype=torch.int64),
-                                     confidence=torch.full((1, self.block_size), 0.5))
+        return types.SimpleNamespace(tokens=torch.zeros(1, self.num_drafts, dtype=torch.int64),
+                                     confidence=torch.full((1, self.num_drafts), 0.5))

@@ -305,7 +305,7 @@ def test_e2e_both_engines_report_the_same_tau_for_the_same_run(monkeypatch):
                       if r[j] not in r[:j] and all(r[j] not in o for k, o in enumerate(refs) if k != i))
     # the drafter knows the whole output of two requests, the first 12 tokens of the others
     known = [30 if i in (0, i_eos) else 12 for i in range(len(prompts))]
-    oracle = OracleDrafter({tuple(p + r[:k]): None for p, r, k in zip(prompts, refs, known)}, block_size=5)
+    oracle = OracleDrafter({tuple(p + r[:k]): None for p, r, k in zip(prompts, refs, known)}, num_drafts=5)
     eng = ReferenceEngine(target, oracle, eos_token_ids=[eos])
     results = [eng.generate(p, 30) for p in prompts]
     accepted = [[r.accepted for r in x.rounds] for x in results]

@@ -1,7 +1,7 @@
 """What the reference engine asks a drafter each round, and the drafters it can use.
 
 A drafter sees a ``DraftRequest`` (the committed tokens and the target's captured hidden states)
-and returns a ``DraftProposal`` of K tokens. The DLite adapter reads only the last C positions
+and returns a ``DraftProposal`` of at most ``num_drafts`` tokens (DLite: its block size K). The DLite adapter reads only the last C positions
 (plus the history the config allows, for the teacher / window ablations).
 """
 
@@ -40,7 +40,7 @@ class DraftRequest:
 
 
 class Drafter(Protocol):
-    block_size: int
+    num_drafts: int  # drafts proposed per round, at most: a round verifies num_drafts + 1 tokens (W)
     capture_layer_ids: list  # target layers whose outputs the engine must capture
     hidden_rows_needed: Optional[int]  # how many newest positions to keep (None: all)
 
@@ -53,7 +53,7 @@ class DLiteEngineDrafter:
     def __init__(self, model: DLiteDrafter):
         self.model = model
         cfg = model.config
-        self.block_size = cfg.block_size
+        self.num_drafts = cfg.block_size  # K
         self.capture_layer_ids = list(cfg.target_layer_ids)
         w = cfg.history_window
         self.hidden_rows_needed = None if w is None else cfg.num_context_positions + w
@@ -93,9 +93,9 @@ class OracleDrafter:
     """Proposes a known continuation (e.g. the target's own greedy output): every draft accepted
     while the continuation holds. Tests use it to exercise multi-token acceptance."""
 
-    def __init__(self, prompt_len_to_continuation: dict, block_size: int = 7, vocab_size: int = 2):
+    def __init__(self, prompt_len_to_continuation: dict, num_drafts: int = 7, vocab_size: int = 2):
         self.table = prompt_len_to_continuation  # tuple(full token sequence) -> next tokens
-        self.block_size = block_size
+        self.num_drafts = num_drafts
         self.capture_layer_ids = [0]
         self.hidden_rows_needed = 1
         self.vocab_size = vocab_size
@@ -104,11 +104,11 @@ class OracleDrafter:
         for seq in self.table:
             n = len(req.tokens)
             if len(seq) > n and list(seq[:n]) == list(req.tokens):
-                nxt = list(seq[n:n + self.block_size])
+                nxt = list(seq[n:n + self.num_drafts])
                 break
         else:
             nxt = []
-        nxt = nxt + [0] * (self.block_size - len(nxt))
+        nxt = nxt + [0] * (self.num_drafts - len(nxt))
         return DraftProposal(torch.tensor([nxt]), None)
 
 

@@ -234,8 +234,9 @@ class ReferenceEngine:
                 raise DLiteInputError(
                     f"the drafter wants target layers {bad}, but the target has {num_layers} layers."
                 )
-            if drafter.block_size < 1:
-                raise DLiteInputError(f"block size K={drafter.block_size} must be >= 1.")
+            if drafter.num_drafts < 1:
+                raise DLiteInputError(f"a drafter proposes at least one draft per round (num_drafts="
+                                      f"{drafter.num_drafts}).")
             self.capture = LayerCapture([layers[i] for i in drafter.capture_layer_ids])
             self.hidden_rows_needed = drafter.hidden_rows_needed
             for m in _drafter_modules(drafter):

@@ -29,7 +29,7 @@ def make_engine_drafter(spec: str, target) -> Drafter:
     if name == "hybrid":
         return HybridEngineDrafter(DLiteEngineDrafter(load_dlite(path or None, target)))
     if name == "suffix":
-        return SuffixEngineDrafter(block_size=int(path) if path else 7)
+        return SuffixEngineDrafter(num_drafts=int(path) if path else 7)
     if name in BASELINE_NAMES:
         return make_baseline_drafter(name, path or None, target)
     raise DLiteInputError(f"unknown drafter {spec!r}; known: dlite[:PATH], hybrid[:PATH], suffix[:K], "

@@ -259,7 +259,7 @@ class KVCacheEngineDrafter:
         self.model = model
         cfg = model.config
         self.state_key = cfg.model_type
-        self.block_size = cfg.block_size
+        self.num_drafts = cfg.block_size  # K
         self.capture_layer_ids = list(cfg.target_layer_ids)
         self.hidden_rows_needed = None  # must see every position once, to encode it into its cache
         self.last_logits: Optional[torch.Tensor] = None  # [K, V] of the last draft (tests)
@@ -294,11 +294,11 @@ class KVCacheEngineDrafter:
         return st
 
     def sample_steps(self, req: DraftRequest, step, prev: Optional[torch.Tensor] = None) -> DraftProposal:
-        """The proposal of ``block_size`` sequential draft steps: ``step(i, prev) -> logits [1, V]`` of
+        """The proposal of ``num_drafts`` sequential draft steps: ``step(i, prev) -> logits [1, V]`` of
         draft i, given the token drafted before it (``prev``: the caller's start value at i = 0).
         Greedy at temperature 0, else sampled with top-p (the probabilities go with the proposal)."""
         toks, probs, logits_all = [], [], []
-        for i in range(self.block_size):
+        for i in range(self.num_drafts):
             logits = step(i, prev).float()
             logits_all.append(logits[0])
             if req.temperature <= 0:

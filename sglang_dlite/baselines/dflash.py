@@ -189,7 +189,7 @@ class DFlashEngineDrafter(KVCacheEngineDrafter):
 
     @torch.no_grad()
     def draft(self, req: DraftRequest):
-        m, K = self.model, self.block_size
+        m, K = self.model, self.num_drafts
         st = self.sync(req)
         a = len(req.tokens) - 1
         anchor = torch.tensor([[req.tokens[-1]]], device=m.fc.weight.device)

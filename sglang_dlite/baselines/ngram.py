@@ -47,10 +47,10 @@ class NGramDrafter:
     """Engine adapter. Needs no checkpoint and no hidden states (captures one layer, keeps one row,
     because the engine always captures something)."""
 
-    def __init__(self, block_size: int = 7, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, num_drafts: int = 7, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise DLiteInputError(f"n-gram sizes must satisfy 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram}).")
-        self.block_size = block_size
+        self.num_drafts = num_drafts
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.capture_layer_ids = [0]
         self.hidden_rows_needed = 1
@@ -59,7 +59,7 @@ class NGramDrafter:
         return 0  # reads the engine's committed tokens; keeps nothing of its own
 
     def draft(self, req: DraftRequest) -> DraftProposal:
-        out = lookup(req.tokens, self.block_size, self.max_ngram, self.min_ngram)
+        out = lookup(req.tokens, self.num_drafts, self.max_ngram, self.min_ngram)
         if out is None:
-            out = [int(req.tokens[-1])] * self.block_size
+            out = [int(req.tokens[-1])] * self.num_drafts
         return DraftProposal(torch.tensor([out]), None)

@@ -27,9 +27,9 @@ SUFFIX_ALPHABET = 512  # the suffix row's tokens: repeats everywhere (busy index
 def build_drafter(name: str, emb: torch.Tensor, dtype):
     """(engine adapter, description): random weights bound to a shared random (tied) embedding/LM head."""
     if name == "ngram":
-        return NGramDrafter(block_size=7), "prompt lookup, n = 3..1"
+        return NGramDrafter(num_drafts=7), "prompt lookup, n = 3..1"
     if name == "suffix":
-        d = SuffixEngineDrafter(block_size=7)
+        d = SuffixEngineDrafter(num_drafts=7)
         # Tokens from a 512-token alphabet: every token recurs ~T/512 times, so short matches have
         # many continuations (a scan over them would grow with T; the index stores the best one).
         d.cost_alphabet = SUFFIX_ALPHABET

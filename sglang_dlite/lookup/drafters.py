@@ -45,9 +45,9 @@ class SuffixEngineDrafter:
     """The suffix lookup alone (no model, no hidden states: captures one layer, keeps one row,
     because the engine always captures something)."""
 
-    def __init__(self, block_size: int = 7, max_match: int = DEFAULT_MAX_MATCH,
+    def __init__(self, num_drafts: int = 7, max_match: int = DEFAULT_MAX_MATCH,
                  calibration: Optional[Calibration] = None):
-        self.block_size = block_size
+        self.num_drafts = num_drafts
         self.max_match = max_match
         self.cal = calibration or default_calibration()
         self.capture_layer_ids = [0]
@@ -59,7 +59,7 @@ class SuffixEngineDrafter:
 
     def draft(self, req: DraftRequest) -> DraftProposal:
         idx = session_index(req, self.max_match)
-        d, ps, score = lookup_only(idx, self.block_size, self.cal)
+        d, ps, score = lookup_only(idx, self.num_drafts, self.cal)
         return _proposal(d.tokens, "suffix" if d.tokens else "none", score)
 
 
@@ -71,9 +71,9 @@ class HybridEngineDrafter:
                  round_log: Optional[list] = None, num_drafts: Optional[int] = None):
         self.dlite = dlite
         # a chain may run past DLite's K drafts (the lookup continues it): num_drafts >= K
-        self.block_size = dlite.block_size if num_drafts is None else int(num_drafts)
-        if self.block_size < dlite.block_size:
-            raise ValueError(f"num_drafts={num_drafts} is below DLite's K={dlite.block_size}; "
+        self.num_drafts = dlite.num_drafts if num_drafts is None else int(num_drafts)
+        if self.num_drafts < dlite.num_drafts:
+            raise ValueError(f"num_drafts={num_drafts} is below DLite's K={dlite.num_drafts}; "
                              "verify a prefix with min_reach or a shorter K instead.")
         self.capture_layer_ids = dlite.capture_layer_ids
         self.hidden_rows_needed = dlite.hidden_rows_needed
@@ -87,18 +87,18 @@ class HybridEngineDrafter:
         return 0 if idx is None else idx.memory_bytes()
 
     def draft(self, req: DraftRequest) -> DraftProposal:
-        K = self.block_size
+        n = self.num_drafts
         idx = session_index(req, self.max_match)
-        lk = lookup_only(idx, K, self.cal)
+        lk = lookup_only(idx, n, self.cal)
         log = None if self.round_log is None else {"ctx_len": len(req.tokens)}
-        if log is None and not needs_dlite(lk, self.cal, self.dlite.block_size):  # calibration logs run DLite always
-            c = choose(idx, K, self.cal, lookup=lk, min_reach=self.min_reach)
+        if log is None and not needs_dlite(lk, self.cal, self.dlite.num_drafts):  # calibration logs run DLite always
+            c = choose(idx, n, self.cal, lookup=lk, min_reach=self.min_reach)
         else:
             ctx, valid, history, offset = self.dlite.context_inputs(req)
             anchor = torch.tensor([req.tokens[-1]], device=req.hidden.device)
             prop = self.dlite.model.propose(ctx, valid, anchor, history=history, round_offset=offset,
                                             return_confidence=True)
-            c = choose(idx, K, self.cal, prop.tokens[0].tolist(), prop.confidence[0].tolist(),
+            c = choose(idx, n, self.cal, prop.tokens[0].tolist(), prop.confidence[0].tolist(),
                        lookup=lk, min_reach=self.min_reach, log=log)
         if log is not None:
             log.update(source=c.source, tokens=c.tokens, score=c.score, split=c.split)

@@ -5,7 +5,7 @@ Reusable by ``bench/acceptance.py``, the sglang end-to-end bench and the trainin
 ``generate(prompt_ids, max_new_tokens, temperature=, top_p=, seed=, session=, speculative=)``
 returning a result with ``output_ids``, ``rounds`` (``context_len``, ``accepted``, ``committed``,
 ``draft_ms``, ``verify_ms``), ``prefill_ms``, ``decode_ms``, ``reused_prefix``; ``new_session()``;
-``max_positions``; ``drafter.block_size``.
+``max_positions``; ``drafter.num_drafts``.
 
 Per conversation one speculative ``Session`` (and one target-alone session when the
 autoregressive baseline runs), so each turn reuses the KV of the previous ones. Every turn is run
@@ -138,7 +138,7 @@ class _Side:
 
 @dataclass
 class ReplayStats:
-    block_size: int = 0
+    num_drafts: int = 0  # the drafter's drafts per round, at most
     conversations: int = 0
     skipped_turns: int = 0
     rounds: list = field(default_factory=list)  # (context_len, accepted)
@@ -166,7 +166,7 @@ class ReplayStats:
             self.verify_ms += r.verify_ms
 
     def to_dict(self) -> dict:
-        K = self.block_size
+        K = self.num_drafts
         n = len(self.rounds)
         by_ctx, rounds_by_ctx = {}, {}
         for name, _, _ in CONTEXT_BUCKETS + ((">=8k", 0, 0),):
@@ -209,7 +209,7 @@ class ReplayStats:
             "rounds_by_context": rounds_by_ctx,
             "per_position_accept": per_pos,
             "per_position_accept_conditional": cond,
-            "block_size": K,
+            "num_drafts": K,
             "rounds": n,
             "drafted_tokens_per_round": (sum(x[3] for x in self.sources) / n) if n and self.sources else None,
             "source_share": {s: d["share"] for s, d in by_src.items()},
@@ -272,7 +272,7 @@ def replay(engine, tokenizer, conversations: list, max_new_tokens: int, *, tempe
     greedy = temperature <= 0
     check = bool(check_lossless and greedy)
     autoregressive = autoregressive or check
-    stats = ReplayStats(block_size=int(engine.drafter.block_size) if engine.drafter is not None else 0)
+    stats = ReplayStats(num_drafts=int(engine.drafter.num_drafts) if engine.drafter is not None else 0)
     skip_ids = eos_token_ids(tokenizer, engine.target)
     bar = tqdm(total=sum(count_turns(c) for c in conversations), desc=desc, unit="turn", disable=not progress)
     t0 = time.perf_counter()
