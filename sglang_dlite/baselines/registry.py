@@ -60,8 +60,8 @@ def shipped_checkpoint(name: str) -> Optional[str]:
 
 
 def default_checkpoint(name: str) -> str:
-    """Where ``--drafter NAME`` loads from (and ``train --drafter-type NAME`` writes to): the
-    trained one in the baselines folder, else the shipped one."""
+    """Where ``--drafter NAME`` loads from (and ``python -m sglang_dlite.baselines.train
+    --drafter-type NAME`` writes to): the trained one in the baselines folder, else the shipped one."""
     trained = os.path.join(baselines_dir(), name)
     if _is_checkpoint(trained):
         return trained
@@ -106,10 +106,12 @@ def engine_adapter(name: str, model):
 def _missing(name: str, path: str, explicit: bool) -> DLiteConfigError:
     if explicit:
         return DLiteConfigError(f"--drafter {name}:{path}: no checkpoint there (it needs config.json and "
-                                f"model.safetensors, as written by `sglang-dlite train --drafter-type {name}`).")
+                                "model.safetensors, as written by `python -m sglang_dlite.baselines.train "
+                                f"--drafter-type {name}`).")
     return DLiteConfigError(
         f"--drafter {name}: no trained checkpoint at {path!r} (the package ships one for "
-        f"{', '.join(SHIPPED_BASELINES) or 'none'} only); run `make train-baselines` (or `sglang-dlite train --drafter-type {name} --out {path}`), "
+        f"{', '.join(SHIPPED_BASELINES) or 'none'} only); run `make train-baselines` (or `python -m "
+        f"sglang_dlite.baselines.train --drafter-type {name} --out {path}`), "
         f"or pass {name}:PATH."
     )
 
