@@ -1,18 +1,13 @@
 """Fast greedy regeneration for ``gen-data --engine fast``: a pure-torch batched decode loop over a
-HF Llama target with a preallocated static KV cache and continuous batching.
+HF Llama target (``fast_llama.FastLlama``: static KV cache, fp32 or bf16, MKL-packed weights).
 
-* **Static KV cache** and the batched forward: ``fast_llama.FastLlama`` (one preallocated
-  ``[layers, slots, kv_heads, max_len, head_dim]`` cache, written in place).
-* **Continuous batching**: every active conversation occupies one slot; a decode step runs all
-  slots at their own positions (one GEMM per weight for the whole batch); a finished turn of a
-  multi-turn conversation appends the next user turn to the *same* slot (only the new tokens are
-  prefilled: earlier turns are never recomputed), a finished conversation's slot is refilled from
-  the queue at once. Prompts are length-sorted within a window so that slots decode similar
-  context lengths (the attention of a step runs to the longest active context).
+* **Continuous batching**: every active conversation occupies one slot; a step runs all slots at
+  their own positions (one GEMM per weight for the whole batch); a finished turn of a multi-turn
+  conversation appends the next user turn to the *same* slot (only the new tokens are prefilled:
+  earlier turns are never recomputed), a finished conversation's slot is refilled from the queue
+  at once. Prompts are length-sorted within a window so that slots decode similar context lengths.
 * **Features captured while generating** (outputs of the capture layers and of the final norm,
   fp16, the same layout as ``features.save_features``): no second target pass.
-* fp32 (default) or bf16; fp32 weights packed once for MKL's sgemm (``packed=False``: plain
-  matmuls, for A/B; end to end +3 % and +11 % in two runs of 64 conversations at 32 slots).
 
 Exactness: the output is the target's greedy decoding, computed with other GEMM shapes than
 HF's batch-1 forward, so a near-tie can round the other way. ``exactness.relabel`` runs one float32 HF

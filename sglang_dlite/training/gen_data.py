@@ -5,20 +5,12 @@ greedy decoding), turn by turn, each turn conditioned on the earlier *regenerate
 sequence is built from token ids directly (chat-template text of the user turns + the target's
 own generated ids), so the training tokens are exactly what the target produced.
 
-Prompt sources (``--prompts name[:count] ...``: sharegpt, bfcl, stdlib, agent, jsonl:PATH) are in
-``prompts.py``; the engines in ``fast_regen.py`` (default), ``spec_regen.py``, ``sglang_regen.py`` and
-``hf_regen.py``.
-
-Engines (``--engine``): ``fast`` (default, greedy): ``fast_regen.FastRegenerator``, a pure-torch
-decode loop with a static KV cache and continuous batching across shards (finished conversations'
-slots are refilled at once, later turns prefill only their new tokens), features captured while
-generating; with ``--spec-drafts K`` it verifies per-row suffix-lookup drafts instead of decoding
-one token per step (``spec_regen.SpecRegenerator``, the same greedy text); ``sglang``: sglang's
-offline engine (continuous batching, radix cache) + one float32 target pass for the features
-(``sglang_regen.py``); ``hf``: HF ``generate`` with left padding, batched over the conversations
-of a shard (needed for sampling). ``bench/gen_throughput.py`` compares them. Output is resumable:
-finished shards are skipped, and the fast engine keeps each finished conversation of a shard still
-in flight (``shard_parts.py``), so a stopped run loses at most the conversations it was decoding.
+Prompt sources (``--prompts name[:count] ...``) are in ``prompts.py``; the turn rules every engine
+follows in ``turns.py``; the engines (``--engine``, see its help; ``bench/gen_throughput.py`` compares
+them) in ``fast_regen.py`` (default; ``spec_regen.py`` with ``--spec-drafts``), ``sglang_regen.py`` and
+``hf_regen.py``; the output folder in ``gen_output.py``. Output is resumable: finished shards are
+skipped, and the fast engine keeps each finished conversation of a shard still in flight
+(``shard_parts.py``), so a stopped run loses at most the conversations it was decoding.
 """
 
 from __future__ import annotations

@@ -48,12 +48,9 @@ class Regenerator:
             res.append(row)
             self.new_tokens += len(row)
         if self.capture_layers:
-            buf = cap.take()
-            # buf[k][0]: prefill [B, L, H]; buf[k][t]: decode step t consumed generated token t-1.
-            per_k = []
-            for chunks in buf:
-                dec = torch.cat(chunks[1:], dim=1) if len(chunks) > 1 else chunks[0][:, :0]
-                per_k.append((chunks[0], dec))
+            # module k's chunks[0]: the prefill [B, L, H]; chunks[t]: decode step t consumed generated token t-1
+            per_k = [(chunks[0], torch.cat(chunks[1:], dim=1) if len(chunks) > 1 else chunks[0][:, :0])
+                     for chunks in cap.take()]
             for i, (p, row) in enumerate(zip(prompts, res)):
                 n_dec = max(len(row) - 1, 0)
                 f = torch.stack([torch.cat([pre[i, L - len(p):], dec[i, :n_dec]], dim=0) for pre, dec in per_k], dim=1)

@@ -1,18 +1,13 @@
 """Finished conversations of a shard that is still being generated, one file each.
 
 gen-data's fast engine streams the conversations of several claimed shards through one batch and
-writes a shard only when its last conversation finishes. Long multi-turn conversations (the
-agent and toolchat sources: up to 4k tokens of context, three turns) keep many shards in flight
-for an hour or more on a CPU, so a run that is stopped (a working period ends, ``kill``, a crash)
-used to lose every finished conversation of every unfinished shard.
-
-Each finished conversation is written at once to ``<shard>.parts/<index>.pt`` (written to a
-temporary name and renamed: a kill mid-write leaves no half file). When a later run claims that
-shard it reads those parts back and regenerates only the missing conversations; the shard written
-at the end holds the same ids as an uninterrupted run's (each conversation is the target's greedy
-text, whatever else shares the batch; features agree up to float rounding). A part records a key of its conversation and of the
-generation settings, so a part from another prompt plan or other settings is not reused. The
-folder is removed once the shard is written.
+writes a shard only when its last conversation finishes (long agent/toolchat conversations keep
+shards in flight for an hour or more on a CPU). So that a stopped run (kill, crash, the end of a
+working period) loses none of them, each finished conversation is written at once to
+``<shard>.parts/<index>.pt`` (atomically), with a key of its conversation and of the generation
+settings; a later run that claims the shard reads back the parts whose key matches and regenerates
+only the rest (the same ids as an uninterrupted run's: each conversation is the target's greedy
+text, whatever shares the batch). The folder is removed once the shard is written.
 """
 
 from __future__ import annotations

@@ -6,12 +6,10 @@ Every step, each active row proposes up to K drafts from a suffix index over its
 token), cut where the calibrated probability that a draft is still reached falls below
 ``min_reach`` (``lookup.chooser``'s table, fitted on training prompts); rows without a
 confident match draft nothing and decode one token as before; which drafts a step verifies is
-``speculation.verify_width.select_drafts``. The round itself is ``FastRegenerator._step``:
-``FastLlama.verify`` runs all rows' ``[last token, d_1 .. d_k]`` in one pass (the weight GEMMs
-over the real tokens only), and the reference engine's ``accept_round`` keeps the longest prefix
-of drafts equal to the target's greedy tokens plus the target's bonus token. So the text is the
-target's own greedy text, whatever the drafts: a draft only decides how many positions are scored
-in one pass. Tokens after an end of turn or past the turn's room are never committed.
+``speculation.verify_width.select_drafts``. The round itself is ``FastRegenerator._step`` (one
+``FastLlama.verify`` pass over every row's ``[last token, d_1 .. d_k]``, then ``accept_round``), so
+the text is the target's own greedy text whatever the drafts: a draft only decides how many
+positions are scored in one pass.
 
 Features (captured layers + final norm) come from the verify pass: the rows of the committed
 inputs (the previous last token and the accepted drafts), the same positions a plain step captures.
