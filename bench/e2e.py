@@ -20,7 +20,7 @@ engine instead (concurrency 1 only).
 DLITE modes: ``dlite`` is DLITE's default drafting, which is hybrid (DLite + the per-request suffix
 lookup, chosen per request every round); ``hybrid`` says so explicitly; ``hybrid-fixed`` verifies all W-1 drafts every round
 (``SGLANG_DLITE_VERIFY_WIDTH=fixed``; on a CPU the default picks each round's width from the
-chains' calibrated acceptance and the verify cost it has measured, ``spec/verify_width.py``);
+chains' calibrated acceptance and the verify cost it has measured, ``speculation/verify_width.py``);
 ``dlite-only`` turns the
 lookup off (``SGLANG_DLITE_LOOKUP=0``: DLite alone, the previous release's drafting). The suffix
 lookup indexes only the request's own tokens (prompt + its output so far): a replayed request
@@ -267,7 +267,7 @@ def _round_stats(path, offset):
 def level_row(mode, concurrency, metas, wall, lat) -> dict:
     """One (mode, concurrency) row from its requests' counts, for both engines: ``metas`` are
     sglang's ``meta_info`` (``completion_tokens``, the prefill's token included; ``spec_verify_ct``)
-    or the reference engine's same counts (``reference_meta``); tau is ``spec.tau.tau_of_sglang``."""
+    or the reference engine's same counts (``reference_meta``); tau is ``speculation.tau.tau_of_sglang``."""
     toks = sum(int(m["completion_tokens"]) for m in metas)
     t = tau_of_sglang(metas)
     return {"mode": mode, "concurrency": concurrency, "requests": len(metas), "output_tokens": toks,

@@ -157,7 +157,7 @@ def fit(rounds):
 
 
 def simulate(rounds, cal, K):
-    """The chooser on the logged rounds: tau (``spec/tau.py`` of the simulated rounds' accepted
+    """The chooser on the logged rounds: tau (``speculation/tau.py`` of the simulated rounds' accepted
     drafts), per-source rounds, calibration pairs."""
     from sglang_dlite.lookup.chooser import expected_accepted
     from sglang_dlite.speculation.tau import tau_of_rounds

@@ -108,7 +108,7 @@ def load_draft_cost(results_dir: str):
 
 # ---------------------------------------------------------------------------- tables
 def pooled_by_context(rs):
-    """Tau per context bucket pooled over several result files (``spec.tau.pool_tau``: their
+    """Tau per context bucket pooled over several result files (``speculation.tau.pool_tau``: their
     committed tokens over their rounds) -> {bucket: (tau, rounds)}."""
     parts = {}
     for r in rs:

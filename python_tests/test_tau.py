@@ -192,7 +192,7 @@ def _project_files():
 
 
 def test_no_module_computes_tau_by_itself():
-    """Every τ of sglang_dlite/ and bench/ comes from spec/tau.py: no other module divides,
+    """Every τ of sglang_dlite/ and bench/ comes from speculation/tau.py: no other module divides,
     averages or re-weights one."""
     found = {rel: hits for rel, p in _project_files() if rel != "sglang_dlite/speculation/tau.py"
              for hits in [tau_computations(p.read_text(encoding="utf-8"), rel)] if hits}
@@ -200,7 +200,7 @@ def test_no_module_computes_tau_by_itself():
 
 
 def test_spec_tau_has_one_formula():
-    """In spec/tau.py itself the scan finds a τ division in one function only: ``tau``."""
+    """In speculation/tau.py itself the scan finds a τ division in one function only: ``tau``."""
     src = (ROOT / "sglang_dlite" / "speculation" / "tau.py").read_text(encoding="utf-8")
     tree = ast.parse(src)
     spans = {n.name: (n.lineno, n.end_lineno) for n in tree.body if isinstance(n, ast.FunctionDef)}
@@ -209,7 +209,7 @@ def test_spec_tau_has_one_formula():
 
 
 @pytest.mark.parametrize("code", [
-    # how τ was computed before spec/tau.py was the only place (each one a different convention)
+    # how τ was computed before speculation/tau.py was the only place (each one a different convention)
     "row = {'tau': round(toks / verify, 3) if verify else None}",
     "row = {'tau': round((toks - len(reqs)) / rounds, 3) if rounds else None}",
     "def tau(self):\n    return sum(r.committed for r in self.rounds) / max(len(self.rounds), 1)",

@@ -55,7 +55,7 @@ class GenerationResult:
 
     @property
     def tau(self) -> float:
-        """τ of this request (``spec/tau.py``: committed tokens per verify round, the prefill's
+        """τ of this request (``speculation/tau.py``: committed tokens per verify round, the prefill's
         token excluded, only the returned tokens); NaN when no verify round ran."""
         t = tau_of_requests([(len(self.output_ids), len(self.rounds))])
         return float("nan") if t is None else t

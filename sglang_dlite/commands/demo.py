@@ -8,7 +8,7 @@ tokens, twice, with DLITE's default drafting (hybrid: DLite + the suffix lookup;
 up to 15 drafts and a per-round verify width): in float32 (exactness: greedy outputs must be
 identical) and in bfloat16 (speed: what this CPU runs fast; the outputs may part only at bf16
 precision ties, each one checked against the float32 target).
-Prints the text, tau (``spec/tau.py``: committed tokens per verify round, the prefill's token
+Prints the text, tau (``speculation/tau.py``: committed tokens per verify round, the prefill's token
 excluded, from sglang's completion_tokens and spec_verify_ct), tokens/s of both runs and the
 comparison of the outputs; exits 1 on a real mismatch.
 

@@ -104,7 +104,7 @@ CPU_HYBRID_DRAFT_TOKENS = 16
 def default_num_draft_tokens(block_size: int, server_args, environ=None) -> int:
     """W when --speculative-num-draft-tokens is unset: K + 1 (anchor + all of DLite's drafts;
     GPUs: one CUDA-graph shape), or ``CPU_HYBRID_DRAFT_TOKENS`` where hybrid drafting picks the
-    verify width per round (a CPU; see spec/verify_width.py)."""
+    verify width per round (a CPU; see speculation/verify_width.py)."""
     device = str(getattr(server_args, "device", None) or "")
     tp = int(getattr(server_args, "tp_size", 1) or 1)
     if (lookup_enabled(environ) and device.startswith("cpu")

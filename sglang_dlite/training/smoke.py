@@ -128,7 +128,7 @@ def check_lossless(target_path: str, drafter_path: str, n_prompts: int = 2, max_
     res = [eng.generate(list(p), max_new_tokens) for p in prompts]
     want = target_greedy(target, prompts, max_new_tokens)
     got = [r.output_ids for r in res]
-    t = tau_of_requests((len(r.output_ids), len(r.rounds)) for r in res)  # spec/tau.py: the prefill's token excluded
+    t = tau_of_requests((len(r.output_ids), len(r.rounds)) for r in res)  # speculation/tau.py: the prefill's token excluded
     return {"identical": got == want, "tau": float("nan") if t is None else t, "outputs": got,
             "target": want, "prompts": prompts}
 

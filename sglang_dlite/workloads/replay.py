@@ -156,7 +156,7 @@ class ReplayStats:
 
     def add_spec(self, res):
         self.spec.add(res)
-        # accepted + 1 per round, the tokens past the turn's EOS / limit not counted (spec/tau.py)
+        # accepted + 1 per round, the tokens past the turn's EOS / limit not counted (speculation/tau.py)
         self.committed += committed_per_round([r.accepted for r in res.rounds], len(res.output_ids))
         for r in res.rounds:
             self.rounds.append((int(r.context_len), int(r.accepted)))
