@@ -44,8 +44,7 @@ def save_shard(path: str, seqs: list, masks: list) -> dict:
     if len(seqs) != len(masks):
         raise ValueError("seqs and masks differ in length")
     offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
-    for i, s in enumerate(seqs):
-        offsets[i + 1] = offsets[i] + len(s)
+    offsets[1:] = np.cumsum([len(s) for s in seqs])
     ids = np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]) if seqs else np.zeros(0, np.int32)
     mask = np.concatenate([np.asarray(m, dtype=np.uint8) for m in masks]) if masks else np.zeros(0, np.uint8)
     tmp = path + ".tmp.npz"
@@ -110,6 +109,15 @@ def select_shards(shards: list, specs) -> list:
                             f"{', '.join(sources) or 'none'}); write SOURCE, SOURCE:LO-HI or a file glob.")
         picked.update(hit)
     return [sh for sh in shards if sh["file"] in picked]
+
+
+def read_json(path: str):
+    """The JSON object in ``path``, or None when it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def read_manifest(data_dir: str) -> dict:

@@ -112,9 +112,7 @@ def barrier() -> None:
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """In-place all-reduce over the ranks (no-op in one process); ``op``: sum | min | max."""
     if STATE.world > 1:
-        ops = {"sum": torch.distributed.ReduceOp.SUM, "min": torch.distributed.ReduceOp.MIN,
-               "max": torch.distributed.ReduceOp.MAX}
-        torch.distributed.all_reduce(t, op=ops[op])
+        torch.distributed.all_reduce(t, op=getattr(torch.distributed.ReduceOp, op.upper()))
     return t
 
 

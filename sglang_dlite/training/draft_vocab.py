@@ -81,7 +81,10 @@ def run(args) -> int:
     out = args.out or args.drafter
     saved_dtype = _checkpoint_float_dtype(args.drafter)
     line = apply(d, args.data, args.size)
-    card = _card_text(args.drafter)
+    card, card_path = None, os.path.join(args.drafter, "README.md")
+    if os.path.isfile(card_path):
+        with open(card_path) as f:
+            card = f.read()
     d.save_pretrained(out, dtype=saved_dtype)
     if card is not None:
         with open(os.path.join(out, "README.md"), "w") as f:
@@ -91,14 +94,6 @@ def run(args) -> int:
 
 
 CARD_PREFIX = "- Drafting vocabulary: "
-
-
-def _card_text(path: str):
-    card = os.path.join(path, "README.md")
-    if not os.path.isfile(card):
-        return None
-    with open(card) as f:
-        return f.read()
 
 
 def with_card_line(card: str, line: str) -> str:

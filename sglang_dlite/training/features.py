@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from ..engine import LayerCapture, decoder_layers
 from ..target import load_target
-from .data import DataError, load_shard, read_manifest
+from .data import DataError, load_shard, read_json, read_manifest
 
 
 def feature_modules(model, layer_ids):
@@ -47,22 +47,14 @@ def feat_paths(shard_path: str, layer_ids=None):
     return base + ".feat" + tag + ".npy", base + ".feat" + tag + ".json"
 
 
-def _meta_layers(meta_path: str):
-    try:
-        with open(meta_path) as fh:
-            return list(json.load(fh).get("layer_ids", []))
-    except (OSError, ValueError):
-        return None
-
-
 def _paths_for(shard_path: str, layer_ids):
     """Where features of ``layer_ids`` are (or go): the primary file if it holds these layers
     (or does not exist yet), else the per-layer-set file."""
     npy, meta = feat_paths(shard_path)
     if not os.path.isfile(meta):
         return npy, meta
-    have = _meta_layers(meta)
-    if have is None or have == list(layer_ids):  # unreadable: load_features reports it
+    have = read_json(meta)
+    if have is None or list(have.get("layer_ids", [])) == list(layer_ids):  # unreadable: load_features reports it
         return npy, meta
     return feat_paths(shard_path, layer_ids)
 

@@ -9,7 +9,8 @@ import json
 import os
 from typing import Optional
 
-from .run_summary import read_json, read_training_json, summarize, write_training_json
+from .data import read_json
+from .run_summary import read_training_json, summarize, write_training_json
 
 BENCH_CMD = ("python bench/acceptance.py --engine reference --drafter {drafter} --workload {wl} --max-convs <N> "
              "--max-new-tokens 128 --check-lossless --threads 1 --ar-cache artifacts/results/v2/ar_<workload>.jsonl --out {out}")

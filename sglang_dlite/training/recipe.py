@@ -37,14 +37,12 @@ DEFAULT_GEN = dict(
     max_user_tokens=640, max_len=1536, temperature=0.0, top_p=1.0, seed=0,
 )
 DEFAULT_GEN_BUDGET_MIN = 75.0  # with the 55-minute training budget: <= 3 h on 2 cores, features included
+# the trainer's options that differ from `sglang-dlite train`'s defaults (which give the rest, bf16
+# autocast included: on a GPU only, as on a CPU without bf16 instructions it is emulated, 3.4x slower)
 DEFAULT_TRAIN = dict(
     # step counts are upper bounds: the stage budgets (--stage-budget-min) end each stage
     steps_teacher=20000, steps_distill=20000, steps_stabilize=40000, lr=1.5e-3, batch_size=32, seqs_per_batch=2,
-    gamma=4.0, ce_weight=1.0, tv_weight=1.0, clip=1.0, warmup_frac=0.05, vocab_subset=8192,
-    # None: the device's default (bf16 autocast on a GPU, float32 on a CPU). Was True: on a CPU without
-    # bf16 instructions autocast is emulated, 3.4x fewer anchors per second in the same wall budget.
-    bf16=None,
-    eval_every=40, eval_anchors=256, save_every=10, seed=0,
+    vocab_subset=8192, eval_every=40, save_every=10,
     # every position is a training anchor (prompt text too): ~3.3x the anchors of the same data
     anchor_tokens="all",
     # EAGLE-3's low/mid/high choice beat the method's proportional 10,12 on held-out tau (model card)
@@ -146,22 +144,21 @@ def run(args) -> int:
     t2 = time.time()
     final = os.path.join(out, "stabilize", "model")
     summary = summarize(out, args.data)
-    summary["wall_s"] = {"gen_data_this_run": round(t1 - t0, 1), "train_this_run": round(t2 - t1, 1)}
-
-    summary["training"] = read_training_json(final)
     name = export_name(target_path, is_default)
-    summary.update(target_name=os.path.basename(os.path.normpath(target_path)), export_name=name,
-                   drafter_config=read_drafter_config(final))
+    summary.update(wall_s={"gen_data_this_run": round(t1 - t0, 1), "train_this_run": round(t2 - t1, 1)},
+                   training=read_training_json(final), target_name=os.path.basename(os.path.normpath(target_path)),
+                   export_name=name, drafter_config=read_drafter_config(final))
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
     dest = args.export or os.path.join(out, name)
-    export(final, dest, render_card(summary), args.data, args.draft_vocab)
+    card = render_card(summary)
+    export(final, dest, card, args.data, args.draft_vocab)
     print(f"train-default: exported {dest} ({os.path.getsize(os.path.join(dest, 'model.safetensors')) / 1e6:.1f} MB)")
     if args.install:
         if not is_default:
             print("train-default: --install is for the bundled target's shipped drafter; not installing a drafter "
                   f"for {target_path}")
             return 0
-        export(final, SHIPPED_DRAFTER_DIR, render_card(summary), args.data, args.draft_vocab)
+        export(final, SHIPPED_DRAFTER_DIR, card, args.data, args.draft_vocab)
         print(f"train-default: installed as the shipped default drafter in {SHIPPED_DRAFTER_DIR}")
     return 0

@@ -10,7 +10,7 @@ import os
 from typing import Optional
 
 from .checkpoint import read_metrics
-from .data import read_manifest, select_shards, shard_source
+from .data import read_json, read_manifest, select_shards, shard_source
 from .options import STAGES
 
 
@@ -105,15 +105,6 @@ def training_record(s: dict, stage: Optional[str] = None) -> dict:
             "commands": [x.get("command") for x in info.get("invocations", [])],
         },
     }
-
-
-def read_json(path: str):
-    """The JSON object in ``path``, or None when it is missing or unreadable."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def write_training_json(model_dir: str, record: dict) -> str:

@@ -17,17 +17,12 @@ from ..errors import DLiteConfigError, DLiteInputError
 from ..model import DLiteDrafter
 from . import distributed as dist
 from .checkpoint import plot_curves
-from .data import DataError, read_manifest, select_shards
+from .data import DataError, read_json, read_manifest, select_shards
 from .dataset import FeatureData
 from .features import ensure_features
 from .loop import Paused, run_stage
 from .options import STAGES, Stage, TrainOptions
-from .run_summary import read_json
 from .stream import ShardStream
-
-
-def bind(model: DLiteDrafter, embed_w, head_w) -> DLiteDrafter:
-    return model.bind_target(embed_w, head_w)
 
 
 def make_config(target_cfg, history: str, overrides: dict) -> DLiteConfig:
@@ -129,18 +124,18 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
     tc = target.config
     student_cfg = make_config(tc, opts.student_history, opts.config_overrides)
     layer_ids = student_cfg.target_layer_ids
+    shards = select_shards(read_manifest(data_dir).get("shards", []), opts.shards)
+    if not shards:
+        raise DataError(f"{data_dir!r} lists no finished shards; run `sglang-dlite gen-data` first.")
+    if main:  # missing features are computed once, by rank 0
+        ensure_features(data_dir, shards, lambda: target, layer_ids, progress=opts.progress)
+    dist.barrier()
     stream_info = None
     if opts.stream_window:
-        data, stream_info = _streaming_data(target, data_dir, layer_ids, opts)
+        data, stream_info = _streaming_data(data_dir, shards, layer_ids, opts)
     else:
-        files = ([sh["file"] for sh in select_shards(read_manifest(data_dir).get("shards", []), opts.shards)]
-                 if opts.shards else None)
-        if main:  # missing features are computed once, by rank 0
-            data = FeatureData(data_dir, layer_ids, model_loader=lambda: target, progress=opts.progress,
-                               anchor_tokens=opts.anchor_tokens, shard_files=files)
-        dist.barrier()
-        if not main:
-            data = FeatureData(data_dir, layer_ids, anchor_tokens=opts.anchor_tokens, shard_files=files)
+        data = FeatureData(data_dir, layer_ids, anchor_tokens=opts.anchor_tokens,
+                           shard_files=[sh["file"] for sh in shards] if opts.shards else None)
     embed_w = target.get_input_embeddings().weight.detach()
     head_w = target.get_output_embeddings().weight.detach()
     stages = list(opts.stages)
@@ -183,16 +178,10 @@ def train_pipeline(target, data_dir: str, out_dir: str, opts: TrainOptions) -> d
     return done
 
 
-def _streaming_data(target, data_dir: str, layer_ids, opts):
+def _streaming_data(data_dir: str, shards: list, layer_ids, opts):
     """(held-out FeatureData over ``opts.eval_shards`` evenly spaced shards, with ``.stream`` the
-    training ShardStream over every finished shard; info for train_info.json). Every rank builds
-    the same stream and trains on its slice of each global batch."""
-    shards = select_shards(read_manifest(data_dir).get("shards", []), opts.shards)
-    if not shards:
-        raise DataError(f"{data_dir!r} lists no finished shards; run `sglang-dlite gen-data` first.")
-    if dist.is_main():
-        ensure_features(data_dir, shards, lambda: target, layer_ids, progress=opts.progress)
-    dist.barrier()
+    training ShardStream over all ``shards``; info for train_info.json). Every rank builds the same
+    stream and trains on its slice of each global batch."""
     files = sorted(sh["file"] for sh in shards)
     step = max(1, len(files) // max(1, opts.eval_shards))
     data = FeatureData(data_dir, layer_ids, anchor_tokens=opts.anchor_tokens, shard_files=files[::step][:opts.eval_shards])
@@ -221,7 +210,7 @@ def _run_stages(stages, opts, target, student_cfg, data, out_dir, embed_w, head_
     def stage(name, lr, loss, history, start, teacher=None):
         model_dir = os.path.join(out_dir, name, "model")
         if _finished(out_dir, name, opts):
-            model = bind(DLiteDrafter.from_pretrained(model_dir), embed_w, head_w).train()
+            model = DLiteDrafter.from_pretrained(model_dir).bind_target(embed_w, head_w).train()
         else:
             model = run_stage(Stage(name, opts.steps[name], lr, loss, history), start(), data, out_dir, opts, teacher)
         done[name] = model_dir
@@ -229,7 +218,7 @@ def _run_stages(stages, opts, target, student_cfg, data, out_dir, embed_w, head_
 
     def fresh(cfg, init_drafter=None):
         """A new drafter, started from --init-from-drafter or the target's --init-from-target-layers."""
-        model = bind(DLiteDrafter(cfg), embed_w, head_w)
+        model = DLiteDrafter(cfg).bind_target(embed_w, head_w)
         if init_drafter:
             init_from_drafter(model, init_drafter)
         elif opts.init_layers:
@@ -237,7 +226,7 @@ def _run_stages(stages, opts, target, student_cfg, data, out_dir, embed_w, head_
         return model
 
     def distill_start():
-        student = bind(DLiteDrafter(student_cfg), embed_w, head_w)
+        student = DLiteDrafter(student_cfg).bind_target(embed_w, head_w)
         if opts.distill_init == "teacher":
             student.load_state_dict(teacher.state_dict(), strict=False)
         teacher.requires_grad_(False)

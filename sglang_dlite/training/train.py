@@ -47,7 +47,7 @@ from .dataset import FeatureData, eval_groups, sample_batch  # noqa: F401 - the 
 from .evaluation import evaluate, make_engine_eval
 from .loop import Paused, lr_at, run_stage, target_probs  # noqa: F401
 from .options import STAGES, Stage, TrainOptions, add_arguments, options_from_args  # noqa: F401
-from .stages import bind, init_from_drafter, init_from_target_layers, make_config, train_pipeline  # noqa: F401
+from .stages import init_from_drafter, init_from_target_layers, make_config, train_pipeline  # noqa: F401
 
 
 def run(args) -> int:
