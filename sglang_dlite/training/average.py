@@ -2,9 +2,8 @@
 
 A drafter fine-tuned from another (v8 -> v9 on new data -> v10 on more of it, each with
 ``--init-from-drafter``) stays in the first one's basin of the loss, and the average of their
-weights often generalizes better than any one of them (Wortsman et al., 2022, "Model soups"). Here
-the uniform average of v8, v9 and v10 was the only drafter that matched or beat v8 on every
-built-in workload and on every held-out source at once (README, status section), and it ships.
+weights often generalizes better than any one of them (Wortsman et al., 2022, "Model soups"; the
+shipped drafter is such an average, CHANGELOG.md).
 
 Only drafters that are the same function of their weights can be averaged: the same config (K, C,
 layers, rank, head, captured target layers, target shape) and the same drafting vocabulary. The

@@ -124,10 +124,6 @@ def reduce_scalars(values, op: str = "sum") -> list:
     return all_reduce(t, op).tolist()
 
 
-def min_int(x: int) -> int:
-    return int(reduce_scalars([x], "min")[0])
-
-
 def any_rank(flag: bool) -> bool:
     """True on every rank if it is True on any (a decision every rank must take together)."""
     return bool(reduce_scalars([1.0 if flag else 0.0], "max")[0])

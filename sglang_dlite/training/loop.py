@@ -308,7 +308,7 @@ class _StageRun:
             # warm-up + cosine schedule still completes inside the budget
             per = self.wall_used / max(step, 1)
             total = max(step + 1, min(self.total, step + int(max(0.0, self.budget - self.wall_used) / max(per, 1e-6))))
-            self.total = dist.min_int(total)
+            self.total = int(dist.reduce_scalars([total], "min")[0])  # every rank plans the same
             self.bar.total = self.total
         if (step % opts.eval_every == 0 or step >= self.total) and main:
             with (self.ema.swapped() if self.ema is not None else nullcontext()):  # the average is what ships

@@ -19,18 +19,12 @@ the target's distribution for draft position i is its prediction at position n+i
 whose next token lies in a generated (assistant) span count; label positions outside such spans
 are ignored.
 
-Everything reads the memory-mapped features: the target never runs during training (features
-missing for a shard are computed once, with one batched forward pass, and cached).
-Each stage writes ``OUT/<stage>/ckpt.pt`` (model + optimizer + step, every ``--save-every``
-steps; ``--resume`` continues from it) and ``OUT/<stage>/model/`` when it finishes; a finished
-stage is skipped on resume. ``OUT/metrics.jsonl`` and ``OUT/curve.png`` record loss and tau.
-
-Devices and processes: ``--device cuda|cpu`` (default: CUDA when available; bf16 autocast on a
-GPU). Data-parallel training is launched by torchrun, e.g.
-``torchrun --nproc-per-node 8 -m sglang_dlite train ...``: DistributedDataParallel (NCCL on GPUs,
-gloo on the CPU), each rank trains on its own slice of every global batch, rank 0 logs, evaluates
-and checkpoints; ``--batch-size`` is per process (distributed.py). A checkpoint resumes under any
-number of processes.
+Training reads the memory-mapped target features (features.py), never the target. Each stage
+writes ``OUT/<stage>/ckpt.pt`` every ``--save-every`` steps (``--resume`` continues from it, under
+any number of processes) and ``OUT/<stage>/model/`` when it finishes; a finished stage is skipped
+on resume. ``OUT/metrics.jsonl`` and ``OUT/curve.png`` record loss and tau. ``--device``: CUDA
+when available (bf16 autocast there); under ``torchrun --nproc-per-node N -m sglang_dlite train``
+each rank trains on its slice of every global batch, ``--batch-size`` per process (distributed.py).
 
 The code: options.py (every option, once), dataset.py / stream.py (batches), loop.py (one stage:
 schedule, losses, DDP, checkpoints), stages.py (the recipe's stages), evaluation.py, checkpoint.py,
