@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .workloads.replay import first_divergence
+from .workloads.replay import first_divergence, tokens_at
 
 # float32 logit gap under which a differing bf16 greedy token is a precision tie: two bf16 steps
 # at |logit| ~ 20 (where bf16 values are 0.125 apart)
@@ -55,8 +55,7 @@ def classify_divergences(prompts, outs, base_outs, score: Score, tie_margin: flo
         n = first_divergence(a, b)
         if n is None:
             continue
-        ta = a[n] if n < len(a) else None
-        tb = b[n] if n < len(b) else None
+        ta, tb = tokens_at(n, a, b)
         diff = None if ta is None or tb is None else float(score(list(p) + list(a[:n]), ta, tb))
         gap = None if diff is None else abs(diff)
         measured = None if noise is None or gap is None else float(noise(list(p) + list(a[:n])))

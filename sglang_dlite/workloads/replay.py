@@ -28,7 +28,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -135,17 +135,54 @@ class _Side:
         # tokens after the first one (which comes from the prefill) over the decode time
         return None if self.decode_ms <= 0 else (self.generated - self.turns) / (self.decode_ms / 1e3)
 
+    def timings(self, side: str) -> dict:
+        """The replay JSON's time and speed keys of this side ("spec" / "ar")."""
+        return {f"{side}_prefill_ms": self.prefill_ms, f"{side}_decode_ms": self.decode_ms,
+                f"{side}_tokens_per_s": self.tokens_per_s(), f"{side}_decode_tokens_per_s": self.decode_tokens_per_s()}
+
+
+class _Round(NamedTuple):
+    """One verify round as replay records it."""
+
+    context_len: int
+    accepted: int
+    committed: int  # tokens it committed to the returned output (speculation/tau.py)
+    source: Optional[str]  # hybrid drafting's source, None for other drafters
+    predicted: Optional[float]  # the source's expected accepted drafts
+    drafted: int
+    draft_ms: float
+    verify_ms: float
+
+
+def _group(rounds: list, key, first=()) -> dict:
+    """The rounds grouped by ``key(round)``: the groups ``first`` (empty or not), then the others
+    in order of first appearance."""
+    out = {g: [] for g in first}
+    for r in rounds:
+        out.setdefault(key(r), []).append(r)
+    return out
+
+
+def _tau(rounds: list) -> Optional[float]:
+    return tau(sum(r.committed for r in rounds), len(rounds))
+
+
+def _source_stats(rounds: list, total_rounds: int) -> dict:
+    """One drafting source's rounds (hybrid drafting): share, tau, predicted vs actual acceptance."""
+    n, predicted, actual = len(rounds), sum(float(r.predicted or 0.0) for r in rounds), sum(r.accepted for r in rounds)
+    return {"rounds": n, "committed": sum(r.committed for r in rounds), "predicted_accepted": predicted,
+            "actual_accepted": actual, "drafted": sum(r.drafted for r in rounds),
+            "rounds_by_context": {b: len(g) for b, g in _group(rounds, lambda r: bucket_of(r.context_len)).items()},
+            "share": n / total_rounds, "tau": _tau(rounds),
+            "mean_predicted_accepted": predicted / n, "mean_actual_accepted": actual / n}
+
 
 @dataclass
 class ReplayStats:
     num_drafts: int = 0  # the drafter's drafts per round, at most
     conversations: int = 0
     skipped_turns: int = 0
-    rounds: list = field(default_factory=list)  # (context_len, accepted)
-    committed: list = field(default_factory=list)  # tokens each round committed to the returned output
-    sources: list = field(default_factory=list)  # (source, predicted, accepted, drafted) per round
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
+    rounds: list = field(default_factory=list)  # _Round per verify round
     spec: _Side = field(default_factory=_Side)
     ar: _Side = field(default_factory=_Side)
     lossless_compared: int = 0
@@ -157,82 +194,65 @@ class ReplayStats:
     def add_spec(self, res):
         self.spec.add(res)
         # accepted + 1 per round, the tokens past the turn's EOS / limit not counted (speculation/tau.py)
-        self.committed += committed_per_round([r.accepted for r in res.rounds], len(res.output_ids))
-        for r in res.rounds:
-            self.rounds.append((int(r.context_len), int(r.accepted)))
-            self.sources.append((getattr(r, "source", None), getattr(r, "predicted", None), int(r.accepted),
-                                 len(r.draft_tokens)))
-            self.draft_ms += r.draft_ms
-            self.verify_ms += r.verify_ms
+        committed = committed_per_round([r.accepted for r in res.rounds], len(res.output_ids))
+        self.rounds += [_Round(int(r.context_len), int(r.accepted), k, getattr(r, "source", None),
+                               getattr(r, "predicted", None), len(r.draft_tokens), r.draft_ms, r.verify_ms)
+                        for r, k in zip(res.rounds, committed)]
+
+    def compare(self, turn, spec, ar, target) -> bool:
+        """Count one lossless comparison of a turn's speculative and target-alone outputs (True: the
+        same); for the first few mismatches the details: position, tokens, the target's logit margin."""
+        self.lossless_compared += 1
+        pos = first_divergence(spec.output_ids, ar.output_ids)
+        if pos is None:
+            return True
+        self.lossless_mismatches += 1
+        if len(self.mismatch_details) < MAX_MISMATCH_DETAILS:
+            spec_token, ar_token = tokens_at(pos, spec.output_ids, ar.output_ids)
+            d = {"conv_id": turn.conv_id, "turn_index": turn.index, "prompt_len": len(turn.prompt_ids),
+                 "position": pos, "spec_token": spec_token, "ar_token": ar_token,
+                 "spec_len": len(spec.output_ids), "ar_len": len(ar.output_ids)}
+            try:
+                d.update(_margin(target, list(turn.prompt_ids) + ar.output_ids[:pos]))
+            except Exception as exc:  # noqa: BLE001 - diagnostics only
+                d["margin_error"] = repr(exc)
+            self.mismatch_details.append(d)
+        return False
 
     def to_dict(self) -> dict:
-        K = self.num_drafts
-        n = len(self.rounds)
-        by_ctx, rounds_by_ctx = {}, {}
-        for name, _, _ in CONTEXT_BUCKETS + ((">=8k", 0, 0),):
-            rs = [k for (c, _), k in zip(self.rounds, self.committed) if bucket_of(c) == name]
-            if name == ">=8k" and not rs:
-                continue
-            by_ctx[name] = tau(sum(rs), len(rs))
-            rounds_by_ctx[name] = len(rs)
-        reach = [sum(1 for _, a in self.rounds if a >= i) for i in range(K + 1)]  # rounds accepting >= i drafts
-        per_pos = [reach[i] / n if n else None for i in range(1, K + 1)]
-        cond = [reach[i] / reach[i - 1] if reach[i - 1] else None for i in range(1, K + 1)]
+        K, rs, n = self.num_drafts, self.rounds, len(self.rounds)
+        by_ctx = _group(rs, lambda r: bucket_of(r.context_len), [name for name, _, _ in CONTEXT_BUCKETS])
+        sources = _group([r for r in rs if r.source is not None], lambda r: r.source)
+        by_src = {s: _source_stats(g, n) for s, g in sources.items()}
+        reach = [sum(1 for r in rs if r.accepted >= i) for i in range(K + 1)]  # rounds accepting >= i drafts
         spec_tps, ar_tps = self.spec.tokens_per_s(), self.ar.tokens_per_s()
-        by_src = {}
-        for (src, pred, a, nd), (c, _), k in zip(self.sources, self.rounds, self.committed):
-            if src is None:
-                continue
-            d = by_src.setdefault(src, {"rounds": 0, "committed": 0, "predicted_accepted": 0.0,
-                                        "actual_accepted": 0, "drafted": 0, "rounds_by_context": {}})
-            d["rounds"] += 1
-            d["committed"] += k
-            d["predicted_accepted"] += float(pred or 0.0)
-            d["actual_accepted"] += a
-            d["drafted"] += nd
-            b = bucket_of(c)
-            d["rounds_by_context"][b] = d["rounds_by_context"].get(b, 0) + 1
-        for d in by_src.values():
-            d["share"] = d["rounds"] / n if n else None
-            d["tau"] = tau(d["committed"], d["rounds"])
-            d["mean_predicted_accepted"] = d["predicted_accepted"] / d["rounds"]
-            d["mean_actual_accepted"] = d["actual_accepted"] / d["rounds"]
-        share_by_ctx = {}
-        for name in rounds_by_ctx:
-            tot = rounds_by_ctx[name]
-            if tot:
-                share_by_ctx[name] = {s: d["rounds_by_context"].get(name, 0) / tot for s, d in by_src.items()}
         return {
-            "tau": tau(sum(self.committed), n),
+            "tau": _tau(rs),
             "tau_definition": TAU_DEFINITION,
-            "tau_by_context": by_ctx,
-            "rounds_by_context": rounds_by_ctx,
-            "per_position_accept": per_pos,
-            "per_position_accept_conditional": cond,
+            "tau_by_context": {b: _tau(g) for b, g in by_ctx.items()},
+            "rounds_by_context": {b: len(g) for b, g in by_ctx.items()},
+            "per_position_accept": [reach[i] / n if n else None for i in range(1, K + 1)],
+            "per_position_accept_conditional": [reach[i] / reach[i - 1] if reach[i - 1] else None
+                                                for i in range(1, K + 1)],
             "num_drafts": K,
             "rounds": n,
-            "drafted_tokens_per_round": (sum(x[3] for x in self.sources) / n) if n and self.sources else None,
+            "drafted_tokens_per_round": sum(r.drafted for r in rs) / n if n else None,
             "source_share": {s: d["share"] for s, d in by_src.items()},
             "by_source": by_src,
-            "source_share_by_context": share_by_ctx,
+            "source_share_by_context": {b: {s: sum(r.source == s for r in g) / len(g) for s in by_src}
+                                        for b, g in by_ctx.items() if g},
             "conversations": self.conversations,
             "turns": self.spec.turns,
             "skipped_turns": self.skipped_turns,
             "generated_tokens": self.spec.generated,
             "prompt_tokens": self.spec.prompt_tokens,
             "reused_prefix_tokens": self.spec.reused_tokens,
-            "draft_ms_per_round": self.draft_ms / n if n else None,
-            "verify_ms_per_round": self.verify_ms / n if n else None,
-            "spec_prefill_ms": self.spec.prefill_ms,
-            "spec_decode_ms": self.spec.decode_ms,
-            "spec_tokens_per_s": spec_tps,
-            "spec_decode_tokens_per_s": self.spec.decode_tokens_per_s(),
+            "draft_ms_per_round": sum(r.draft_ms for r in rs) / n if n else None,
+            "verify_ms_per_round": sum(r.verify_ms for r in rs) / n if n else None,
+            **self.spec.timings("spec"),
             "ar_turns": self.ar.turns,
             "ar_generated_tokens": self.ar.generated,
-            "ar_prefill_ms": self.ar.prefill_ms,
-            "ar_decode_ms": self.ar.decode_ms,
-            "ar_tokens_per_s": ar_tps,
-            "ar_decode_tokens_per_s": self.ar.decode_tokens_per_s(),
+            **self.ar.timings("ar"),
             "speedup": (spec_tps / ar_tps) if spec_tps and ar_tps else None,
             "lossless_compared_turns": self.lossless_compared,
             "lossless_mismatches": self.lossless_mismatches,
@@ -248,6 +268,11 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def tokens_at(pos: int, *outputs: Sequence[int]) -> list:
+    """Each output's token at ``pos`` (None for an output that ends before it)."""
+    return [o[pos] if pos < len(o) else None for o in outputs]
 
 
 def _margin(target, ids: list) -> dict:
@@ -301,22 +326,7 @@ def replay(engine, tokenizer, conversations: list, max_new_tokens: int, *, tempe
                 rec.update(tau=sp_res.tau, rounds=len(sp_res.rounds), generated=len(sp_res.output_ids),
                            reused_prefix=sp_res.reused_prefix)
             if check and sp_res is not None and ar_res is not None:
-                stats.lossless_compared += 1
-                pos = first_divergence(sp_res.output_ids, ar_res.output_ids)
-                rec["lossless_ok"] = pos is None
-                if pos is not None:
-                    stats.lossless_mismatches += 1
-                    if len(stats.mismatch_details) < MAX_MISMATCH_DETAILS:
-                        d = {"conv_id": turn.conv_id, "turn_index": turn.index, "prompt_len": len(turn.prompt_ids),
-                             "position": pos,
-                             "spec_token": sp_res.output_ids[pos] if pos < len(sp_res.output_ids) else None,
-                             "ar_token": ar_res.output_ids[pos] if pos < len(ar_res.output_ids) else None,
-                             "spec_len": len(sp_res.output_ids), "ar_len": len(ar_res.output_ids)}
-                        try:
-                            d.update(_margin(engine.target, list(turn.prompt_ids) + ar_res.output_ids[:pos]))
-                        except Exception as exc:  # noqa: BLE001 - diagnostics only
-                            d["margin_error"] = repr(exc)
-                        stats.mismatch_details.append(d)
+                rec["lossless_ok"] = stats.compare(turn, sp_res, ar_res, engine.target)
             stats.per_turn.append(rec)
             bar.update(1)
             return (ar_res or sp_res).output_ids
