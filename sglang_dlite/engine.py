@@ -16,6 +16,7 @@ A ``Session`` keeps the target KV across the turns of a conversation (prefix reu
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -134,11 +135,6 @@ class Session:
     def cache_len(self) -> int:
         return self.cache.get_seq_length()
 
-    def _crop(self, n: int):
-        drop = self.cache_len - n
-        if drop > 0:
-            self.cache.crop(-drop)
-
     def _append_hidden(self, h: torch.Tensor, start: int):
         if self.hidden is None or self.hidden_start + self.hidden.shape[1] != start:
             self.hidden, self.hidden_start = h, start
@@ -155,11 +151,13 @@ class Session:
             self.hidden = self.hidden[:, cut:].contiguous()
             self.hidden_start += cut
 
-    def _trim_hidden_to(self, n: int):
-        """Forget captured hidden states of positions >= n."""
+    def truncate(self, n: int):
+        """Forget the target KV and the captured hidden states of positions >= n."""
+        drop = self.cache_len - n
+        if drop > 0:
+            self.cache.crop(-drop)
         if self.hidden is not None:
-            keep = max(0, n - self.hidden_start)
-            self.hidden = self.hidden[:, :keep]
+            self.hidden = self.hidden[:, :max(0, n - self.hidden_start)]
 
     def forward(self, ids: list) -> torch.Tensor:
         """Run the target over ids at the end of the cache; returns logits [len(ids), V]."""
@@ -179,12 +177,7 @@ class Session:
         if not prompt:
             raise DLiteInputError("empty prompt: give at least one token.")
         eng = self.engine
-        cached = self.tokens[:-1] if self.tokens else []
-        common = 0
-        for a, b in zip(cached, prompt[:-1]):
-            if a != b:
-                break
-            common += 1
+        common = len(os.path.commonprefix([self.tokens[:-1], prompt[:-1]]))
         # The drafter reads hidden states of the prompt's last `need` positions: the ones before
         # the new suffix must still be in the buffer, else re-run the target from there.
         if eng.capture is not None and common > 0:
@@ -192,21 +185,18 @@ class Session:
             need_from = 0 if need is None else max(0, len(prompt) - need)
             if self.hidden is None or self.hidden_start > need_from:
                 common = min(common, need_from)
-        self._crop(common)
-        self._trim_hidden_to(common)
+        self.truncate(common)
         self.tokens = list(prompt)
         logits = self.forward(list(prompt[common:]))
         self._bound_hidden()
         return logits[-1], common
 
-    def verify(self, anchor_and_drafts: list) -> torch.Tensor:
-        return self.forward(anchor_and_drafts)
+    verify = forward  # one target forward over [anchor] + drafts
 
     def commit(self, new_tokens: list, n_valid: int):
         """After verify: keep KV/hidden of anchor + accepted drafts (n_valid rows), append tokens."""
         base = len(self.tokens) - 1
-        self._crop(base + n_valid)
-        self._trim_hidden_to(base + n_valid)
+        self.truncate(base + n_valid)
         self._bound_hidden()
         self.tokens.extend(new_tokens)
 
@@ -249,13 +239,6 @@ class ReferenceEngine:
     def new_session(self) -> Session:
         return Session(self)
 
-    def _check_len(self, prompt_len: int, max_new_tokens: int):
-        if self.max_positions is not None and prompt_len >= self.max_positions:
-            raise DLiteInputError(
-                f"the prompt has {prompt_len} tokens, over the target's limit of "
-                f"{self.max_positions} positions; shorten it (or truncate old turns)."
-            )
-
     def _pick(self, logits, temperature, top_p, generator):
         if temperature <= 0:
             return int(logits.argmax(-1))
@@ -267,7 +250,9 @@ class ReferenceEngine:
                  top_p: float = 1.0, seed: Optional[int] = None, session: Optional[Session] = None,
                  speculative: bool = True) -> GenerationResult:
         """Generate up to max_new_tokens after ``prompt`` (stops after an EOS token)."""
-        self._check_len(len(prompt), max_new_tokens)
+        if self.max_positions is not None and len(prompt) >= self.max_positions:
+            raise DLiteInputError(f"the prompt has {len(prompt)} tokens, over the target's limit of "
+                                  f"{self.max_positions} positions; shorten it (or truncate old turns).")
         if max_new_tokens < 1:
             raise DLiteInputError("max_new_tokens must be >= 1.")
         gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
@@ -284,27 +269,20 @@ class ReferenceEngine:
         t1 = time.perf_counter()
         use_spec = speculative and self.drafter is not None
         while len(res.output_ids) < limit and res.output_ids[-1] not in self.eos:
-            room = limit - len(res.output_ids)
-            if not use_spec:
-                logits = sess.forward([sess.tokens[-1]])[-1]
-                tok = self._pick(logits, temperature, top_p, gen)
+            if use_spec:
+                self._round(sess, res, temperature, top_p, gen)
+            else:
+                tok = self._pick(sess.forward([sess.tokens[-1]])[-1], temperature, top_p, gen)
                 sess.tokens.append(tok)
                 res.output_ids.append(tok)
-                continue
-            self._round(sess, res, temperature, top_p, gen, room)
         res.decode_ms = (time.perf_counter() - t1) * 1e3
         # Truncate at the first EOS / the limit (a round may have committed past them).
         out = res.output_ids
-        for i, t in enumerate(out):
-            if t in self.eos:
-                out = out[: i + 1]
-                break
-        res.output_ids = out[:limit]
-        extra = len(sess.tokens) - (len(prompt) + len(res.output_ids))
-        if extra > 0:  # keep the session consistent with what was returned
-            sess.tokens = sess.tokens[:-extra]
-            sess._crop(len(sess.tokens) - 1)
-            sess._trim_hidden_to(len(sess.tokens) - 1)
+        end = next((i + 1 for i, t in enumerate(out) if t in self.eos), len(out))
+        res.output_ids = out[:min(end, limit)]
+        if len(sess.tokens) > len(prompt) + len(res.output_ids):  # keep the session consistent with the output
+            sess.tokens = sess.tokens[:len(prompt) + len(res.output_ids)]
+            sess.truncate(len(sess.tokens) - 1)
         return res
 
     def generate_batch(self, prompts: Sequence[list], max_new_tokens: int, **kw) -> list:
@@ -314,7 +292,7 @@ class ReferenceEngine:
         return [self.generate(list(p), max_new_tokens, seed=None if seed is None else seed + i, **kw)
                 for i, p in enumerate(prompts)]
 
-    def _round(self, sess: Session, res: GenerationResult, temperature, top_p, gen, room: int):
+    def _round(self, sess: Session, res: GenerationResult, temperature, top_p, gen):
         ctx_len = len(sess.tokens)
         t0 = time.perf_counter()
         prop = self.drafter.draft(DraftRequest(

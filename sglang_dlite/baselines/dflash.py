@@ -75,25 +75,23 @@ class DFlashLayer(nn.Module):
         self.post_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(H, cfg.intermediate_size)
 
-    def forward(self, x, pos, k_ctx, v_ctx, mask=None):
+    def forward(self, x, pos, k_ctx=None, v_ctx=None, mask=None, cache=None):
+        """The block's rows attend to the context keys/values ``k_ctx``, ``v_ctx`` and to their own;
+        inference passes the context's ``cache`` instead: the block's keys join it for this pass only
+        (no copy)."""
         h = self.input_norm(x)
         q = self.attn.q(h, pos)
         k, v = self.attn.kv(h, pos)
-        x = x + self.attn.out(attend(q, torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2), mask))
-        return x + self.mlp(self.post_norm(x))
-
-    def forward_cached(self, x, pos, cache):
-        """Inference: the block's keys join the context cache for this pass only (no copy)."""
-        h = self.input_norm(x)
-        q = self.attn.q(h, pos)
-        k, v = self.attn.kv(h, pos)
-        base = cache.len
-        cache.append(k[0], v[0])
-        try:
-            kk, vv = cache.view()
-            x = x + self.attn.out(attend(q, kk, vv))
-        finally:
-            cache.crop(base)
+        if cache is None:
+            o = attend(q, torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2), mask)
+        else:
+            base = cache.len
+            cache.append(k[0], v[0])
+            try:
+                o = attend(q, *cache.view())
+            finally:
+                cache.crop(base)
+        x = x + self.attn.out(o)
         return x + self.mlp(self.post_norm(x))
 
 
@@ -196,7 +194,7 @@ class DFlashEngineDrafter(KVCacheEngineDrafter):
         x = m.block_inputs(anchor)
         pos = torch.arange(a, a + K + 1, device=x.device)
         for layer, cache in zip(m.layers, st.kv):
-            x = layer.forward_cached(x, pos, cache)
+            x = layer(x, pos, cache=cache)
         logits = m.lm_logits(x[:, 1:]).float()[0]  # [K, V]
 
         def step(i, prev):  # DFlash: independent per position; DSpark: biased by the previous token
