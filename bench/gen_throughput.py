@@ -75,10 +75,12 @@ def main(argv=None) -> int:
     from sglang_dlite.target import resolve_target
     from sglang_dlite.training.sglang_regen import SglangRegenerator, process_tree_cpu_seconds
     from sglang_dlite.training.spec_regen import SpecRegenerator
+    from sglang_dlite.training.turns import TurnRules
 
     torch.set_num_threads(args.threads)
     layers = [int(x) for x in args.capture_layers.split(",")] if args.capture_layers else None
     model, tok = load_target(args.target)
+    turns = TurnRules(tok, model, args.max_new_tokens, args.max_len)
     convs, sources = [], {}
     for spec in args.prompts:
         name, cs = load_prompts(spec, args.seed, args.max_turns)
@@ -89,9 +91,9 @@ def main(argv=None) -> int:
     results = {}
     for name in tqdm(args.engines, desc="engines", unit="engine"):
         if name == "hf":
-            gen = Regenerator(model, tok, args.max_new_tokens, args.max_len, capture_layers=layers)
+            gen = Regenerator(model, turns, capture_layers=layers)
         elif name.startswith("fast-spec"):  # A/Bs: -unpacked plain x @ W.T, -sdpa chunked SDPA attention
-            gen = SpecRegenerator(model, tok, args.max_new_tokens, args.max_len, capture_layers=layers,
+            gen = SpecRegenerator(model, turns, capture_layers=layers,
                                   packed=name != "fast-spec-unpacked",
                                   attention="sdpa" if name == "fast-spec-sdpa" else "auto",
                                   batch_size=args.spec_batch_size or args.batch_size, num_drafts=args.spec_drafts,
@@ -99,14 +101,13 @@ def main(argv=None) -> int:
                                   **({} if args.spec_fixed_rows is None else {"fixed_rows": args.spec_fixed_rows}))
         elif name == "sglang":
             s0, sc0 = time.time(), process_tree_cpu_seconds()
-            gen = SglangRegenerator(resolve_target(args.target), model, tok, args.max_new_tokens, args.max_len,
-                                    capture_layers=layers, batch_size=args.sglang_batch_size or args.batch_size,
-                                    dtype=args.sglang_dtype, threads=args.threads)
+            gen = SglangRegenerator(resolve_target(args.target), model, turns, capture_layers=layers,
+                                    batch_size=args.sglang_batch_size or args.batch_size, dtype=args.sglang_dtype,
+                                    threads=args.threads)
             startup = {"startup_wall_s": round(time.time() - s0, 1), "startup_cpu_s": round(process_tree_cpu_seconds() - sc0, 1)}
         else:
             dt = torch.float32 if name == "fast-fp32" else torch.bfloat16
-            gen = FastRegenerator(model, tok, args.max_new_tokens, args.max_len, capture_layers=layers,
-                                  batch_size=args.batch_size, dtype=dt)
+            gen = FastRegenerator(model, turns, capture_layers=layers, batch_size=args.batch_size, dtype=dt)
         w0, c0 = time.time(), (time.process_time() if name != "sglang" else process_tree_cpu_seconds())
         if name == "hf":  # gen-data's hf engine: one Regenerator.run per shard
             seqs, masks, feats = [], [], []

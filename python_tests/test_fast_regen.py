@@ -71,15 +71,12 @@ def hf_greedy_conv(model, conv, eos, max_new, max_len, continue_truncated=False)
 
 
 def _fast(model, eos, batch_size, max_new=24, max_len=256, dtype=torch.float32, layers=LAYERS, continue_truncated=False,
-          cls=FastRegenerator, packed=True, attention="auto"):
-    fr = cls.__new__(cls)  # the chat template replaced by FakeTurns
-    fr.turns = FakeTurns(eos, max_new, max_len, continue_truncated)
-    fr.capture = list(layers)
-    fr.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=fr.capture, packed=packed,
-                          attention=attention)
+          cls=FastRegenerator, packed=True, attention="auto", **kw):
+    """A ``cls`` engine whose chat template is ``FakeTurns``'s."""
+    fr = cls(model, FakeTurns(eos, max_new, max_len, continue_truncated), capture_layers=layers,
+             batch_size=batch_size, dtype=dtype, packed=packed, attention=attention, **kw)
     fr.engine.k.fill_(float("nan"))  # the cache is allocated unfilled: nothing unwritten may be read
     fr.engine.v.fill_(float("nan"))
-    fr.batch_size, fr.sort_window, fr.new_tokens = batch_size, 64, 0
     return fr
 
 
@@ -190,12 +187,12 @@ def test_reference_greedy_and_relabel_cut_at_first_disagreement(tiny):
     bpreds, _ = reference_greedy(tiny, bad)
     assert first_disagreement(bad[0], masks[0], bpreds[0]) == gen0
     assert first_disagreement(bad[1], masks[1], bpreds[1]) == gen1
-    out_s, out_m, out_f, cut, dropped = relabel(tiny, bad, masks, LAYERS)
-    assert cut == 2
+    out_s, out_m, out_f, counts = relabel(tiny, bad, masks, LAYERS)
+    assert counts["sequences_cut"] == 2 and counts["tokens_not_fp32_greedy"] >= 2
     # cut: everything before the bad token, then the target's own choice there
     assert out_s[0] == seqs[0][:gen0 + 1] and out_m[0] == masks[0][:gen0 + 1]
     assert out_s[1] == seqs[1][:gen1 + 1] and out_m[1] == masks[1][:gen1 + 1]
-    assert dropped == sum(masks[0][gen0:]) - 1 + sum(masks[1][gen1:]) - 1
+    assert counts["generated_tokens_dropped"] == sum(masks[0][gen0:]) - 1 + sum(masks[1][gen1:]) - 1
     assert out_s[2:] == seqs[2:] and out_m[2:] == masks[2:]
     for s, f in zip(out_s, out_f):
         assert len(f) == len(s) - 1
@@ -207,7 +204,7 @@ def test_bf16_engine_runs_and_relabel_makes_it_greedy(tiny):
     convs, eos = _convs(tiny, 4, seed=3)
     fr = _fast(tiny, eos, 4, dtype=torch.bfloat16)
     seqs, masks, _ = fr.run(convs)
-    out_s, out_m, _, cut, dropped = relabel(tiny, seqs, masks)
+    out_s, out_m, _, _ = relabel(tiny, seqs, masks)
     preds, _ = reference_greedy(tiny, out_s)
     assert all(count_disagreements(s, m, p) == 0 for s, m, p in zip(out_s, out_m, preds))
 

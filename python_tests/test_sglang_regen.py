@@ -78,10 +78,11 @@ def test_turn_stopped_at_another_eos_is_resumed(tiny_ckpt, sgl_engine):  # noqa:
     from transformers import AutoTokenizer
 
     from sglang_dlite.training.sglang_regen import SglangRegenerator
+    from sglang_dlite.training.turns import TurnRules
 
     tok = AutoTokenizer.from_pretrained(tiny_ckpt)
     conv = {"users": ["Tell me something about word word word."]}
-    gen = SglangRegenerator(tiny_ckpt, None, tok, max_new_tokens=20, engine=sgl_engine)
+    gen = SglangRegenerator(tiny_ckpt, None, TurnRules(tok, max_new_tokens=20), engine=sgl_engine)
     seqs, masks = gen.generate([conv])
     free = seqs[0][len(gen.turns.start(conv)):]
     assert gen.stats["resumed_turns"] == 0 and len(free) == 20 and gen.turns.eos not in free

@@ -16,10 +16,9 @@ from sglang_dlite.training.spec_regen import SpecRegenerator
 
 def _spec(model, eos, batch_size, num_drafts=4, min_reach=0.0, max_new=24, max_len=256, layers=LAYERS,
           continue_truncated=False, fixed_rows=24.0, dtype=torch.float32, attention="auto"):
-    fr = _fast(model, eos, batch_size, max_new=max_new, max_len=max_len, dtype=dtype, layers=layers,
-               continue_truncated=continue_truncated, cls=SpecRegenerator, attention=attention)
-    fr._init_spec(num_drafts, min_reach, 32, fixed_rows)
-    return fr
+    return _fast(model, eos, batch_size, max_new=max_new, max_len=max_len, dtype=dtype, layers=layers,
+                 continue_truncated=continue_truncated, cls=SpecRegenerator, attention=attention,
+                 num_drafts=num_drafts, min_reach=min_reach, max_match=32, fixed_rows=fixed_rows)
 
 
 @pytest.mark.parametrize("batch_size,num_drafts,fixed_rows,attention", [
@@ -96,13 +95,13 @@ def test_verify_equals_decode(tiny, attention):
     torch.testing.assert_close(fa.float(), torch.stack([o[1] for o in flat]).float(), atol=2e-3, rtol=2e-3)
 
 
-def test_select_draft_budget_vs_brute_force():
+def test_select_draft_budget_vs_brute_force(tiny):
     """_select takes a prefix of every chain and maximizes expected tokens per row-unit
     (B + sum of reaches) / (fixed_rows + B + drafts) over all prefix choices (brute force)."""
     import itertools
     import random
 
-    fr = SpecRegenerator.__new__(SpecRegenerator)
+    fr = _spec(tiny, 0, 1)
     rng = random.Random(0)
     for trial in range(200):
         B = rng.randint(1, 4)
@@ -135,7 +134,7 @@ def test_spec_bf16_runs_and_relabel_makes_it_greedy(tiny):
     fr = _spec(tiny, eos, 4, max_new=30, dtype=torch.bfloat16)
     seqs, masks, _ = fr.run(convs)
     assert fr.stats["accepted"] > 0
-    out_s, out_m, _, cut, dropped = relabel(tiny, seqs, masks)
+    out_s, out_m, _, _ = relabel(tiny, seqs, masks)
     preds, _ = reference_greedy(tiny, out_s)
     assert all(count_disagreements(s, m, p) == 0 for s, m, p in zip(out_s, out_m, preds))
 
@@ -147,10 +146,9 @@ def test_fixed_rows_follow_the_attention_path(tiny):
 
     _, eos = _convs(tiny, 1)
     for attention in ("auto", "sdpa"):
-        fr = _fast(tiny, eos, 2, cls=SpecRegenerator, attention=attention)
-        fr._init_spec(4, 0.3, 32)
+        fr = _fast(tiny, eos, 2, cls=SpecRegenerator, attention=attention, num_drafts=4, min_reach=0.3)
         want = FIXED_ROWS["kernel" if fr.engine.kernel_attention else "sdpa"]
         assert fr.fixed_rows == want
-        fr._init_spec(4, 0.3, 32, -1)
+        fr = _fast(tiny, eos, 2, cls=SpecRegenerator, attention=attention, num_drafts=4, min_reach=0.3, fixed_rows=-1)
         assert fr.fixed_rows is None
     assert FIXED_ROWS["kernel"] > FIXED_ROWS["sdpa"]

@@ -44,27 +44,26 @@ def count_disagreements(seq, mask, pred) -> int:
     return int(_off_greedy(seq, mask, pred).sum())
 
 
-def relabel(model, seqs, masks, layer_ids=None):
-    """The cut rule: one float32 target pass over each finished sequence; a sequence whose
-    generated text leaves the target's greedy choice at position j is cut there: seq[:j] + [the
-    target's choice] (later text, conditioned on the other token, is dropped). Returns (seqs,
-    masks, feats or None, number of sequences cut, generated tokens dropped)."""
+def relabel(model, seqs, masks, layer_ids=None, cut: bool = True):
+    """One float32 target pass over finished sequences (``reference_greedy``): counts the generated
+    tokens that are not the target's greedy choice and, with ``cut`` (the cut rule), cuts a sequence
+    whose generated text leaves it at position j there: seq[:j] + [the target's choice] (later text,
+    conditioned on the other token, is dropped). Returns (seqs, masks, feats [len - 1, L+1, H] each
+    or None without ``layer_ids``, counts: ``tokens_not_fp32_greedy``, with ``cut`` also
+    ``sequences_cut`` and ``generated_tokens_dropped``)."""
     preds, feats = reference_greedy(model, seqs, layer_ids)
-    out_s, out_m, out_f, cut, dropped = cut_at_disagreements(seqs, masks, preds, feats)
-    return out_s, out_m, (out_f if layer_ids else None), cut, dropped
-
-
-def cut_at_disagreements(seqs, masks, preds, feats):
-    """``relabel``'s cut, given ``reference_greedy``'s (preds, feats): (seqs, masks, feats, cut, dropped)."""
-    out_s, out_m, out_f, cut, dropped = [], [], [], 0, 0
+    counts = {"tokens_not_fp32_greedy": int(sum(count_disagreements(s, m, p) for s, m, p in zip(seqs, masks, preds)))}
+    if cut:
+        counts.update(sequences_cut=0, generated_tokens_dropped=0)
+    out_s, out_m, out_f = [], [], []
     for s, m, p, f in zip(seqs, masks, preds, feats):
-        j = first_disagreement(s, m, p)
+        j = first_disagreement(s, m, p) if cut else None
         if j is not None:
-            cut += 1
-            dropped += int(sum(m[j:])) - 1
+            counts["sequences_cut"] += 1
+            counts["generated_tokens_dropped"] += int(sum(m[j:])) - 1
             s = list(s[:j]) + [int(p[j - 1])]
             m = list(m[:j]) + [1]
         out_s.append(list(s))
         out_m.append(list(m))
         out_f.append(None if f is None else f[: len(s) - 1])
-    return out_s, out_m, out_f, cut, dropped
+    return out_s, out_m, out_f, counts

@@ -33,16 +33,12 @@ class FastRegenerator:
     """Greedy turn-by-turn regeneration of conversations (the same sequences ``Regenerator``
     builds, by the same ``turns.TurnRules``), batched continuously."""
 
-    def __init__(self, model, tok, max_new_tokens=256, max_len=2048, max_user_tokens=1024, capture_layers=None,
-                 batch_size=32, dtype=torch.float32, sort_window=64, continue_truncated=False, packed=True,
-                 attention="auto"):
-        # A turn cut by max_new_tokens ends the conversation (Regenerator's rule), or, with
-        # continue_truncated, is closed with an end-of-turn token that is not a training label
-        # (mask 0) and the conversation goes on (long multi-turn contexts from a rambling target).
-        self.turns = TurnRules(tok, model, max_new_tokens, max_len, max_user_tokens, continue_truncated)
+    def __init__(self, model, turns: TurnRules, capture_layers=None, batch_size=32, dtype=torch.float32,
+                 sort_window=64, packed=True, attention="auto"):
+        self.turns = turns
         self.capture = list(capture_layers) if capture_layers else []
-        self.engine = FastLlama(model, batch_size, max_len, dtype=dtype, capture_layers=self.capture, packed=packed,
-                                attention=attention)
+        self.engine = FastLlama(model, batch_size, turns.max_len, dtype=dtype, capture_layers=self.capture,
+                                packed=packed, attention=attention)
         self.batch_size, self.sort_window = batch_size, sort_window
         self.new_tokens = 0
 

@@ -31,8 +31,8 @@ from .hf_regen import Regenerator
 from .prompt_tools import BFCL_CATEGORIES
 from .prompts import load_prompts
 from .sglang_regen import SglangRegenerator
-from .shard_parts import conversation_key, load_parts, save_part
 from .spec_regen import SpecRegenerator
+from .turns import TurnRules
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -246,29 +246,29 @@ def run(args) -> int:
         model = model.to(gen_device)
     layers = _feature_layers(args, model)
     engine = getattr(args, "engine", "hf")
+    if engine != "hf" and args.temperature > 0:
+        raise DLiteInputError(f"--engine {engine} decodes greedily here; use --engine hf for --temperature > 0.")
+    # --continue-truncated-turns is the fast engine's option
+    turns = TurnRules(tok, model, args.max_new_tokens, args.max_len, args.max_user_tokens,
+                      engine == "fast" and getattr(args, "continue_truncated_turns", False))
     if engine == "fast":
-        if args.temperature > 0:
-            raise DLiteInputError("--engine fast decodes greedily; use --engine hf for --temperature > 0.")
-        return _run_fast(args, model, tok, todo, layers, wi, wn)
+        return _run_fast(args, model, turns, todo, layers, f"{wi}/{wn}")
     if engine == "sglang":
-        if args.temperature > 0:
-            raise DLiteInputError("--engine sglang regenerates greedily here; use --engine hf for --temperature > 0.")
-        return _run_sglang(args, target_path, model, tok, todo, layers, wi, wn)
-    return _run_hf(args, model, tok, todo, layers, wi, wn)
+        return _run_sglang(args, target_path, model, turns, todo, layers, f"{wi}/{wn}")
+    return _run_hf(args, model, turns, todo, layers, f"{wi}/{wn}")
 
 
-def _run_hf(args, model, tok, todo, layers, wi, wn) -> int:
+def _run_hf(args, model, turns, todo, layers, worker) -> int:
     """gen-data with ``hf_regen``: one ``Regenerator.run`` per claimed shard."""
-    gen = Regenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens, args.temperature,
-                      args.top_p, capture_layers=layers)
-    w = ShardWriter(args, model, layers, f"{wi}/{wn}", gen, _engine_tag(args), len(todo))
+    gen = Regenerator(model, turns, args.temperature, args.top_p, capture_layers=layers)
+    w = ShardWriter(args, model, layers, worker, gen, len(todo))
     for fname, src, convs in w.claimed(todo):
         w.write(fname, src, *gen.run(convs))
     w.close({})
     return 0
 
 
-def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
+def _run_fast(args, model, turns, todo, layers, worker) -> int:
     """gen-data with ``fast_regen``: conversations of consecutive shards stream through one
     continuously batched decoder; a shard is written as soon as its last conversation finishes.
     Shards are claimed when their first conversation enters the queue (so ``--budget-min`` stops
@@ -278,46 +278,17 @@ def _run_fast(args, model, tok, todo, layers, wi, wn) -> int:
     do_relabel = args.relabel or dtype != torch.float32
     sort_window = getattr(args, "sort_window", 64)
     kw = dict(capture_layers=None if do_relabel else layers, batch_size=args.batch_size, dtype=dtype,
-              sort_window=sort_window,
-              continue_truncated=getattr(args, "continue_truncated_turns", False),
-              attention=getattr(args, "fast_attention", "auto"))
+              sort_window=sort_window, attention=getattr(args, "fast_attention", "auto"))
     if (getattr(args, "spec_drafts", 0) or 0) > 0:
-        gen = SpecRegenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens,
-                              num_drafts=args.spec_drafts, min_reach=getattr(args, "spec_min_reach", 0.3), **kw)
+        gen = SpecRegenerator(model, turns, num_drafts=args.spec_drafts, min_reach=getattr(args, "spec_min_reach", 0.3),
+                              **kw)
     else:
-        gen = FastRegenerator(model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens, **kw)
+        gen = FastRegenerator(model, turns, **kw)
     print(f"gen-data[fast]: {args.batch_size} slots, sort window {sort_window}, attention "
           f"{'C++ kv_cache_attention' if gen.engine.kernel_attention else 'chunked SDPA'}, {args.dtype}", flush=True)
-    w = ShardWriter(args, model, layers, f"{wi}/{wn}", gen, _engine_tag(args), len(todo), relabel=do_relabel)
-    pending = {}
-
-    def items():
-        for fname, src, convs in w.claimed(todo, "finishing the claimed shards and stopping"):
-            keys = [conversation_key(c, args, layers) for c in convs]
-            # conversations a stopped run already finished (shard_parts.py): only the rest are generated
-            res = load_parts(args.out, fname, keys)
-            if res:
-                print(f"gen-data[{wi}/{wn}]: {fname}: {len(res)} of {len(convs)} conversations read back from "
-                      f"{fname}.parts", flush=True)
-            pending[fname] = {"src": src, "n": len(convs), "res": res, "keys": keys}
-            if len(res) == len(convs):
-                write_shard(fname)
-                continue
-            for i, c in enumerate(convs):
-                if i not in res:
-                    yield (fname, i), c
-
-    def write_shard(fname):
-        p = pending.pop(fname)
-        seqs, masks, fts, margins = zip(*(p["res"][k] for k in range(p["n"])))
-        w.write(fname, p["src"], list(seqs), list(masks), list(fts), {"min_logit_margin": round(min(margins), 6)})
-
-    for (fname, i), seq, mask, feats, margin in gen.stream(items()):
-        p = pending[fname]
-        save_part(args.out, fname, i, p["keys"][i], seq, mask, feats, margin)  # a stopped run keeps it
-        p["res"][i] = (seq, mask, feats, margin)
-        if len(p["res"]) == p["n"]:
-            write_shard(fname)
+    w = ShardWriter(args, model, layers, worker, gen, len(todo), relabel=do_relabel)
+    for key, *rec in gen.stream(w.in_flight(todo)):
+        w.finished(key, *rec)
     extra = {"batch_size": args.batch_size, "sort_window": sort_window}
     if hasattr(gen, "summary"):
         extra["spec"] = gen.summary()
@@ -340,12 +311,7 @@ def _generation_device(args):
     return dev
 
 
-def _engine_tag(args) -> str:
-    k = getattr(args, "spec_drafts", 0) or 0
-    return f"{args.engine}-{args.dtype}" + (f"-spec{k}" if args.engine == "fast" and k > 0 else "")
-
-
-def _run_sglang(args, target_path, model, tok, todo, layers, wi, wn) -> int:
+def _run_sglang(args, target_path, model, turns, todo, layers, worker) -> int:
     """gen-data with ``sglang_regen``: one sglang engine for the run; per shard, every
     conversation in flight at once (the scheduler batches continuously; later turns hit the radix
     cache), then one float32 target pass over the shard's sequences for the features and the
@@ -356,10 +322,10 @@ def _run_sglang(args, target_path, model, tok, todo, layers, wi, wn) -> int:
         model = model.to(dev)
     # the float32 target beside sglang on the same GPU: sglang takes half of it, not its default ~0.9
     engine_kw = {"mem_fraction_static": 0.5} if dev.type == "cuda" else {}
-    gen = SglangRegenerator(target_path, model, tok, args.max_new_tokens, args.max_len, args.max_user_tokens,
-                            capture_layers=layers, batch_size=args.batch_size, dtype=args.dtype, threads=args.threads,
-                            engine=getattr(args, "sglang_engine", None), **engine_kw)
-    w = ShardWriter(args, model, layers, f"{wi}/{wn}", gen, _engine_tag(args), len(todo), cuts=do_relabel)
+    gen = SglangRegenerator(target_path, model, turns, capture_layers=layers, batch_size=args.batch_size,
+                            dtype=args.dtype, threads=args.threads, engine=getattr(args, "sglang_engine", None),
+                            **engine_kw)
+    w = ShardWriter(args, model, layers, worker, gen, len(todo), cuts=do_relabel)
     try:
         for fname, src, convs in w.claimed(todo):
             seqs, masks, feats = gen.run(convs, relabel=do_relabel)

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from .data import MANIFEST, read_manifest, save_shard, write_manifest
 from .exactness import relabel
 from .features import save_features
-from .shard_parts import drop_parts
+from .shard_parts import conversation_key, drop_parts, load_parts, save_part
 
 
 def locked_update(out, fn, new: Optional[dict] = None):
@@ -98,9 +98,11 @@ class ShardWriter:
     """One worker's shards: which it claims (``claimed``), the write of a finished one (``write``:
     cut at the float32 target's greedy choice first with ``relabel``) and the run's record (``close``)."""
 
-    def __init__(self, args, model, layers, worker: str, gen, tag: str, todo: int, relabel: bool = False,
+    def __init__(self, args, model, layers, worker: str, gen, todo: int, relabel: bool = False,
                  cuts: Optional[bool] = None):
-        self.args, self.model, self.layers, self.worker, self.gen, self.tag = args, model, layers, worker, gen, tag
+        self.args, self.model, self.layers, self.worker, self.gen = args, model, layers, worker, gen
+        k = getattr(args, "spec_drafts", 0) or 0  # the engine's tag in the shards and the run record
+        self.tag = f"{args.engine}-{args.dtype}" + (f"-spec{k}" if args.engine == "fast" and k > 0 else "")
         self.relabel = relabel
         self.cuts = relabel if cuts is None else cuts  # the run record counts cut sequences (here or by the engine)
         self.t0 = time.time()
@@ -120,11 +122,43 @@ class ShardWriter:
             else:
                 self.bar.update(1)
 
+    def in_flight(self, todo):
+        """The fast engine's view of the claimed shards: ((fname, index), conversation) of each
+        conversation still to generate (those a stopped run finished are read back from
+        ``shard_parts``); ``finished`` takes each back, and a shard is written with its last one."""
+        self._pending = {}
+        for fname, src, convs in self.claimed(todo, "finishing the claimed shards and stopping"):
+            keys = [conversation_key(c, self.args, self.layers) for c in convs]
+            done = load_parts(self.args.out, fname, keys)
+            if done:
+                print(f"gen-data[{self.worker}]: {fname}: {len(done)} of {len(convs)} conversations read back from "
+                      f"{fname}.parts", flush=True)
+            self._pending[fname] = (src, keys, done)
+            if len(done) == len(convs):
+                self._write_parts(fname)
+            yield from (((fname, i), c) for i, c in enumerate(convs) if i not in done)
+
+    def finished(self, key, seq, mask, feats, margin: float) -> None:
+        """One finished conversation of ``in_flight``: saved at once beside its shard (a stopped
+        run keeps it), and the shard written when it was the last."""
+        fname, i = key
+        _, keys, done = self._pending[fname]
+        save_part(self.args.out, fname, i, keys[i], seq, mask, feats, margin)
+        done[i] = (seq, mask, feats, margin)
+        if len(done) == len(keys):
+            self._write_parts(fname)
+
+    def _write_parts(self, fname) -> None:
+        src, keys, done = self._pending.pop(fname)
+        seqs, masks, feats, margins = zip(*(done[i] for i in range(len(keys))))
+        self.write(fname, src, list(seqs), list(masks), list(feats), {"min_logit_margin": round(min(margins), 6)})
+
     def write(self, fname, src, seqs, masks, feats, extra: Optional[dict] = None) -> None:
         extra = {"engine": self.tag, **(extra or {})}
         if self.relabel:
-            seqs, masks, feats, cut, dropped = relabel(self.model, seqs, masks, self.layers)
-            extra.update(relabeled=True, sequences_cut=cut, generated_tokens_dropped=dropped)
+            seqs, masks, feats, counts = relabel(self.model, seqs, masks, self.layers)
+            extra.update(relabeled=True, sequences_cut=counts["sequences_cut"],
+                         generated_tokens_dropped=counts["generated_tokens_dropped"])
         for k in self.totals:
             self.totals[k] += extra.get(k, 0)
         self.totals["shards"] += 1

@@ -13,17 +13,15 @@ from .turns import TurnRules, columns
 class Regenerator:
     """Batched, turn-by-turn regeneration of conversations with a HF causal LM."""
 
-    def __init__(self, model, tok, max_new_tokens=256, max_len=2048, max_user_tokens=1024,
-                 temperature=0.0, top_p=1.0, capture_layers=None):
-        self.model = model
-        self.turns = TurnRules(tok, model, max_new_tokens, max_len, max_user_tokens)
+    def __init__(self, model, turns: TurnRules, temperature=0.0, top_p=1.0, capture_layers=None):
+        self.model, self.turns = model, turns
         # Target features captured during generation (no second target pass): outputs of the
         # decoder layers ``capture_layers`` and of the final norm, per position, in fp16.
         self.capture_layers = list(capture_layers) if capture_layers else None
         self._modules = feature_modules(model, self.capture_layers) if self.capture_layers else []
         self.temperature, self.top_p = temperature, top_p
         self.eos = self.turns.eos
-        self.pad = int(tok.pad_token_id if tok.pad_token_id is not None else self.eos)
+        self.pad = int(turns.tok.pad_token_id if turns.tok.pad_token_id is not None else self.eos)
         self.new_tokens = 0
 
     def close(self):

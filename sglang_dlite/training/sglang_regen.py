@@ -26,7 +26,7 @@ import torch
 
 from ..cpu_launch import start_engine
 from ..errors import DLiteInputError
-from .exactness import count_disagreements, cut_at_disagreements, reference_greedy
+from . import exactness
 from .turns import TurnRules, columns
 
 
@@ -48,12 +48,11 @@ class SglangRegenerator:
     """Turn-by-turn greedy regeneration of conversations in a started sglang engine (turn rules:
     ``turns.TurnRules``); ``model``: the HF target for the feature / exactness pass (``None``: no pass)."""
 
-    def __init__(self, target_path, model, tok, max_new_tokens=256, max_len=2048, max_user_tokens=1024,
-                 capture_layers=None, batch_size=32, dtype="float32", threads=1, engine=None, **engine_kw):
+    def __init__(self, target_path, model, turns: TurnRules, capture_layers=None, batch_size=32, dtype="float32",
+                 threads=1, engine=None, **engine_kw):
         if dtype not in ("float32", "bfloat16"):
             raise DLiteInputError(f"--engine sglang: --dtype must be float32 or bfloat16 (got {dtype!r}).")
-        self.turns = TurnRules(tok, model, max_new_tokens, max_len, max_user_tokens)
-        self.model = model
+        self.model, self.turns = model, turns
         self.capture = list(capture_layers) if capture_layers else []
         self.dtype, self.batch_size = dtype, batch_size
         self.new_tokens = 0
@@ -69,7 +68,7 @@ class SglangRegenerator:
                 engine = sgl.Engine(**kw)
             else:  # the project's CPU stack
                 os.environ["OMP_NUM_THREADS"] = str(threads)  # the scheduler subprocess's torch threads
-                kw.update(max_total_tokens=min(batch_size * max_len, 1 << 17))
+                kw.update(max_total_tokens=min(batch_size * turns.max_len, 1 << 17))
                 kw.update(engine_kw)
                 engine = start_engine(target_path, **kw)
         self.engine = engine
@@ -117,21 +116,14 @@ class SglangRegenerator:
 
     def run(self, convs, relabel: bool = False):
         """(sequences, masks, features or [None]*n) as ``Regenerator.run``; per-call exactness
-        counts in ``self.last`` (tokens_not_fp32_greedy, sequences_cut, generated_tokens_dropped)."""
+        counts in ``self.last`` (``exactness.relabel``'s; ``relabel``: cut at the first token that
+        is not the float32 target's greedy choice)."""
         seqs, masks = self.generate(convs)
         self.last = {}
         if self.model is None:
             return seqs, masks, [None] * len(seqs)
         t0 = time.time()
-        preds, feats = reference_greedy(self.model, seqs, self.capture or None)
+        seqs, masks, feats, self.last = exactness.relabel(self.model, seqs, masks, self.capture or None, cut=relabel)
         self.stats["feature_pass_s"] += time.time() - t0
-        self.last["tokens_not_fp32_greedy"] = int(sum(count_disagreements(s, m, p) for s, m, p in zip(seqs, masks, preds)))
-        if relabel:
-            seqs, masks, feats, cut, dropped = cut_at_disagreements(seqs, masks, preds, feats)
-            self.last.update(sequences_cut=cut, generated_tokens_dropped=dropped)
-        if self.capture:
-            # the last position of a sequence has no features (the other engines' layout)
-            feats = [None if sum(m) == 0 else f[: len(s) - 1] for s, m, f in zip(seqs, masks, feats)]
-        else:
-            feats = [None] * len(seqs)
-        return seqs, masks, feats
+        # a conversation that generated nothing has no features (the other engines' layout)
+        return seqs, masks, [f if sum(m) else None for m, f in zip(masks, feats)]

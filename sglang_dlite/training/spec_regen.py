@@ -41,14 +41,11 @@ class SpecRegenerator(FastRegenerator):
 
     def __init__(self, *args, num_drafts: int = 4, min_reach: float = 0.3, max_match: int = 32,
                  fixed_rows: Union[float, str, None] = "auto", **kw):
-        super().__init__(*args, **kw)
-        self._init_spec(num_drafts, min_reach, max_match, fixed_rows)
-
-    def _init_spec(self, num_drafts, min_reach, max_match, fixed_rows="auto"):
         """``fixed_rows``: a step's fixed cost in verified rows ("auto": ``FIXED_ROWS`` of the
         engine's attention path; None or < 0: verify every candidate)."""
         if num_drafts < 1:
             raise ValueError(f"num_drafts must be >= 1 (got {num_drafts}).")
+        super().__init__(*args, **kw)
         self.num_drafts, self.min_reach, self.max_match = int(num_drafts), float(min_reach), int(max_match)
         if fixed_rows == "auto":
             fixed_rows = FIXED_ROWS["kernel" if self.engine.kernel_attention else "sdpa"]
