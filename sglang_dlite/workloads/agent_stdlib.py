@@ -75,20 +75,25 @@ def stdlib_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
+def _py_files(base: str, keep_dir=lambda d: d != "__pycache__"):
+    """The .py files under ``base`` (a folder, walked in sorted order; the folders ``keep_dir`` keeps)."""
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = sorted(d for d in dirnames if keep_dir(d))
+        yield from (os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))
+
+
 def _candidate_files(root: str) -> list:
     out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(("test", ".")))
-        for fn in sorted(filenames):
-            if not fn.endswith(".py") or fn.startswith(("test", "_")) or fn == "__main__.py":
-                continue
-            p = os.path.join(dirpath, fn)
-            try:
-                size = os.path.getsize(p)
-            except OSError:
-                continue
-            if 4_000 <= size <= 400_000:
-                out.append(os.path.relpath(p, root).replace(os.sep, "/"))
+    for p in _py_files(root, lambda d: d not in _SKIP_DIRS and not d.startswith(("test", "."))):
+        fn = os.path.basename(p)
+        if fn.startswith(("test", "_")) or fn == "__main__.py":
+            continue
+        try:
+            size = os.path.getsize(p)
+        except OSError:
+            continue
+        if 4_000 <= size <= 400_000:
+            out.append(os.path.relpath(p, root).replace(os.sep, "/"))
     return sorted(out)
 
 
@@ -125,13 +130,7 @@ def _list_dir(root: str, rel_dir: str, max_entries: int) -> str:
 def _grep(root: str, pattern: str, rel_path: str, max_matches: int) -> str:
     rx = re.compile(pattern)
     base = os.path.join(root, rel_path)
-    files = []
-    if os.path.isdir(base):
-        for dirpath, dirnames, filenames in os.walk(base):
-            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-            files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
-    else:
-        files = [base]
+    files = _py_files(base) if os.path.isdir(base) else [base]
     hits, total = [], 0
     for p in files:
         try:
