@@ -396,7 +396,7 @@ def test_drafter_dtype_follows_the_device_and_the_env(monkeypatch):
     monkeypatch.setenv(ENV_DRAFTER_DTYPE, "float16")
     assert drafter_dtype(torch.bfloat16, "cuda:0") == torch.float16
     monkeypatch.setenv(ENV_DRAFTER_DTYPE, "fp8")
-    with pytest.raises(DLiteConfigError, match="SGLANG_DLITE_DRAFTER_DTYPE='fp8'.*float32"):
+    with pytest.raises(DLiteConfigError, match="drafter_dtype='fp8'.*float32"):
         drafter_dtype(torch.bfloat16, "cpu")
 
 

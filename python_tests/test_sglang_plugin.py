@@ -139,7 +139,7 @@ def test_k_inconsistent_with_num_draft_tokens_fails(tiny, monkeypatch):
         _validate(_args(target, drafter, speculative_num_draft_tokens=1))
     # DLite alone: at most K + 1
     monkeypatch.setenv("SGLANG_DLITE_LOOKUP", "0")
-    with pytest.raises(DLiteConfigError, match=r"--speculative-num-draft-tokens 8 .*K=4.*between 2 and 5.*SGLANG_DLITE_LOOKUP=0"):
+    with pytest.raises(DLiteConfigError, match=r"--speculative-num-draft-tokens 8 .*K=4.*between 2 and 5.*the setting lookup: true"):
         _validate(_args(target, drafter, speculative_num_draft_tokens=8))
     with pytest.raises(DLiteConfigError, match=r"--speculative-num-draft-tokens 1 .*between 2 and 5"):
         _validate(_args(target, drafter, speculative_num_draft_tokens=1))

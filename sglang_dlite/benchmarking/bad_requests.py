@@ -69,6 +69,9 @@ BAD_REQUESTS = [
     ("chat-wrong-type-messages", "/v1/chat/completions", {"model": "default", "messages": "Hi", "max_tokens": 4}, 400, "messages"),
     ("chat-malformed-json", "/v1/chat/completions", b"{not json", 400, "JSON"),
     ("chat-stream-empty-messages", "/v1/chat/completions", {"model": "default", "messages": [], "max_tokens": 4, "stream": True}, 400, "messages"),
+    # --- DLITE's per-request opt-out takes JSON true / false only ---
+    ("generate-opt-out-not-bool", "/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 4, "custom_params": {"dlite_speculate": "no"}}}, 400, "dlite_speculate"),
+    ("chat-opt-out-not-bool", "/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "custom_params": {"dlite_speculate": 0}}, 400, "dlite_speculate"),
 ]
 
 

@@ -79,9 +79,10 @@ class BatchLookup:
             del self.states[rid]
 
     # ------------------------------------------------------------------ a round
-    def begin_round(self, reqs: Sequence, anchors: Sequence[int], seq_lens: Optional[Sequence[int]] = None):
+    def begin_round(self, reqs: Sequence, anchors: Sequence[int], seq_lens: Optional[Sequence[int]] = None,
+                    lookup: bool = True):
         """A decode round starts: free the indices of requests not in it, append the anchors,
-        and run the lookup. Returns (indices, lookups, whether DLite is needed at all)."""
+        and (``lookup``) run the lookup. Returns (indices, lookups, whether DLite is needed at all)."""
         self.retain([r.rid for r in reqs])
         idxs, lookups, need_dlite = [], [], False
         for i, req in enumerate(reqs):
@@ -92,11 +93,18 @@ class BatchLookup:
                     toks = toks[: int(seq_lens[i])]
                 idx = self.states[req.rid] = SuffixIndex(toks, self.max_match)
             idx.append(int(anchors[i]))
-            lk = lookup_only(idx, self.num_drafts, self.cal)
-            need_dlite = need_dlite or needs_dlite(lk, self.cal, self.skip_horizon)
             idxs.append(idx)
-            lookups.append(lk)
+            if lookup:
+                lk = lookup_only(idx, self.num_drafts, self.cal)
+                need_dlite = need_dlite or needs_dlite(lk, self.cal, self.skip_horizon)
+                lookups.append(lk)
         return idxs, lookups, need_dlite
+
+    def skip_round(self, reqs: Sequence, anchors: Sequence[int], seq_lens: Optional[Sequence[int]] = None) -> None:
+        """A round that drafts nothing (the serving load policy): the indices take the anchors, and
+        ``commit_round`` adds nothing more (no draft to accept); its source is "off"."""
+        idxs, _, _ = self.begin_round(reqs, anchors, seq_lens, lookup=False)
+        self._round = (idxs, [[] for _ in idxs], ["off"] * len(idxs))
 
     def draft_round(self, reqs: Sequence, anchors: Sequence[int], seq_lens: Optional[Sequence[int]],
                     dlite: Callable[[], tuple], choose_width: Optional[Callable[[list], int]] = None) -> List[list]:

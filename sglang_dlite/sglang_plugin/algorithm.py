@@ -20,9 +20,8 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 from transformers import AutoConfig
 
 from ..errors import DLiteConfigError
-from ..lookup.batch import ENV_LOOKUP, lookup_enabled
 from ..model import load_checkpoint
-from ..speculation.verify_width import adaptive_width_wanted
+from .options import ServingOptions
 
 
 class DLiteSpecAlgo(CustomSpecAlgo):
@@ -107,8 +106,9 @@ def default_num_draft_tokens(block_size: int, server_args, environ=None) -> int:
     verify width per round (a CPU; see speculation/verify_width.py)."""
     device = str(getattr(server_args, "device", None) or "")
     tp = int(getattr(server_args, "tp_size", 1) or 1)
-    if (lookup_enabled(environ) and device.startswith("cpu")
-            and adaptive_width_wanted(device, bool(getattr(server_args, "disable_cuda_graph", False)), tp, environ)):
+    options = ServingOptions.from_env(environ)
+    if (options.lookup and device.startswith("cpu")
+            and options.adaptive_width(device, bool(getattr(server_args, "disable_cuda_graph", False)), tp)):
         return max(CPU_HYBRID_DRAFT_TOKENS, block_size + 1)
     return block_size + 1
 
@@ -142,11 +142,11 @@ def validate_server_args(server_args) -> None:
     config, _state = load_checkpoint(path)  # validates config + safetensors (clear errors)
     k = config.block_size
     ndt = server_args.speculative_num_draft_tokens
-    lookup = lookup_enabled()
+    lookup = ServingOptions.from_env().lookup  # a bad SGLANG_DLITE_CONFIG stops the launch here
     w_max = max_verify_width(k, lookup)
     if ndt is not None and not 2 <= int(ndt) <= w_max:
         note = " and the suffix lookup may continue a chain past them" if lookup else ""
-        hint = ("" if lookup else f" With the suffix lookup on (unset {ENV_LOOKUP}=0) a chain may run up to "
+        hint = ("" if lookup else " With the suffix lookup on (the setting lookup: true) a chain may run up to "
                 f"{max_verify_width(k, True)} tokens.")
         raise DLiteConfigError(
             f"--speculative-num-draft-tokens {ndt} does not fit this DLite drafter: it drafts K={k} tokens "
@@ -315,3 +315,25 @@ def check_deployment(server_args) -> None:
             "--speculative-algorithm EAGLE / EAGLE3 for disaggregated serving."
         )
     check_attention_backend(server_args)
+
+
+def check_target_supported(model_runner, cfg, server_args) -> None:
+    """Launch-time refusals the launcher's validate_server_args may not see (Engine args built
+    in-process, a model config only sglang resolves): capture layers, recurrent-state targets,
+    pipeline parallel / PD disaggregation."""
+    try:  # sglang's own Mamba-pool test; a heavy sglang import, so only when a worker starts
+        from sglang.srt.configs.hybrid_arch import mambaish_config
+    except ImportError:  # pragma: no cover  (sglang releases without it: hybrid_reason stands alone)
+        mambaish_config = None
+    hf = model_runner.model_config.hf_text_config
+    check_capture_layers(cfg.target_layer_ids, hf.num_hidden_layers)
+    check_deployment(server_args)
+    reason = hybrid_reason(hf)
+    if reason is None and mambaish_config is not None and mambaish_config(model_runner.model_config) is not None:
+        reason = "sglang runs it with a Mamba / linear-attention state pool"
+    if reason is not None:
+        raise DLiteConfigError(
+            f"DLITE does not support targets with Mamba / linear-attention state ({reason}): its chain "
+            "verify would leave that state advanced over rejected drafts. Serve this model without "
+            "--speculative-algorithm, or with EAGLE / DFLASH / NGRAM, which commit the state after verify."
+        )

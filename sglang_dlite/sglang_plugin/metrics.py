@@ -18,7 +18,7 @@ API for drafting code (e.g. a hybrid suffix-lookup / DLite drafter), safe to cal
     metrics.record_source("suffix", n)     # n requests of this round were drafted by "suffix"
 
 ``SGLANG_DLITE_ROUND_LOG=PATH`` (no ``--enable-metrics`` needed) appends one JSON line per decode
-round to PATH: ``{"bs", "draft_ms", "verify_ms"}`` (TP rank 0), e.g. for ``bench/e2e.py``'s
+round to PATH: ``{"bs", "width", "draft_ms", "verify_ms"}`` (TP rank 0; width: tokens verified per request), e.g. for ``bench/e2e.py``'s
 per-mode draft / verify split, or an offline engine that has no ``/metrics``.
 
 Request-rounds of a round that no ``record_source`` call claimed are counted as ``"dlite"`` when
@@ -136,11 +136,11 @@ class RoundTimer:
         self.pending: deque = deque()
         self.log_path = log_path
 
-    def _record(self, draft_ms: float, verify_ms: float, batch_size: int, rows) -> None:
+    def _record(self, draft_ms: float, verify_ms: float, batch_size: int, rows, width: int) -> None:
         record_round(draft_ms, verify_ms, batch_size, rows)
         if self.log_path:
             with open(self.log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"bs": batch_size, "draft_ms": round(draft_ms, 3),
+                f.write(json.dumps({"bs": batch_size, "width": width, "draft_ms": round(draft_ms, 3),
                                     "verify_ms": round(verify_ms, 3)}) + "\n")
 
     def _now(self):
@@ -157,8 +157,9 @@ class RoundTimer:
     def mark(self) -> None:
         self.marks.append(self._now())
 
-    def finish(self, batch_size: int, context_valid=None) -> None:
-        """``context_valid``: [B, C] validity of the drafter's context rows (tensor) or None."""
+    def finish(self, batch_size: int, context_valid=None, width: int = 0) -> None:
+        """``context_valid``: [B, C] validity of the drafter's context rows (tensor) or None;
+        ``width``: tokens verified per request this round."""
         rows = None
         if context_valid is not None:
             rows = (context_valid > 0.5).sum(dim=-1) if context_valid.dtype != torch.bool else context_valid.sum(-1)
@@ -166,19 +167,19 @@ class RoundTimer:
             return
         if not self.cuda:
             t0, t1, t2 = self.marks[:3]
-            self._record((t1 - t0) * 1e3, (t2 - t1) * 1e3, batch_size, None if rows is None else rows.tolist())
+            self._record((t1 - t0) * 1e3, (t2 - t1) * 1e3, batch_size, None if rows is None else rows.tolist(), width)
             return
         if rows is not None:
             rows = rows.to("cpu", non_blocking=True)
         end = self._now()
-        self.pending.append((self.marks[:3], end, batch_size, rows))
+        self.pending.append((self.marks[:3], end, batch_size, rows, width))
         self.poll()
 
     def poll(self) -> None:
         """Record the CUDA rounds whose events have completed (never waits)."""
         while self.pending and self.pending[0][1].query():
-            (e0, e1, e2), _, bs, rows = self.pending.popleft()
-            self._record(e0.elapsed_time(e1), e1.elapsed_time(e2), bs, None if rows is None else rows.tolist())
+            (e0, e1, e2), _, bs, rows, width = self.pending.popleft()
+            self._record(e0.elapsed_time(e1), e1.elapsed_time(e2), bs, None if rows is None else rows.tolist(), width)
         while len(self.pending) > 64:  # never grow without bound
             self.pending.popleft()
 

@@ -1,17 +1,25 @@
-"""The DLITE worker's serving options: every ``SGLANG_DLITE_*`` switch it reads, resolved once.
+"""DLITE's serving settings: one JSON a user writes, resolved once at launch into ``ServingOptions``.
 
-``ServingOptions.from_env()`` reads the environment of the process that builds the worker (the
-scheduler, which inherits the server's) once, when the worker starts; the worker carries the
-frozen result and reads no variable after that (the launcher's checks in ``algorithm.py`` and
-``serve.py`` read theirs before the scheduler starts). Each field names its variable and default
-(sglang_plugin/README.md says more). ``SGLANG_DLITE_OPS`` (which kernels run)
-stays the ops package's own switch: it dispatches every op on it, reference engine and worker alike.
+Where they go: ``SGLANG_DLITE_CONFIG``, a path to a JSON file or the JSON itself, e.g.
+``SGLANG_DLITE_CONFIG='{"max_batch_size": 48, "lookup": true}'``. Keys (``SETTINGS``, defaults in
+``ServingOptions``): ``lookup``, ``verify_width``, ``drafter_dtype``, ``draft_cuda_graph``,
+``round_log``, ``max_batch_size``, ``soft_batch_size``, ``soft_num_drafts``
+(sglang_plugin/README.md says what each does). An unknown key or a bad value stops the launch with
+a message. The per-setting variables of earlier releases (``SGLANG_DLITE_LOOKUP`` ...) still
+override one key each; debug switches (``SGLANG_DLITE_LOOKUP_TRACE``, ``SGLANG_DLITE_TP_SYNC``,
+``SGLANG_DLITE_TP_CHECK``) are variables only. ``SGLANG_DLITE_OPS`` (which kernels run) stays the
+ops package's own switch: it dispatches every op, reference engine and worker alike.
+
+The launcher's checks (``algorithm.py``) and the worker (the scheduler process, which inherits the
+server's environment) each call ``ServingOptions.from_env()`` once; the worker carries the frozen
+result, reads no variable after that and logs the effective values once (``describe``).
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Mapping, Optional
 
 import torch
@@ -19,8 +27,9 @@ import torch
 from .. import ops
 from ..errors import DLiteConfigError
 from ..lookup.batch import ENV_LOOKUP, ENV_TRACE, lookup_enabled
-from ..speculation.verify_width import ENV_VERIFY_WIDTH, adaptive_width_wanted
+from ..speculation.verify_width import ENV_VERIFY_WIDTH, WIDTH_MODES, adaptive_width_wanted
 
+ENV_CONFIG = "SGLANG_DLITE_CONFIG"
 ENV_DRAFTER_DTYPE = "SGLANG_DLITE_DRAFTER_DTYPE"
 ENV_DRAFT_CUDA_GRAPH = "SGLANG_DLITE_DRAFT_CUDA_GRAPH"
 ENV_TP_SYNC = "SGLANG_DLITE_TP_SYNC"
@@ -30,28 +39,39 @@ ENV_ROUND_LOG = "SGLANG_DLITE_ROUND_LOG"
 
 @dataclass(frozen=True)
 class ServingOptions:
-    lookup: bool = True  # SGLANG_DLITE_LOOKUP (on; 0 / off / false: DLite alone, no suffix lookup)
-    lookup_trace: Optional[str] = None  # SGLANG_DLITE_LOOKUP_TRACE: JSON lines, live indices + sources per round
-    verify_width: str = "auto"  # SGLANG_DLITE_VERIFY_WIDTH: auto | adaptive | fixed (speculation/verify_width.py)
-    drafter_dtype: str = ""  # SGLANG_DLITE_DRAFTER_DTYPE (unset: the default of drafter_dtype below)
-    draft_cuda_graph: bool = True  # SGLANG_DLITE_DRAFT_CUDA_GRAPH (on; 0: the drafter runs eagerly on a GPU)
-    tp_sync: bool = True  # SGLANG_DLITE_TP_SYNC (on; 0: no broadcast of rank 0's drafts / accepts under TP)
-    tp_check: bool = False  # SGLANG_DLITE_TP_CHECK (off; 1: all-gather and compare them every round)
-    round_log: Optional[str] = None  # SGLANG_DLITE_ROUND_LOG: JSON lines, one per decode round (metrics.py)
+    lookup: bool = True  # hybrid drafting: DLite + the per-request suffix lookup (false: DLite alone)
+    verify_width: str = "auto"  # auto | adaptive | fixed: the per-round verify width (speculation/verify_width.py)
+    drafter_dtype: str = ""  # float32 | bfloat16 | float16 | target ("": the default of drafter_dtype below)
+    draft_cuda_graph: bool = True  # false: the drafter runs eagerly on a GPU
+    round_log: Optional[str] = None  # a JSON-lines file, one line per decode round (metrics.py)
+    max_batch_size: Optional[int] = None  # hard off-switch: a larger decode batch runs no drafter (load_policy.py)
+    soft_batch_size: Optional[int] = None  # soft limit: a larger decode batch verifies at most soft_num_drafts
+    soft_num_drafts: int = 2  # drafts per request per round above soft_batch_size
+    lookup_trace: Optional[str] = None  # debug (SGLANG_DLITE_LOOKUP_TRACE): live indices + sources per round
+    tp_sync: bool = True  # debug (SGLANG_DLITE_TP_SYNC=0): no broadcast of rank 0's drafts / accepts under TP
+    tp_check: bool = False  # debug (SGLANG_DLITE_TP_CHECK=1): all-gather and compare them every round
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "ServingOptions":
         env = os.environ if environ is None else environ
-        return cls(
-            lookup=lookup_enabled(env),
+        values = read_config(env.get(ENV_CONFIG))
+        # the per-setting variables of earlier releases override one key each
+        if ENV_LOOKUP in env:
+            values["lookup"] = lookup_enabled(env)
+        if ENV_VERIFY_WIDTH in env:
+            values["verify_width"] = env[ENV_VERIFY_WIDTH]
+        if ENV_DRAFTER_DTYPE in env:
+            values["drafter_dtype"] = env[ENV_DRAFTER_DTYPE]
+        if ENV_DRAFT_CUDA_GRAPH in env:
+            values["draft_cuda_graph"] = env[ENV_DRAFT_CUDA_GRAPH] != "0"
+        if env.get(ENV_ROUND_LOG):
+            values["round_log"] = env[ENV_ROUND_LOG]
+        return _checked(cls(
+            **values,
             lookup_trace=env.get(ENV_TRACE) or None,
-            verify_width=env.get(ENV_VERIFY_WIDTH, "auto"),
-            drafter_dtype=env.get(ENV_DRAFTER_DTYPE, "").strip().lower(),
-            draft_cuda_graph=env.get(ENV_DRAFT_CUDA_GRAPH, "1") != "0",
             tp_sync=env.get(ENV_TP_SYNC, "1") != "0",
             tp_check=env.get(ENV_TP_CHECK, "0") == "1",
-            round_log=env.get(ENV_ROUND_LOG) or None,
-        )
+        ))
 
     def adaptive_width(self, device, disable_cuda_graph: bool, tp_size: int) -> bool:
         """Whether the hybrid picks its verify width per round (``adaptive_width_wanted``)."""
@@ -59,26 +79,77 @@ class ServingOptions:
                                      environ={ENV_VERIFY_WIDTH: self.verify_width})
 
     def describe_drafting(self) -> str:
-        return "hybrid (DLite + suffix lookup)" if self.lookup else f"DLite alone ({ENV_LOOKUP}=0)"
+        return "hybrid (DLite + suffix lookup)" if self.lookup else "DLite alone (lookup: false)"
+
+    def describe(self) -> str:
+        """The effective user settings, one line (logged once at start-up)."""
+        return json.dumps({k: v for k, v in asdict(self).items() if k in SETTINGS}, sort_keys=True)
+
+
+SETTINGS = ("lookup", "verify_width", "drafter_dtype", "draft_cuda_graph", "round_log", "max_batch_size",
+            "soft_batch_size", "soft_num_drafts")
+
+
+def read_config(text: Optional[str]) -> dict:
+    """The user settings of ``SGLANG_DLITE_CONFIG`` (a JSON object, or the path of a file holding one)."""
+    if not text or not text.strip():
+        return {}
+    src = "the JSON in " + ENV_CONFIG
+    if not text.lstrip().startswith(("{", "[")):
+        src = f"{ENV_CONFIG}={text!r}"
+        try:
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise DLiteConfigError(f"{src}: cannot read it ({exc.strerror}); give a JSON file's path or the "
+                                   "JSON itself, e.g. '{\"max_batch_size\": 48}'.") from None
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise DLiteConfigError(f"{src} is not valid JSON ({exc}).") from None
+    if not isinstance(raw, dict):
+        raise DLiteConfigError(f"{src} must be a JSON object of settings, got {type(raw).__name__}.")
+    unknown = sorted(set(raw) - set(SETTINGS))
+    if unknown:
+        raise DLiteConfigError(f"{src}: unknown setting(s) {unknown}; the settings are {', '.join(SETTINGS)}.")
+    return dict(raw)
+
+
+def _checked(o: ServingOptions) -> ServingOptions:
+    """Values of the right type and range (the message names the setting), normalized."""
+    def bad(key, want):
+        return DLiteConfigError(f"DLITE setting {key}={getattr(o, key)!r}: {want} ({ENV_CONFIG}).")
+
+    for key in ("lookup", "draft_cuda_graph"):
+        if not isinstance(getattr(o, key), bool):
+            raise bad(key, "must be true or false")
+    for key in ("max_batch_size", "soft_batch_size"):
+        v = getattr(o, key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise bad(key, "must be a batch size >= 0, or null (no limit)")
+    if not isinstance(o.soft_num_drafts, int) or isinstance(o.soft_num_drafts, bool) or o.soft_num_drafts < 0:
+        raise bad("soft_num_drafts", "must be an integer >= 0")
+    width = str(o.verify_width).strip().lower()
+    if width not in WIDTH_MODES:
+        raise bad("verify_width", f"use one of {', '.join(WIDTH_MODES)}")
+    dtype = str(o.drafter_dtype or "").strip().lower()
+    if dtype and dtype not in (*_DTYPES, "target"):
+        raise bad("drafter_dtype", f"use one of {', '.join(list(_DTYPES) + ['target'])}")
+    return ServingOptions(**{**{f.name: getattr(o, f.name) for f in fields(o)}, "verify_width": width,
+                             "drafter_dtype": dtype})
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def drafter_dtype(target_dtype: torch.dtype, device, options: Optional[ServingOptions] = None) -> torch.dtype:
-    """The drafter's dtype: ``SGLANG_DLITE_DRAFTER_DTYPE`` (float32 | bfloat16 | float16 | target;
-    ``options.drafter_dtype``, None: read from the environment). By default the target's, except
-    on a CPU without bf16 arithmetic (no avx512_bf16 / AMX), where it is float32: there the
-    drafter's few-row fp32 GEMVs beat emulated bf16 ones (draft round 1.2-2.6x faster; the drafter
-    reads the target's hidden states in its own dtype, and its drafts, not the output, depend on
-    it: verify is lossless)."""
+    """The drafter's dtype: the ``drafter_dtype`` setting (float32 | bfloat16 | float16 | target;
+    ``options`` None: read from the environment). By default the target's, except on a CPU without
+    bf16 arithmetic (no avx512_bf16 / AMX), where it is float32: there the drafter's few-row fp32
+    GEMVs beat emulated bf16 ones (draft round 1.2-2.6x faster; the drafter reads the target's
+    hidden states in its own dtype, and its drafts, not the output, depend on it: verify is lossless)."""
     name = (options or ServingOptions.from_env()).drafter_dtype
     if not name:
         cpu = str(device).startswith("cpu")
         name = "float32" if cpu and target_dtype != torch.float32 and not ops.cpu_has_native_bf16() else "target"
-    if name == "target":
-        return target_dtype
-    if name not in _DTYPES:
-        raise DLiteConfigError(f"{ENV_DRAFTER_DTYPE}={name!r} is not understood; use one of "
-                               f"{', '.join(list(_DTYPES) + ['target'])}.")
-    return _DTYPES[name]
+    return target_dtype if name == "target" else _DTYPES[name]

@@ -42,11 +42,6 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from sglang.srt.runtime_context import get_schedule, get_spec
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
-try:  # sglang releases without it: the config check (hybrid_reason) stands alone
-    from sglang.srt.configs.hybrid_arch import mambaish_config
-except ImportError:  # pragma: no cover
-    mambaish_config = None
-
 from .. import ops
 from ..config import supported_targets_text
 from ..errors import DLiteConfigError
@@ -54,12 +49,13 @@ from ..lookup.batch import BatchLookup
 from ..model import DLiteDrafter
 from ..speculation.context import last_rows_of_segments, roll_last_rows
 from ..speculation.verify_width import VerifyWidthPolicy
-from .algorithm import check_capture_layers, check_deployment, hybrid_reason, max_verify_width
+from .algorithm import check_target_supported, max_verify_width
 from . import metrics as dlite_metrics
 from . import verify_logits
 from .cuda_graphs import DrafterCudaGraphs
 from .info import DLiteDraftInput, DLiteVerifyInput, pack_context, unpack_context
-from .options import ENV_DRAFTER_DTYPE, ENV_LOOKUP, ServingOptions, drafter_dtype
+from .load_policy import LoadPolicy
+from .options import ENV_DRAFTER_DTYPE, ServingOptions, drafter_dtype
 from .tensor_parallel import check_gathered_embedding, gather_vocab_rows, same_on_all_ranks, tp_group
 
 logger = logging.getLogger(__name__)
@@ -75,24 +71,6 @@ def _target_parts(model):
     if lm_head is None or not hasattr(lm_head, "weight"):
         raise DLiteConfigError(f"DLITE: {type(model).__name__} exposes no lm_head.weight.")
     return embed.weight, lm_head.weight
-
-
-def _check_target_supported(model_runner, cfg, server_args) -> None:
-    """Launch-time refusals the launcher's validate_server_args may not see (Engine args built
-    in-process, a model config only sglang resolves): capture layers, recurrent-state targets,
-    pipeline parallel / PD disaggregation."""
-    hf = model_runner.model_config.hf_text_config
-    check_capture_layers(cfg.target_layer_ids, hf.num_hidden_layers)
-    check_deployment(server_args)
-    reason = hybrid_reason(hf)
-    if reason is None and mambaish_config is not None and mambaish_config(model_runner.model_config) is not None:
-        reason = "sglang runs it with a Mamba / linear-attention state pool"
-    if reason is not None:
-        raise DLiteConfigError(
-            f"DLITE does not support targets with Mamba / linear-attention state ({reason}): its chain "
-            "verify would leave that state advanced over rejected drafts. Serve this model without "
-            "--speculative-algorithm, or with EAGLE / DFLASH / NGRAM, which commit the state after verify."
-        )
 
 
 class DLiteWorker(BaseSpecWorker):
@@ -115,6 +93,9 @@ class DLiteWorker(BaseSpecWorker):
         self._metrics = dlite_metrics.worker_timer(server_args, self.device, self.C,  # None unless --enable-metrics
                                                    getattr(self.model_runner, "tp_rank", 0), self.options)
         self._init_hybrid()
+        self.load = LoadPolicy(self.options)
+        if self.tp_rank == 0:
+            logger.info("DLITE settings: %s", self.options.describe())
         logger.info(
             "DLITE drafter %s: K=%d (verifying %d drafts per round), C=%d, target layers %s, dtype %s", path,
             self.drafter_block_size, self.num_drafts, self.C, cfg.target_layer_ids, self.draft_dtype,
@@ -131,7 +112,7 @@ class DLiteWorker(BaseSpecWorker):
         cfg = drafter.config
         cfg.check_target(hidden_size=hf.hidden_size, vocab_size=hf.vocab_size,
                          num_layers=hf.num_hidden_layers)
-        _check_target_supported(self.model_runner, cfg, self.server_args)
+        check_target_supported(self.model_runner, cfg, self.server_args)
         if cfg.history_window != 0:
             raise DLiteConfigError(
                 f"DLITE serves history-free drafters only; {path!r} has history={cfg.history!r} "
@@ -185,7 +166,7 @@ class DLiteWorker(BaseSpecWorker):
         if not 2 <= self.W <= w_max:
             raise DLiteConfigError(
                 f"DLITE: speculative_num_draft_tokens={self.W} but the drafter has K={self.drafter_block_size} "
-                f"(needs 2..{w_max}{'' if lookup else f' with {ENV_LOOKUP}=0'})."
+                f"(needs 2..{w_max}{'' if lookup else ' with the setting lookup: false'})."
             )
 
     def _capture_target_layers(self, cfg) -> None:
@@ -266,10 +247,17 @@ class DLiteWorker(BaseSpecWorker):
         """Under TP: t identical on every rank (``tensor_parallel.same_on_all_ranks``)."""
         return same_on_all_ranks(self._tp, t, what, sync=self._tp_sync, check=self._tp_check)
 
-    def _draft(self, state: torch.Tensor, anchors: torch.Tensor, batch=None) -> torch.Tensor:
-        if self.lookup is not None and batch is not None:
-            return self._draft_hybrid(state, anchors, batch)
-        return self._draft_dlite(state, anchors)
+    def _draft(self, state: torch.Tensor, anchors: torch.Tensor, batch, n: int) -> torch.Tensor:
+        """[B, <= n] drafts; n = 0 (load_policy.py): none, no drafter pass, the lookup only
+        takes the anchors."""
+        if n == 0:
+            if self.lookup is not None:
+                seq = batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else None
+                self.lookup.skip_round(batch.reqs, anchors.tolist(), seq)
+            return anchors.new_empty((len(anchors), 0))
+        if self.lookup is not None:
+            return self._draft_hybrid(state, anchors, batch)[:, :n]
+        return self._draft_dlite(state, anchors)[:, :n]
 
     def _draft_hybrid(self, state: torch.Tensor, anchors: torch.Tensor, batch) -> torch.Tensor:
         """Per request: the suffix lookup, DLite, or DLite's prefix continued by the lookup,
@@ -349,8 +337,10 @@ class DLiteWorker(BaseSpecWorker):
         anchors = draft_input.bonus_tokens.to(torch.int64)
 
         rt = self._metrics.start() if self._metrics is not None else None  # --enable-metrics only
-        # 1) draft
-        drafts = self._draft(state, anchors, batch).to(torch.int64)  # [B, K] (the first K = W-1 of the chain)
+        # 1) draft (none for a batch over the off-switch, or when every request opted out)
+        opt_out = self.load.opted_out_rows(batch.reqs, self.device)
+        n = 0 if opt_out is not None and bool(opt_out.all()) else self.load.num_drafts(bs, self.num_drafts)
+        drafts = self._draft(state, anchors, batch, n).to(torch.int64)  # [B, W-1], the chain's first W-1
         drafts = self._tp_same(drafts, "drafts")  # TP: every rank verifies the same block
         W = drafts.shape[1] + 1  # tokens verified this round (self.W unless the width policy cut it)
         if rt is not None:
@@ -365,7 +355,8 @@ class DLiteWorker(BaseSpecWorker):
             rt.mark()
 
         # 3) accept: penalties / grammar / logit_bias / custom processors on all W rows, then choose
-        a, bonus = self._accept_round(batch, block, prefix_lens, logits_output, grammar_tree, grammar_barrier)
+        a, bonus = self._accept_round(batch, block, prefix_lens, logits_output, grammar_tree, grammar_barrier,
+                                      opt_out)
         out_tokens, commit_lens, new_seq_lens = self._commit(batch, drafts, prefix_lens, a, bonus)
         if batch.return_logprob:
             compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=W)
@@ -378,7 +369,7 @@ class DLiteWorker(BaseSpecWorker):
             bonus_tokens=bonus, hidden_states=new_state, new_seq_lens=new_seq_lens,
         )
         if rt is not None:
-            rt.finish(bs, state[..., -1])
+            rt.finish(bs, state[..., -1], W)
         batch.forward_mode = ForwardMode.DECODE
         return GenerationBatchResult(
             logits_output=logits_output,
@@ -456,9 +447,10 @@ class DLiteWorker(BaseSpecWorker):
         return target_out
 
     def _accept_round(self, batch, block: torch.Tensor, prefix_lens: torch.Tensor, logits_output, grammar_tree,
-                      grammar_barrier):
+                      grammar_barrier, opt_out: Optional[torch.Tensor] = None):
         """Every sglang logits adjustment on the W rows (``verify_logits.process``), then accepted
-        drafts a [B] and bonus [B]: argmax, or sglang's own sampler per row (``verify_logits.accept``)."""
+        drafts a [B] and bonus [B]: argmax, or sglang's own sampler per row (``verify_logits.accept``).
+        Rows of ``opt_out`` accept nothing (their drafts are padding): the bonus is row 0's pick."""
         bs, W = block.shape
         logits = logits_output.next_token_logits.view(bs, W, -1)
         gmask = verify_logits.grammar_mask(batch, grammar_tree, logits.device, grammar_barrier)
@@ -468,7 +460,8 @@ class DLiteWorker(BaseSpecWorker):
         if not verify_logits.is_all_greedy(info):
             sample_rows = verify_logits.sglang_row_sampler(self.model_runner.sampler, info, W, prefix_lens,
                                                            inplace=not batch.return_logprob)
-        a, bonus = verify_logits.accept(block[:, 1:], logits, sample_rows)
+        drafts = block[:, 1:] if opt_out is None else block[:, 1:].masked_fill(opt_out[:, None], -1)
+        a, bonus = verify_logits.accept(drafts, logits, sample_rows)
         if self._tp is not None:  # TP: the same accept lengths and bonus tokens on every rank
             ab = self._tp_same(torch.stack([a.to(torch.int64), bonus.to(torch.int64)]), "accept lengths / bonus tokens")
             a, bonus = ab[0].to(a.dtype), ab[1].to(bonus.dtype)

@@ -37,6 +37,7 @@ from .accept import expected_accepted
 logger = logging.getLogger(__name__)
 
 ENV_VERIFY_WIDTH = "SGLANG_DLITE_VERIFY_WIDTH"  # auto (default) | adaptive | fixed
+WIDTH_MODES = ("auto", "adaptive", "fixed")
 
 
 def reaches(probs: Sequence[float], min_reach: float = 0.0) -> List[float]:
@@ -81,7 +82,7 @@ def adaptive_width_wanted(device: str, disable_cuda_graph: bool, tp_size: int = 
     on a GPU served with --disable-cuda-graph; ``fixed``: never. Never under tensor parallelism
     (every rank would have to pick the same width from its own timings)."""
     v = (environ if environ is not None else os.environ).get(ENV_VERIFY_WIDTH, "auto").strip().lower()
-    if v not in ("auto", "adaptive", "fixed"):
+    if v not in WIDTH_MODES:
         raise DLiteConfigError(f"{ENV_VERIFY_WIDTH}={v!r}: use auto, adaptive or fixed.")
     if v == "fixed" or tp_size > 1:
         return False

@@ -107,6 +107,13 @@ def _check_json_schema(schema, field: str) -> None:
                              field) from None
 
 
+def _check_custom_params(params, field: str) -> None:
+    """DLITE's own key there: ``dlite_speculate`` (false: decode the request without drafts)."""
+    if isinstance(params, dict) and "dlite_speculate" in params:
+        _need(isinstance(params["dlite_speculate"], bool), f"{field}.dlite_speculate",
+              "must be true or false (false: decode this request without speculation)", params["dlite_speculate"])
+
+
 def check_sampling_params(sp, field: str = "sampling_params", known: Optional[Iterable[str]] = None) -> None:
     if sp is None:
         return
@@ -150,6 +157,7 @@ def check_sampling_params(sp, field: str = "sampling_params", known: Optional[It
         for i, t in enumerate(ids):
             _need(is_int(t) and t >= 0, f"{field}.stop_token_ids[{i}]", "must be a non-negative integer token id", t)
     _check_json_schema(sp.get("json_schema"), f"{field}.json_schema")
+    _check_custom_params(sp.get("custom_params"), f"{field}.custom_params")
 
 
 def _check_generate(body: dict, known_fields, known_sampling) -> None:
@@ -190,6 +198,7 @@ def _check_openai_common(body: dict) -> None:
     _check_stop(body.get("stop"), "stop")
     if body.get("stream") is not None:
         _need(isinstance(body["stream"], bool), "stream", f"must be true or false, not {_type_name(body['stream'])}")
+    _check_custom_params(body.get("custom_params"), "custom_params")
 
 
 def _has_content(msg) -> bool:
