@@ -36,8 +36,9 @@ from pathlib import Path
 
 import torch
 
-from sglang_dlite.benchmarking.draft_cost_report import draft_cost_table, human_bytes, plot_draft_cost
-from sglang_dlite.benchmarking.draft_rounds import COST_DRAFTERS, SMOLLM2, Conversation, build_drafter
+from sglang_dlite.benchmarking.draft_rounds import (
+    COST_DRAFTERS, SMOLLM2, Conversation, build_drafter, draft_cost_table, human_bytes, plot_draft_cost,
+)
 
 
 def main(argv=None) -> int:

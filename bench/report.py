@@ -24,7 +24,7 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
-from sglang_dlite.benchmarking.draft_cost_report import draft_cost_table, plot_draft_cost
+from sglang_dlite.benchmarking.draft_rounds import draft_cost_table, plot_draft_cost
 from sglang_dlite.speculation.tau import TAU_DEFINITION, pool_tau
 
 ROOT = Path(__file__).resolve().parents[1]

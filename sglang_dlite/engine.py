@@ -95,12 +95,6 @@ class LayerCapture:
         self.close()
 
 
-def _module_device(module) -> torch.device:
-    """The device of a module's first parameter (the CPU for a module without any)."""
-    p = next(iter(module.parameters()), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
 def _drafter_modules(drafter, depth: int = 0):
     """The torch modules an engine drafter holds: its ``.model`` (DLite, the KV baselines), through
     a hybrid drafter's ``.dlite``. Lookup drafters hold none."""
@@ -210,7 +204,8 @@ class ReferenceEngine:
         if device is not None:
             target.to(device)
         self.target = target
-        self.device = _module_device(target)
+        p = next(iter(target.parameters()), None)  # the device of the target's weights
+        self.device = p.device if p is not None else torch.device("cpu")
         self.drafter = drafter
         self.eos = set(int(t) for t in eos_token_ids)
         self.max_positions = getattr(target.config, "max_position_embeddings", None)

@@ -251,7 +251,8 @@ class KVCacheEngineDrafter:
     """What the engine adapters of the KV baselines share: the per-request ``CacheState`` in
     ``req.state[state_key]`` (created on first use, one K/V cache per drafter layer), its size, its
     sync to the committed tokens and the sequential sampling of the drafts. Subclasses implement
-    ``encode`` (the new committed positions into the cache) and ``draft``."""
+    ``encode(state, req, n, rows)`` (positions n.. into the cache, ``rows`` their captured target
+    features [1, L, hidden_end - n, H]) and ``draft``."""
 
     pair_shift = 0  # drafter position p is encoded from tokens[:p + 1 + pair_shift] (EAGLE-3: 1)
 
@@ -289,7 +290,7 @@ class KVCacheEngineDrafter:
                 f"kept only positions >= {req.hidden_start} (this drafter sets hidden_rows_needed=None)."
             )
         st.crop(n)
-        self.encode(st, req, n)
+        self.encode(st, req, n, req.hidden[None, :, n - req.hidden_start:])
         mark_synced(st, req.tokens)
         return st
 

@@ -174,12 +174,11 @@ class DSparkDrafter(DFlashDrafter):
 class DFlashEngineDrafter(KVCacheEngineDrafter):
     """Engine adapter (DFlash and DSpark): the context K/V cache lives in ``req.state``."""
 
-    def encode(self, st: CacheState, req: DraftRequest, n: int) -> None:
+    def encode(self, st: CacheState, req: DraftRequest, n: int, rows: torch.Tensor) -> None:
         """The context K/V of positions n..end-1 (the ones with target features) into the cache."""
         m, end = self.model, req.hidden_end
         if end > n:
-            rows = req.hidden[:, n - req.hidden_start:end - req.hidden_start]
-            c = m.context(rows[None])
+            c = m.context(rows)
             pos = torch.arange(n, end, device=c.device)
             for layer, cache in zip(m.layers, st.kv):
                 k, v = layer.attn.kv(c, pos)

@@ -121,14 +121,13 @@ class Eagle3EngineDrafter(KVCacheEngineDrafter):
 
     pair_shift = 1  # pair p uses tokens[:p+2]; the last pair is always re-encoded (its query starts the draft)
 
-    def encode(self, st: CacheState, req: DraftRequest, n: int) -> None:
+    def encode(self, st: CacheState, req: DraftRequest, n: int, rows: torch.Tensor) -> None:
         """Encode pairs n..end-1 (end = len(tokens) - 1: the pairs with a feature) into the cache;
         the last pair's layer input is left in ``st.last``."""
         m, end = self.model, req.hidden_end
         if end < 1:
             raise DLiteInputError("EAGLE-3 drafting needs at least one committed position with a target feature.")
-        rows = req.hidden[:, n - req.hidden_start:end - req.hidden_start]  # [L, end-n, H]
-        feat = m.fuse(rows[None])
+        feat = m.fuse(rows)
         toks = torch.tensor(req.tokens[n + 1:end + 1], device=feat.device)[None]
         x = m.layer_input(feat, toks)
         k, v = m.attn.kv(x, torch.arange(n, end, device=feat.device))
