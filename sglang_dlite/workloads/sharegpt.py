@@ -35,6 +35,8 @@ _ROLE = {
     "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "assistant": "assistant",
     "system": "system",
 }
+# the roles that may follow a message's role (None: the first message)
+_FOLLOWS = {None: ("system", "user"), "system": ("user",), "user": ("assistant",), "assistant": ("user",)}
 
 
 def base_id(conv_id: str) -> str:
@@ -92,16 +94,10 @@ def convert_sharegpt(raw: dict) -> Optional[dict]:
         content = m.get("value")
         if role is None or not isinstance(content, str) or not content.strip():
             break
-        if role == "system":
-            if msgs:
-                break
-            msgs.append({"role": "system", "content": content})
-            continue
-        prev = msgs[-1]["role"] if msgs else "system"
-        if role == "assistant" and prev in ("system",):
+        prev = msgs[-1]["role"] if msgs else None
+        if role == "assistant" and prev in (None, "system"):
             continue  # leading assistant message: no user prompt before it
-        expected = "user" if prev in ("system", "assistant") else "assistant"
-        if role != expected:
+        if role not in _FOLLOWS[prev]:
             break
         msgs.append({"role": role, "content": content})
     while msgs and msgs[-1]["role"] != "assistant":
