@@ -18,6 +18,7 @@ The slot/turn driver that uses it is ``fast_regen.FastRegenerator``.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -62,25 +63,23 @@ class FastLlama:
         self._cap_index = {l: k for k, l in enumerate(self.capture)}
         d = dtype
         self.packed = bool(packed)
-        self.layers = []
-        for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
-            self.layers.append(dict(
-                ln1=layer.input_layernorm.weight.detach().to(d), ln2=layer.post_attention_layernorm.weight.detach().to(d),
-                wqkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).detach().to(d).contiguous(),
-                wo=a.o_proj.weight.detach().to(d).contiguous(),
-                wgu=torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).detach().to(d).contiguous(),
-                wd=m.down_proj.weight.detach().to(d).contiguous(),
-            ))
-        self.norm_w = inner.norm.weight.detach().to(d)
-        self.embed = inner.embed_tokens.weight.detach().to(d)
-        self.head = hf_model.get_output_embeddings().weight.detach().to(d).contiguous()
-        self.I = self.layers[0]["wgu"].shape[0] // 2
         # the products: a callable per weight (x [.., in] -> x @ W.T), MKL-packed where that applies
         lin = MklPackedLinear.maybe if self.packed else (lambda w: functools.partial(F.linear, weight=w))
-        for p in self.layers:
-            p.update(qkv=lin(p["wqkv"]), o=lin(p["wo"]), gu=lin(p["wgu"]), down=lin(p["wd"]))
-        self.head_linear = lin(self.head)
+
+        def product(*ws):  # of the weights stacked by rows (fused QKV, fused gate/up)
+            return lin(torch.cat(ws, 0).detach().to(d).contiguous())
+
+        self.layers = [dict(ln1=layer.input_layernorm.weight.detach().to(d),
+                            ln2=layer.post_attention_layernorm.weight.detach().to(d),
+                            qkv=product(layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                                        layer.self_attn.v_proj.weight),
+                            o=product(layer.self_attn.o_proj.weight),
+                            gu=product(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight),
+                            down=product(layer.mlp.down_proj.weight)) for layer in inner.layers]
+        self.norm_w = inner.norm.weight.detach().to(d)
+        self.embed = inner.embed_tokens.weight.detach().to(d)
+        self.head_linear = product(hf_model.get_output_embeddings().weight)
+        self.I = cfg.intermediate_size
         self.slots, self.max_len = slots, max_len
         # Allocated, not filled: a slot's positions are zeroed (or written) only up to the longest
         # context its attention reads (``hw``), so memory grows with the contexts actually decoded.
@@ -119,7 +118,7 @@ class FastLlama:
     def _mlp(self, x, p):
         gu = p["gu"](x)
         gate, up = gu[..., : self.I], gu[..., self.I:]
-        return p["down"](torch.nn.functional.silu(gate) * up)
+        return p["down"](F.silu(gate) * up)
 
     def logits(self, normed):
         return self.head_linear(normed)
@@ -207,9 +206,7 @@ class FastLlama:
         B = len(lens)
         N = int(sum(lens))
         rows = torch.repeat_interleave(torch.arange(B), torch.as_tensor(lens))  # [N] slot of each token
-        offs = [0]
-        for n in lens:
-            offs.append(offs[-1] + n)
+        offs = list(itertools.accumulate(lens, initial=0))
         qi = torch.cat([torch.arange(n) for n in lens])  # [N] index of each token within its row
         pos = torch.as_tensor(starts, dtype=torch.long)[rows] + qi
         if int(pos.max()) >= self.max_len:

@@ -10,11 +10,9 @@ HF Llama target (``fast_llama.FastLlama``: static KV cache, fp32 or bf16, MKL-pa
   fp16, the same layout as ``features.save_features``): no second target pass.
 
 Exactness: the output is the target's greedy decoding, computed with other GEMM shapes than
-HF's batch-1 forward, so a near-tie can round the other way. ``exactness.relabel`` runs one float32 HF
-forward over finished sequences, counts the generated tokens that are not the float32 target's
-greedy choice, and cuts a sequence at its first such token (the target's own choice becomes the
-last token; later turns, which were conditioned on the other choice, are dropped); its features
-replace the captured ones. ``bench/gen_throughput.py`` measures both.
+HF's batch-1 forward, so a near-tie can round the other way; ``--relabel`` cuts such text at the
+float32 target's own choice (``exactness.relabel``, whose features replace the captured ones), and
+``bench/gen_throughput.py`` measures both.
 """
 
 from __future__ import annotations

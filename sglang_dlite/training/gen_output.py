@@ -71,29 +71,6 @@ def claim(out, fname) -> bool:
     return False
 
 
-def append_shard(out, info):
-    def add(m):
-        m["shards"] = [x for x in m["shards"] if x["file"] != info["file"]] + [info]
-        return m
-    return locked_update(out, add)
-
-
-def save_generated(args, model, fname, src, seqs, masks, feats, layers, extra=None) -> dict:
-    """Write one finished shard (features first, then the ids: a shard on disk has its features)."""
-    if layers:
-        off = np.cumsum([0] + [len(x) for x in seqs])
-        H = model.config.hidden_size
-        # A conversation whose first prompt is already too long generated nothing and has no
-        # features (no anchor reads them): zero rows.
-        arrays = [np.asarray(f) if f is not None else np.zeros((0, len(layers) + 1, H), np.float16) for f in feats]
-        save_features(os.path.join(args.out, fname), arrays, off, layers, H)
-    info = save_shard(os.path.join(args.out, fname), seqs, masks)
-    info["source"] = src
-    info.update(extra or {})
-    append_shard(args.out, info)
-    return info
-
-
 class ShardWriter:
     """One worker's shards: which it claims (``claimed``), the write of a finished one (``write``:
     cut at the float32 target's greedy choice first with ``relabel``) and the run's record (``close``)."""
@@ -154,6 +131,8 @@ class ShardWriter:
         self.write(fname, src, list(seqs), list(masks), list(feats), {"min_logit_margin": round(min(margins), 6)})
 
     def write(self, fname, src, seqs, masks, feats, extra: Optional[dict] = None) -> None:
+        """Write one finished shard (features first, then the ids: a shard on disk has its
+        features) and add it to the manifest."""
         extra = {"engine": self.tag, **(extra or {})}
         if self.relabel:
             seqs, masks, feats, counts = relabel(self.model, seqs, masks, self.layers)
@@ -162,8 +141,15 @@ class ShardWriter:
         for k in self.totals:
             self.totals[k] += extra.get(k, 0)
         self.totals["shards"] += 1
-        info = save_generated(self.args, self.model, fname, src, seqs, masks, feats if self.layers else None,
-                              self.layers, extra)
+        path = os.path.join(self.args.out, fname)
+        if self.layers:
+            H = self.model.config.hidden_size
+            # A conversation whose first prompt is already too long generated nothing and has no
+            # features (no anchor reads them): zero rows.
+            arrays = [np.zeros((0, len(self.layers) + 1, H), np.float16) if f is None else np.asarray(f) for f in feats]
+            save_features(path, arrays, np.cumsum([0] + [len(x) for x in seqs]), self.layers, H)
+        info = {**save_shard(path, seqs, masks), "source": src, **extra}
+        locked_update(self.args.out, lambda m: {**m, "shards": [x for x in m["shards"] if x["file"] != fname] + [info]})
         drop_parts(self.args.out, fname)
         self.bar.update(1)
         n, el = self.gen.new_tokens, time.time() - self.t0

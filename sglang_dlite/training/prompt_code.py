@@ -35,15 +35,20 @@ FOLLOW_UPS = (
 )
 
 
-def stdlib_files() -> list:
-    root = sysconfig.get_paths()["stdlib"]
+def _py_files(root: str, skip_dir, keep=lambda path: True) -> list:
+    """Relative paths of the .py files below ``root`` that ``keep`` accepts, in a fixed order; a
+    directory d of dirpath for which ``skip_dir(dirpath, d)`` holds is not entered."""
     out = []
     for dirpath, dirnames, files in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "idle_test", "__pycache__"))
-        for f in sorted(files):
-            if f.endswith(".py"):
-                out.append(os.path.relpath(os.path.join(dirpath, f), root))
+        dirnames[:] = sorted(d for d in dirnames if not skip_dir(dirpath, d))
+        out += [os.path.relpath(os.path.join(dirpath, f), root) for f in sorted(files)
+                if f.endswith(".py") and keep(os.path.join(dirpath, f))]
     return out
+
+
+def stdlib_files() -> list:
+    return _py_files(sysconfig.get_paths()["stdlib"],
+                     lambda _, d: d in ("site-packages", "test", "tests", "idle_test", "__pycache__"))
 
 
 def _eval_stdlib_files() -> set:
@@ -129,25 +134,17 @@ AGENT_TASKS = (
 def _site_packages_files() -> list:
     """(root, relpath) of .py sources in site-packages, minus the evaluation's packages and tests."""
     root = sysconfig.get_paths()["purelib"]
-    out = []
-    if not os.path.isdir(root):
-        return out
-    for dirpath, dirnames, files in os.walk(root):
-        rel_dir = os.path.relpath(dirpath, root)
-        top = rel_dir.split(os.sep)[0]
-        if top in EVAL_PACKAGES or top.endswith((".dist-info", ".egg-info")):
-            dirnames[:] = []
-            continue
-        dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "__pycache__") and not d.startswith("."))
-        for f in sorted(files):
-            if f.endswith(".py") and not f.startswith("test"):
-                p = os.path.join(dirpath, f)
-                try:
-                    if 3_000 <= os.path.getsize(p) <= 300_000:
-                        out.append((root, os.path.relpath(p, root)))
-                except OSError:
-                    continue
-    return out
+
+    def skip_dir(dirpath, d):
+        top = dirpath == root and (d in EVAL_PACKAGES or d.endswith((".dist-info", ".egg-info")))
+        return top or d in ("test", "tests", "__pycache__") or d.startswith(".")
+
+    def keep(path):
+        try:
+            return not os.path.basename(path).startswith("test") and 3_000 <= os.path.getsize(path) <= 300_000
+        except OSError:
+            return False
+    return [(root, rel) for rel in _py_files(root, skip_dir, keep)]
 
 
 def agent_files() -> list:

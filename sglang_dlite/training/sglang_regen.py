@@ -9,11 +9,10 @@ pass over the finished sequences gives the features.
   Greedy (temperature 0); a turn stops at the chat end-of-turn token (``stop_token_ids``) or at
   its room, the same rule as the fast and hf engines. sglang also stops at the model's other EOS
   ids; such a turn is resumed where it stopped, so only ``<|im_end|>`` ends a turn.
-* **Features and exactness**: ``exactness.reference_greedy``, one float32 HF forward per group
-  of finished sequences with hooks on the capture layers (the same capture the relabel path
-  uses), gives the features and the float32 target's greedy choice at every position; generated
-  tokens that are not that choice are counted per shard (``tokens_not_fp32_greedy``), and with
-  ``relabel`` (implied by ``--dtype bfloat16``) a sequence is cut at the first one.
+* **Features and exactness**: the float32 pass of ``exactness.relabel`` (the fast engine's
+  ``--relabel`` pass) gives the features and counts the generated tokens that are not the float32
+  target's greedy choice per shard (``tokens_not_fp32_greedy``); with ``relabel`` (implied by
+  ``--dtype bfloat16``) it also cuts a sequence at the first one.
 """
 
 from __future__ import annotations
@@ -64,13 +63,11 @@ class SglangRegenerator:
                 import sglang as sgl  # optional: the sglang extra
 
                 kw.update(model_path=str(target_path), log_level="error", random_seed=0)
-                kw.update(engine_kw)
-                engine = sgl.Engine(**kw)
+                engine = sgl.Engine(**{**kw, **engine_kw})
             else:  # the project's CPU stack
                 os.environ["OMP_NUM_THREADS"] = str(threads)  # the scheduler subprocess's torch threads
                 kw.update(max_total_tokens=min(batch_size * turns.max_len, 1 << 17))
-                kw.update(engine_kw)
-                engine = start_engine(target_path, **kw)
+                engine = start_engine(target_path, **{**kw, **engine_kw})
         self.engine = engine
 
     def close(self):
