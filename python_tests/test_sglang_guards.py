@@ -148,6 +148,21 @@ def test_metrics_api_counts_rounds_and_sources():
     assert val("sglang:dlite_context_rows_bucket", le="3.0") == le3 + 1  # one request had 3 valid rows
     assert val("sglang:dlite_draft_ms_sum") - d0 >= 9.0  # the 10 ms sleep was between start() and the draft mark
     assert val("sglang:dlite_verify_ms_sum") - v0 < 9.0
+    # acceptance under vLLM's names: 3 requests verified 4 drafts each, accepting 0, 2 and 4
+    names = ("sglang:spec_decode_num_drafts_total", "sglang:spec_decode_num_draft_tokens_total",
+             "sglang:spec_decode_num_accepted_tokens_total")
+    acc0 = [val(n) for n in names]
+    pos0 = [val("sglang:spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(4)]
+    t.start().mark()
+    t.mark()
+    t.finish(3, None, width=5, accepted=torch.tensor([0, 2, 4]))
+    assert [val(n) - v for n, v in zip(names, acc0)] == [3, 12, 6]
+    pos = [val("sglang:spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) - v for p, v in enumerate(pos0)]
+    assert pos == [2, 2, 1, 1]
+    t.start().mark()
+    t.mark()
+    t.finish(3, None, width=1, accepted=torch.tensor([0, 0, 0]))  # a round with no drafts is not a draft
+    assert [val(n) - v for n, v in zip(names, acc0)] == [3, 12, 6]
 
 
 def test_round_log_records_every_round_without_metrics(tmp_path, monkeypatch):
@@ -194,6 +209,31 @@ def test_serve_cpu_fixes_the_malloc_mmap_threshold(tmp_path, monkeypatch):
     args = p.parse_args(["--model-path", str(tmp_path), "--no-spec", "--dry-run"])
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     assert "MALLOC_MMAP_THRESHOLD_" not in serve.build_command(args)[1]  # CUDA deployments: untouched
+
+
+def test_serve_cpu_binds_a_core_list_per_rank(tmp_path, monkeypatch, capsys):
+    """`serve --cpu -- --tp-size 2` sets sglang's SGLANG_CPU_OMP_THREADS_BIND itself (sglang asserts it
+    when ranks outnumber NUMA nodes), splitting the cores evenly over TP x DP; a value set wins."""
+    import argparse
+
+    from sglang_dlite import cpu_launch
+    from sglang_dlite.sglang_plugin import serve
+
+    assert cpu_launch.omp_threads_bind(2, ncpu=2) == "0|1"
+    assert cpu_launch.omp_threads_bind(2, ncpu=16) == "0-7|8-15"
+    assert cpu_launch.omp_threads_bind(4, ncpu=16) == "0-3|4-7|8-11|12-15"
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(cpu_launch.os, "cpu_count", lambda: 8)
+    for extra, want in ((["--tp-size", "2"], "0-3|4-7"), (["--tp-size=2", "--dp-size", "2"], "0-1|2-3|4-5|6-7"),
+                        (["--port", "8000"], None)):
+        args = p.parse_args(["--model-path", str(tmp_path), "--no-spec", "--cpu", "--dry-run", "--", *extra])
+        assert serve.build_command(args)[1].get("SGLANG_CPU_OMP_THREADS_BIND") == want
+    assert "2 ranks on cores 0-3|4-7" in capsys.readouterr().err
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")
+    args = p.parse_args(["--model-path", str(tmp_path), "--no-spec", "--cpu", "--dry-run", "--", "--tp-size", "2"])
+    assert serve.build_command(args)[1]["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1"
 
 
 # ----------------------------------------------------------------------------- one real server
@@ -272,6 +312,12 @@ def test_metrics_serve_dlite_and_spec_counters(server):
     sources = dict(re.findall(r'^sglang:dlite_source_rounds_total\{[^}]*source="([^"]+)"[^}]*\} ([0-9.e+]+)$', text, re.M))
     assert sources and sum(float(v) for v in sources.values()) >= rounds
     assert value("sglang:spec_verify_calls_total") >= 1  # sglang's own spec counter is there too
+    drafts, accepted = value("sglang:spec_decode_num_drafts_total"), value("sglang:spec_decode_num_accepted_tokens_total")
+    # (a round the CPU's draft gate ran without drafts is not a draft: fewer drafts than rounds is fine)
+    assert drafts > 0 and value("sglang:spec_decode_num_draft_tokens_total") >= drafts
+    per_pos = dict(re.findall(r'^sglang:spec_decode_num_accepted_tokens_per_pos_total\{[^}]*position="(\d+)"[^}]*\} '
+                              r'([0-9.e+]+)$', text, re.M))
+    assert per_pos and sum(float(v) for v in per_pos.values()) == accepted > 0
     assert re.search(r'^sglang:dlite_refused_requests_total\{[^}]*endpoint="/generate"[^}]*field="text"[^}]*\} [1-9]',
                      text, re.M), "the guards' refusal counter"
     _alive(base, proc, log)

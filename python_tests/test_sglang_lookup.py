@@ -68,8 +68,9 @@ def test_hybrid_equals_nospec_and_frees_lookup_state(tmp_path, monkeypatch):
         assert acc_lookup > 0, sources  # the lookup drafted rounds and was accepted
         assert "dlite" in sources  # and DLite drafted the others
         # the CPU default picks the verify width per round: several widths ran, output unchanged
+        # (width 1: a round the draft gate ran without drafts, to measure plain decoding's cost)
         widths = {x["width"] for x in ev}
-        assert len(widths) > 1 and widths <= set(range(2, 17)), widths
+        assert len(widths - {1}) > 1 and widths <= set(range(1, 17)), widths
         # the CPU default lets the lookup continue a chain past DLite's K = 7 drafts (W up to 16):
         # rounds wider than DLite alone could fill (W > K + 1) ran, output unchanged. (How many
         # of their drafts are accepted depends on which widths the policy, timing rounds online,

@@ -136,6 +136,7 @@ def test_real_target_shipped_drafter_rounds_equal_reference(monkeypatch):
     from sglang_dlite.drafters import shipped_drafter_path
 
     monkeypatch.setenv("SGLANG_DLITE_LOOKUP", "0")
+    monkeypatch.setenv("SGLANG_DLITE_VERIFY_WIDTH", "fixed")  # every round W wide (no draft gate), as the reference
 
     drafter = shipped_drafter_path()
     if drafter is None:

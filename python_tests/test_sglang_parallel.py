@@ -63,6 +63,7 @@ def _parallel_env(monkeypatch):
     # (engine_kwargs passes max_total_tokens).
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")
     monkeypatch.setenv("SGLANG_DLITE_LOOKUP", "0")
+    monkeypatch.setenv("SGLANG_DLITE_VERIFY_WIDTH", "fixed")  # dp2 on a CPU: every round W wide, as the reference
     monkeypatch.setenv("SGLANG_DLITE_TP_CHECK", "1")
 
 

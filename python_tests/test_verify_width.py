@@ -123,3 +123,38 @@ def test_when_the_worker_adapts_the_width():
     assert not adaptive_width_wanted("cuda:0", False, environ={"SGLANG_DLITE_VERIFY_WIDTH": "adaptive"})
     with pytest.raises(DLiteConfigError, match="auto, adaptive or fixed"):
         adaptive_width_wanted("cpu", False, environ={"SGLANG_DLITE_VERIFY_WIDTH": "sometimes"})
+
+
+def _gate_run(gate, rounds, bs, draft_s, plain_s, committed):
+    """Drive a DraftGate: each round it decides, then sees what that kind of round cost and gave."""
+    chosen = []
+    for _ in range(rounds):
+        d = gate.should_draft(bs)
+        chosen.append(d)
+        gate.observe(bs, d, draft_s if d else plain_s, committed if d else 1.0)
+    return chosen
+
+
+def test_draft_gate_turns_drafting_off_when_drafts_are_never_accepted():
+    """A drafter that is always wrong commits 1 token per round, like plain decoding, but pays its
+    draft and a wider verify: after its warm-up and one plain round the gate runs plain rounds,
+    probing drafting again only every probe_every rounds."""
+    from sglang_dlite.speculation.verify_width import DraftGate
+
+    gate = DraftGate(warmup=4, probe_every=32)
+    chosen = _gate_run(gate, 200, bs=4, draft_s=0.017, plain_s=0.010, committed=1.0)
+    assert chosen[:4] == [True] * 4 and chosen[4] is False  # warm-up, then one plain round
+    assert sum(chosen) <= 4 + 200 // 32 + 1 and gate.off_rounds == 200 - sum(chosen)
+
+
+def test_draft_gate_keeps_drafting_when_it_pays_and_follows_a_change():
+    from sglang_dlite.speculation.verify_width import DraftGate
+
+    gate = DraftGate(warmup=4, probe_every=32)
+    chosen = _gate_run(gate, 300, bs=8, draft_s=0.017, plain_s=0.010, committed=2.5)  # 147 vs 100 tok/s
+    assert sum(chosen) >= 300 - 1 - 300 // 32  # only the probes of plain decoding ran without drafts
+    # the load grows: at 64 requests the same drafts no longer pay (wider verify, same acceptance)
+    chosen = _gate_run(gate, 200, bs=64, draft_s=0.120, plain_s=0.040, committed=2.5)
+    assert sum(chosen[-100:]) <= 100 // 32 + 1
+    # batch size 8 is judged on its own measurements still
+    assert _gate_run(gate, 1, bs=8, draft_s=0.017, plain_s=0.010, committed=2.5) == [True]

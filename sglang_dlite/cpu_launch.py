@@ -49,6 +49,19 @@ def cpu_environ() -> dict:
     }
 
 
+ENV_THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def omp_threads_bind(ranks: int, ncpu: "int | None" = None) -> str:
+    """sglang's CPU core list per rank (``SGLANG_CPU_OMP_THREADS_BIND``: ``"0-7|8-15"``): the
+    machine's cores split evenly over ``ranks`` (TP x DP). sglang asserts it is set when the ranks
+    outnumber the NUMA nodes."""
+    ncpu = ncpu or os.cpu_count() or 1
+    per = max(1, ncpu // ranks)
+    return "|".join(f"{(r * per) % ncpu}-{(r * per) % ncpu + per - 1}" if per > 1 else str(r % ncpu)
+                    for r in range(ranks))
+
+
 def activate_cpu_standins() -> None:
     """Apply cpu_environ() to this process (and its children) and load the stand-ins here too.
 

@@ -19,6 +19,7 @@ from sglang.srt import runtime_context
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 from transformers import AutoConfig
 
+from ..config import supported_targets_text
 from ..errors import DLiteConfigError
 from ..model import load_checkpoint
 from .options import ServingOptions
@@ -337,3 +338,18 @@ def check_target_supported(model_runner, cfg, server_args) -> None:
             "verify would leave that state advanced over rejected drafts. Serve this model without "
             "--speculative-algorithm, or with EAGLE / DFLASH / NGRAM, which commit the state after verify."
         )
+
+
+def capture_target_layers(model, layer_ids) -> None:
+    """Make the target's sglang model capture these decoder-layer outputs for the drafter. Both
+    setters, given explicit layer ids, capture the same outputs (sglang's Qwen2 model has only the
+    EAGLE-3 one). Must run before the target's CUDA graphs are captured (init_cuda_graphs comes later)."""
+    set_capture = (getattr(model, "set_dflash_layers_to_capture", None)
+                   or getattr(model, "set_eagle3_layers_to_capture", None))
+    if set_capture is None:
+        raise DLiteConfigError(
+            f"DLITE needs a target whose sglang model can capture decoder-layer outputs "
+            f"(set_dflash_layers_to_capture / set_eagle3_layers_to_capture); {type(model).__name__} "
+            f"cannot. Supported targets: {supported_targets_text()}."
+        )
+    set_capture(list(layer_ids))

@@ -11,6 +11,12 @@ Metrics (prometheus names; sglang's multiprocess collector serves them from the 
 - ``sglang:dlite_source_rounds_total{source}``  counter: request-rounds drafted by each source
 - ``sglang:dlite_refused_requests_total{endpoint,field}``  counter (HTTP process): requests the
   request guards (``guards.py``) refused with a 400 before they reached sglang
+- acceptance under the names vLLM and llama.cpp dashboards read: ``sglang:spec_decode_num_drafts_total``
+  (request-rounds that verified drafts), ``sglang:spec_decode_num_draft_tokens_total`` (drafts
+  verified), ``sglang:spec_decode_num_accepted_tokens_total`` (drafts accepted) and
+  ``sglang:spec_decode_num_accepted_tokens_per_pos_total{position}`` (drafts accepted at chain
+  position 0, 1, ...); acceptance rate = accepted / draft tokens, mean accepted length =
+  1 + accepted / drafts (a request that opted out, or a round with no drafts, is not a draft)
 
 API for drafting code (e.g. a hybrid suffix-lookup / DLite drafter), safe to call always::
 
@@ -71,6 +77,12 @@ def enable(num_context_positions: int = 8) -> bool:
                                buckets=tuple(float(i) for i in range(C + 1))),
         rounds=Counter("sglang:dlite_rounds", "DLITE decode rounds (batch steps) drafted."),
         source=Counter("sglang:dlite_source_rounds", "Request-rounds drafted, by drafting source.", ["source"]),
+        drafts=Counter("sglang:spec_decode_num_drafts", "Request-rounds that verified drafts."),
+        draft_tokens=Counter("sglang:spec_decode_num_draft_tokens", "Draft tokens verified."),
+        accepted=Counter("sglang:spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+        accepted_per_pos=Counter("sglang:spec_decode_num_accepted_tokens_per_pos",
+                                 "Draft tokens accepted, by position in the chain (0: the first draft).",
+                                 ["position"]),
     )
     return True
 
@@ -105,6 +117,17 @@ def record_source(name: str, n: int = 1) -> None:
     _claimed[name] = _claimed.get(name, 0) + int(n)
 
 
+def record_acceptance(accepted, num_drafts: int) -> None:
+    """One round's acceptance: ``accepted`` drafts of each request that verified ``num_drafts``."""
+    if _M is None or num_drafts <= 0 or not accepted:
+        return
+    _M["drafts"].inc(len(accepted))
+    _M["draft_tokens"].inc(len(accepted) * num_drafts)
+    _M["accepted"].inc(sum(accepted))
+    for pos in range(min(num_drafts, max(accepted))):
+        _M["accepted_per_pos"].labels(position=str(pos)).inc(sum(1 for a in accepted if a > pos))
+
+
 def record_round(draft_ms: float, verify_ms: float, batch_size: int, context_rows=None) -> None:
     """Record one finished decode round (no-op when off). ``context_rows``: per-request counts."""
     if _M is None:
@@ -136,8 +159,10 @@ class RoundTimer:
         self.pending: deque = deque()
         self.log_path = log_path
 
-    def _record(self, draft_ms: float, verify_ms: float, batch_size: int, rows, width: int) -> None:
+    def _record(self, draft_ms: float, verify_ms: float, batch_size: int, rows, width: int, accepted=None) -> None:
         record_round(draft_ms, verify_ms, batch_size, rows)
+        if accepted is not None:
+            record_acceptance(accepted, width - 1)
         if self.log_path:
             with open(self.log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"bs": batch_size, "width": width, "draft_ms": round(draft_ms, 3),
@@ -157,9 +182,10 @@ class RoundTimer:
     def mark(self) -> None:
         self.marks.append(self._now())
 
-    def finish(self, batch_size: int, context_valid=None, width: int = 0) -> None:
+    def finish(self, batch_size: int, context_valid=None, width: int = 0, accepted=None) -> None:
         """``context_valid``: [B, C] validity of the drafter's context rows (tensor) or None;
-        ``width``: tokens verified per request this round."""
+        ``width``: tokens verified per request this round; ``accepted``: [n] drafts accepted by each
+        request that drafted (tensor) or None."""
         rows = None
         if context_valid is not None:
             rows = (context_valid > 0.5).sum(dim=-1) if context_valid.dtype != torch.bool else context_valid.sum(-1)
@@ -167,19 +193,23 @@ class RoundTimer:
             return
         if not self.cuda:
             t0, t1, t2 = self.marks[:3]
-            self._record((t1 - t0) * 1e3, (t2 - t1) * 1e3, batch_size, None if rows is None else rows.tolist(), width)
+            self._record((t1 - t0) * 1e3, (t2 - t1) * 1e3, batch_size, None if rows is None else rows.tolist(), width,
+                         None if accepted is None else accepted.tolist())
             return
         if rows is not None:
             rows = rows.to("cpu", non_blocking=True)
+        if accepted is not None:
+            accepted = accepted.to("cpu", non_blocking=True)
         end = self._now()
-        self.pending.append((self.marks[:3], end, batch_size, rows, width))
+        self.pending.append((self.marks[:3], end, batch_size, rows, width, accepted))
         self.poll()
 
     def poll(self) -> None:
         """Record the CUDA rounds whose events have completed (never waits)."""
         while self.pending and self.pending[0][1].query():
-            (e0, e1, e2), _, bs, rows, width = self.pending.popleft()
-            self._record(e0.elapsed_time(e1), e1.elapsed_time(e2), bs, None if rows is None else rows.tolist(), width)
+            (e0, e1, e2), _, bs, rows, width, acc = self.pending.popleft()
+            self._record(e0.elapsed_time(e1), e1.elapsed_time(e2), bs, None if rows is None else rows.tolist(), width,
+                         None if acc is None else acc.tolist())
         while len(self.pending) > 64:  # never grow without bound
             self.pending.popleft()
 

@@ -16,7 +16,7 @@ import sys
 
 from transformers import AutoConfig
 
-from ..cpu_launch import SERVER_CPU_ARGS, cpu_environ
+from ..cpu_launch import ENV_THREADS_BIND, SERVER_CPU_ARGS, cpu_environ, omp_threads_bind
 from ..drafters import shipped_drafter_path
 from ..errors import DLiteConfigError, DLiteInputError
 from ..target import resolve_target
@@ -72,10 +72,26 @@ def build_command(args) -> tuple[list, dict]:
         # caller set wins.
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(CPU_MALLOC_MMAP_THRESHOLD))
         defaults, note = cpu_serving_defaults(target, extra)
+        ranks = _int_flag(extra, "--tp-size", "--tensor-parallel-size") * _int_flag(extra, "--dp-size", "--data-parallel-size")
+        if ranks > 1 and ENV_THREADS_BIND not in env:  # sglang asserts a core list per rank
+            env[ENV_THREADS_BIND] = omp_threads_bind(ranks)
+            note = (note + "; " if note else "sglang-dlite serve --cpu: ") + \
+                f"{ranks} ranks on cores {env[ENV_THREADS_BIND]} (set {ENV_THREADS_BIND} to choose)"
         if note:
             print(note, file=sys.stderr, flush=True)
         cmd += defaults + SERVER_CPU_ARGS
     return cmd + extra, env
+
+
+def _int_flag(args: list, *names: str) -> int:
+    """The value of ``--name N`` / ``--name=N`` in sglang's arguments (1 when absent)."""
+    for i, a in enumerate(args):
+        for n in names:
+            if a == n and i + 1 < len(args):
+                return int(args[i + 1])
+            if a.startswith(n + "="):
+                return int(a.split("=", 1)[1])
+    return 1
 
 
 KV_RAM_FRACTION = 0.10  # of the machine's RAM, for the float32 KV pool of `serve --cpu`

@@ -43,13 +43,12 @@ from sglang.srt.runtime_context import get_schedule, get_spec
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from .. import ops
-from ..config import supported_targets_text
 from ..errors import DLiteConfigError
 from ..lookup.batch import BatchLookup
 from ..model import DLiteDrafter
 from ..speculation.context import last_rows_of_segments, roll_last_rows
-from ..speculation.verify_width import VerifyWidthPolicy
-from .algorithm import check_target_supported, max_verify_width
+from ..speculation.verify_width import DraftGate, VerifyWidthPolicy
+from .algorithm import capture_target_layers, check_target_supported, max_verify_width
 from . import metrics as dlite_metrics
 from . import verify_logits
 from .cuda_graphs import DrafterCudaGraphs
@@ -88,7 +87,7 @@ class DLiteWorker(BaseSpecWorker):
         self.drafter = self._load_drafter(path)
         cfg = self.drafter.config
         self._set_round_shape(cfg, int(spec.speculative_num_draft_tokens))
-        self._capture_target_layers(cfg)
+        capture_target_layers(self.model_runner.model, cfg.target_layer_ids)  # before the target's CUDA graphs
         self._graphs: Optional[DrafterCudaGraphs] = None
         self._metrics = dlite_metrics.worker_timer(server_args, self.device, self.C,  # None unless --enable-metrics
                                                    getattr(self.model_runner, "tp_rank", 0), self.options)
@@ -169,21 +168,6 @@ class DLiteWorker(BaseSpecWorker):
                 f"(needs 2..{w_max}{'' if lookup else ' with the setting lookup: false'})."
             )
 
-    def _capture_target_layers(self, cfg) -> None:
-        """Both setters, given explicit layer ids, capture the same decoder-layer outputs (sglang's
-        Qwen2 model has only the EAGLE-3 one). Must run before the target's CUDA graphs are
-        captured (init_cuda_graphs comes later)."""
-        model = self.model_runner.model
-        set_capture = (getattr(model, "set_dflash_layers_to_capture", None)
-                       or getattr(model, "set_eagle3_layers_to_capture", None))
-        if set_capture is None:
-            raise DLiteConfigError(
-                f"DLITE needs a target whose sglang model can capture decoder-layer outputs "
-                f"(set_dflash_layers_to_capture / set_eagle3_layers_to_capture); {type(model).__name__} "
-                f"cannot. Supported targets: {supported_targets_text()}."
-            )
-        set_capture(list(cfg.target_layer_ids))
-
     def _init_hybrid(self) -> None:
         """Hybrid drafting (the default; lookup/): a per-request suffix lookup beside DLite. On a CPU
         the verify width is chosen per round (speculation/verify_width.py), fixed W on GPUs."""
@@ -191,13 +175,15 @@ class DLiteWorker(BaseSpecWorker):
         if self.options.lookup:
             self.lookup = BatchLookup(self.num_drafts, trace_path=self.options.lookup_trace,
                                       dlite_drafts=self.dlite_drafts)
-        self.width_policy: Optional[VerifyWidthPolicy] = None
-        if self.lookup is not None and self.options.adaptive_width(
-                self.device, bool(getattr(self.server_args, "disable_cuda_graph", False)),
-                1 if self._tp is None else 2):
-            self.width_policy = VerifyWidthPolicy(self.W)
-        logger.info("DLITE drafting: %s; verify width %s", self.options.describe_drafting(),
-                    f"chosen per round, 2..{self.W}" if self.width_policy is not None else f"fixed at {self.W}")
+        adaptive = self.options.adaptive_width(self.device, bool(getattr(self.server_args, "disable_cuda_graph", False)),
+                                               1 if self._tp is None else 2)
+        self.width_policy = VerifyWidthPolicy(self.W) if adaptive and self.lookup is not None else None
+        # where a verify row is not free (a CPU), also whether to draft at all: it must pay
+        self.gate = DraftGate() if adaptive else None
+        self._last_round = None  # the decode round before, for the gate: (bs, drafted, start, committed per request)
+        logger.info("DLITE drafting: %s; verify width %s%s", self.options.describe_drafting(),
+                    f"chosen per round, 2..{self.W}" if self.width_policy is not None else f"fixed at {self.W}",
+                    "; rounds without drafts where drafting does not pay" if adaptive else "")
 
     # ------------------------------------------------------------------ scheduler protocol
     @property
@@ -298,6 +284,7 @@ class DLiteWorker(BaseSpecWorker):
 
     @torch.no_grad()
     def _forward_extend(self, batch, on_publish, pp_proxy_tensors):
+        self._last_round = None  # a prefill between two decode rounds is not part of a round's period
         out = self._target_worker.forward_batch_generation(
             batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=CaptureHiddenMode.FULL,
         )
@@ -337,9 +324,9 @@ class DLiteWorker(BaseSpecWorker):
         anchors = draft_input.bonus_tokens.to(torch.int64)
 
         rt = self._metrics.start() if self._metrics is not None else None  # --enable-metrics only
-        # 1) draft (none for a batch over the off-switch, or when every request opted out)
-        opt_out = self.load.opted_out_rows(batch.reqs, self.device)
-        n = 0 if opt_out is not None and bool(opt_out.all()) else self.load.num_drafts(bs, self.num_drafts)
+        t_round = time.perf_counter()
+        # 1) draft (none over the off-switch, where drafting does not pay, or if every request opted out)
+        n, opt_out = self._plan_round(batch, bs, t_round)
         drafts = self._draft(state, anchors, batch, n).to(torch.int64)  # [B, W-1], the chain's first W-1
         drafts = self._tp_same(drafts, "drafts")  # TP: every rank verifies the same block
         W = drafts.shape[1] + 1  # tokens verified this round (self.W unless the width policy cut it)
@@ -357,6 +344,8 @@ class DLiteWorker(BaseSpecWorker):
         # 3) accept: penalties / grammar / logit_bias / custom processors on all W rows, then choose
         a, bonus = self._accept_round(batch, block, prefix_lens, logits_output, grammar_tree, grammar_barrier,
                                       opt_out)
+        if self.gate is not None:  # a CPU: the draft and the verify have finished
+            self._last_round = (bs, n > 0, t_round, 1.0 + float(a.float().mean()))
         out_tokens, commit_lens, new_seq_lens = self._commit(batch, drafts, prefix_lens, a, bonus)
         if batch.return_logprob:
             compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=W)
@@ -369,7 +358,7 @@ class DLiteWorker(BaseSpecWorker):
             bonus_tokens=bonus, hidden_states=new_state, new_seq_lens=new_seq_lens,
         )
         if rt is not None:
-            rt.finish(bs, state[..., -1], W)
+            rt.finish(bs, state[..., -1], W, a if opt_out is None else a[~opt_out])
         batch.forward_mode = ForwardMode.DECODE
         return GenerationBatchResult(
             logits_output=logits_output,
@@ -382,6 +371,23 @@ class DLiteWorker(BaseSpecWorker):
         )
 
     # ------------------------------------------------------------------ round steps
+    def _plan_round(self, batch, bs: int, now: float):
+        """(drafts per request this round, at most; the rows that opted out, or None):
+        ``load_policy.py``, then on a CPU the draft gate (``speculation.verify_width.DraftGate``), which
+        is told the last decode round's whole period (draft, verify and the scheduler's work around
+        them, so a round without drafts pays its share of the fixed cost) unless a prefill came between
+        (``_forward_extend`` forgets the round) or it took over a second."""
+        last, self._last_round = self._last_round, None
+        if last is not None and now - last[2] < 1.0:
+            self.gate.observe(last[0], last[1], now - last[2], last[3])
+        opt_out = self.load.opted_out_rows(batch.reqs, self.device)
+        if opt_out is not None and bool(opt_out.all()):
+            return 0, opt_out
+        n = self.load.num_drafts(bs, self.num_drafts)
+        if n and self.gate is not None and not self.gate.should_draft(bs):
+            n = 0
+        return n, opt_out
+
     def _decode_input(self, batch) -> Optional[DLiteDraftInput]:
         """The batch's carried draft state; None for an idle / empty batch."""
         draft_input = batch.spec_info

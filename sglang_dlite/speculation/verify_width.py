@@ -161,3 +161,57 @@ class VerifyWidthPolicy:
                 best_w, best_v = w, v
         self.chosen[best_w] = self.chosen.get(best_w, 0) + 1
         return best_w
+
+
+class DraftGate:
+    """Whether drafting pays at a batch size: the committed tokens per second of a drafting round
+    (draft + verify time, its mean committed tokens per request, both measured) against a round
+    that verifies the anchors alone (one row per request, no drafter: plain decoding's cost).
+
+    Per batch size (the nearest measured one stands in for an unmeasured one) it keeps the last
+    ``samples`` rounds of each kind: the mean committed tokens (acceptance varies a lot from round to
+    round, so a long window) over the median period. It drafts until ``warmup`` drafting rounds are
+    measured, then tries one plain round, then drafts unless plain rounds are faster by more than
+    ``1 / margin`` (drafting is the default: an early run of bad rounds must not switch it off);
+    the kind not chosen is probed every ``probe_every`` rounds while off, every ``2 * probe_every``
+    (``8 *`` while drafting is more than twice as fast) while on, so a change of load or of
+    acceptance is seen. Pure Python; the sglang worker uses it beside the verify width policy
+    (where a verify row is not free: a CPU)."""
+
+    def __init__(self, warmup: int = 16, probe_every: int = 32, samples: int = 64, margin: float = 0.9):
+        self.warmup, self.probe_every, self.margin = int(warmup), int(probe_every), float(margin)
+        self._rounds: Dict[bool, Dict[int, deque]] = {True: {}, False: {}}  # drafted -> bs -> (s, committed)
+        self._samples = int(samples)
+        self._since_probe: Dict[int, int] = {}
+        self.off_rounds = 0  # rounds it ran without drafts (reported by the worker's log)
+
+    def observe(self, batch_size: int, drafted: bool, seconds: float, committed_per_request: float) -> None:
+        q = self._rounds[bool(drafted)].setdefault(int(batch_size), deque(maxlen=self._samples))
+        q.append((float(seconds), float(committed_per_request)))
+
+    def _rate(self, drafted: bool, batch_size: int) -> Optional[float]:
+        """Committed tokens per request per second of this kind of round at the nearest batch size."""
+        series = self._rounds[drafted]
+        if not series:
+            return None
+        q = series[min(series, key=lambda b: (abs(b - batch_size), b))]
+        return sum(c for _, c in q) / len(q) / max(median(s for s, _ in q), 1e-9)
+
+    def should_draft(self, batch_size: int) -> bool:
+        bs = int(batch_size)
+        drafting = self._rounds[True].get(bs)
+        if drafting is None or len(drafting) < self.warmup:
+            return True
+        plain, draft = self._rate(False, bs), self._rate(True, bs)
+        choice = plain is None or draft >= self.margin * plain
+        every = self.probe_every * ((8 if draft > 2 * plain else 2) if choice and plain is not None else 1)
+        n = self._since_probe.get(bs, every)  # the first time here: probe at once
+        self._since_probe[bs] = n + 1
+        if n >= every:  # probe the kind not chosen
+            self._since_probe[bs] = 1
+            choice = not choice
+        return True if choice else self._off()
+
+    def _off(self) -> bool:
+        self.off_rounds += 1
+        return False
