@@ -225,28 +225,3 @@ class SuffixIndex:
                 if length[link[v]] >= m:
                     v = link[v]
         return out
-
-
-def brute_force_match(tokens: Sequence[int], max_match: int) -> int:
-    """Length of the longest suffix (<= max_match) that also ends at an earlier position."""
-    n = len(tokens)
-    best = 0
-    for L in range(1, min(max_match, n - 1) + 1):
-        suf = list(tokens[n - L:])
-        if any(list(tokens[e - L + 1:e + 1]) == suf for e in range(L - 1, n - 1)):
-            best = L
-        else:
-            break
-    return best
-
-
-def brute_force_continuations(tokens: Sequence[int], pattern: Sequence[int]) -> dict:
-    """{next token: count} over every earlier occurrence of ``pattern`` followed by a token."""
-    L = len(pattern)
-    out: dict = {}
-    pat = list(pattern)
-    for s in range(0, len(tokens) - L):
-        if list(tokens[s:s + L]) == pat:
-            t = tokens[s + L]
-            out[t] = out.get(t, 0) + 1
-    return out
