@@ -158,3 +158,19 @@ def test_draft_gate_keeps_drafting_when_it_pays_and_follows_a_change():
     assert sum(chosen[-100:]) <= 100 // 32 + 1
     # batch size 8 is judged on its own measurements still
     assert _gate_run(gate, 1, bs=8, draft_s=0.017, plain_s=0.010, committed=2.5) == [True]
+
+
+def test_draft_gate_pools_batch_sizes_in_power_of_two_buckets():
+    """A serving batch changes size every few rounds: 5..8 requests are one bucket, so the gate
+    warms up and decides there even though no single size repeats 16 times."""
+    from sglang_dlite.speculation.verify_width import DraftGate, batch_bucket
+
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 33, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 64, 128]
+    gate = DraftGate(warmup=16, probe_every=32)
+    chosen = []
+    for i in range(200):
+        bs = 5 + i % 4  # 5, 6, 7, 8, 5, ...
+        d = gate.should_draft(bs)
+        chosen.append(d)
+        gate.observe(bs, d, 0.017 if d else 0.010, 1.0)  # never accepted: plain rounds are faster
+    assert chosen[:16] == [True] * 16 and sum(chosen[16:]) <= 200 // 32 + 1

@@ -163,12 +163,18 @@ class VerifyWidthPolicy:
         return best_w
 
 
+def batch_bucket(batch_size: int) -> int:
+    """The power of two at or above ``batch_size``: the draft gate's batch-size bucket."""
+    return 1 << max(int(batch_size) - 1, 0).bit_length()
+
+
 class DraftGate:
     """Whether drafting pays at a batch size: the committed tokens per second of a drafting round
     (draft + verify time, its mean committed tokens per request, both measured) against a round
     that verifies the anchors alone (one row per request, no drafter: plain decoding's cost).
 
-    Per batch size (the nearest measured one stands in for an unmeasured one) it keeps the last
+    Per batch-size bucket (1, 2, 3-4, 5-8, ...: a serving batch changes size every few rounds; the
+    nearest measured bucket stands in for an unmeasured one) it keeps the last
     ``samples`` rounds of each kind: the mean committed tokens (acceptance varies a lot from round to
     round, so a long window) over the median period. It drafts until ``warmup`` drafting rounds are
     measured, then tries one plain round, then drafts unless plain rounds are faster by more than
@@ -186,7 +192,7 @@ class DraftGate:
         self.off_rounds = 0  # rounds it ran without drafts (reported by the worker's log)
 
     def observe(self, batch_size: int, drafted: bool, seconds: float, committed_per_request: float) -> None:
-        q = self._rounds[bool(drafted)].setdefault(int(batch_size), deque(maxlen=self._samples))
+        q = self._rounds[bool(drafted)].setdefault(batch_bucket(batch_size), deque(maxlen=self._samples))
         q.append((float(seconds), float(committed_per_request)))
 
     def _rate(self, drafted: bool, batch_size: int) -> Optional[float]:
@@ -198,7 +204,7 @@ class DraftGate:
         return sum(c for _, c in q) / len(q) / max(median(s for s, _ in q), 1e-9)
 
     def should_draft(self, batch_size: int) -> bool:
-        bs = int(batch_size)
+        bs = batch_bucket(batch_size)
         drafting = self._rounds[True].get(bs)
         if drafting is None or len(drafting) < self.warmup:
             return True
