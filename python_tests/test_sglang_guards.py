@@ -231,6 +231,11 @@ def test_serve_cpu_binds_a_core_list_per_rank(tmp_path, monkeypatch, capsys):
         args = p.parse_args(["--model-path", str(tmp_path), "--no-spec", "--cpu", "--dry-run", "--", *extra])
         assert serve.build_command(args)[1].get("SGLANG_CPU_OMP_THREADS_BIND") == want
     assert "2 ranks on cores 0-3|4-7" in capsys.readouterr().err
+    from sglang_dlite.errors import DLiteInputError
+
+    args = p.parse_args(["--model-path", str(tmp_path), "--no-spec", "--cpu", "--dry-run", "--", "--tp-size", "two"])
+    with pytest.raises(DLiteInputError, match="--tp-size 'two': give a whole number of ranks"):
+        serve.build_command(args)
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")
     args = p.parse_args(["--model-path", str(tmp_path), "--no-spec", "--cpu", "--dry-run", "--", "--tp-size", "2"])
     assert serve.build_command(args)[1]["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1"

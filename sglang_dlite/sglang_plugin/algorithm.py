@@ -101,13 +101,14 @@ HYBRID_MAX_DRAFT_TOKENS = 32
 CPU_HYBRID_DRAFT_TOKENS = 16
 
 
-def default_num_draft_tokens(block_size: int, server_args, environ=None) -> int:
+def default_num_draft_tokens(block_size: int, server_args, options: "ServingOptions | None" = None) -> int:
     """W when --speculative-num-draft-tokens is unset: K + 1 (anchor + all of DLite's drafts;
     GPUs: one CUDA-graph shape), or ``CPU_HYBRID_DRAFT_TOKENS`` where hybrid drafting picks the
-    verify width per round (a CPU; see speculation/verify_width.py)."""
+    verify width per round (a CPU; see speculation/verify_width.py). ``options`` None: resolved
+    from the environment."""
     device = str(getattr(server_args, "device", None) or "")
     tp = int(getattr(server_args, "tp_size", 1) or 1)
-    options = ServingOptions.from_env(environ)
+    options = options or ServingOptions.from_env()
     if (options.lookup and device.startswith("cpu")
             and options.adaptive_width(device, bool(getattr(server_args, "disable_cuda_graph", False)), tp)):
         return max(CPU_HYBRID_DRAFT_TOKENS, block_size + 1)
@@ -143,7 +144,8 @@ def validate_server_args(server_args) -> None:
     config, _state = load_checkpoint(path)  # validates config + safetensors (clear errors)
     k = config.block_size
     ndt = server_args.speculative_num_draft_tokens
-    lookup = ServingOptions.from_env().lookup  # a bad SGLANG_DLITE_CONFIG stops the launch here
+    options = ServingOptions.from_env()  # a bad SGLANG_DLITE_CONFIG stops the launch here
+    lookup = options.lookup
     w_max = max_verify_width(k, lookup)
     if ndt is not None and not 2 <= int(ndt) <= w_max:
         note = " and the suffix lookup may continue a chain past them" if lookup else ""
@@ -153,9 +155,9 @@ def validate_server_args(server_args) -> None:
             f"--speculative-num-draft-tokens {ndt} does not fit this DLite drafter: it drafts K={k} tokens "
             f"per round{note}, so a round verifies at most {w_max} tokens (anchor + drafts). Pass "
             f"--speculative-num-draft-tokens between 2 and {w_max} (fewer verifies a prefix of the chain), "
-            f"or leave it unset ({default_num_draft_tokens(k, server_args)}).{hint}"
+            f"or leave it unset ({default_num_draft_tokens(k, server_args, options)}).{hint}"
         )
-    w = default_num_draft_tokens(k, server_args) if ndt is None else int(ndt)
+    w = default_num_draft_tokens(k, server_args, options) if ndt is None else int(ndt)
     steps = server_args.speculative_num_steps
     if steps is not None and int(steps) != w - 1:
         raise DLiteConfigError(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, replace
 from typing import Mapping, Optional
 
 import torch
@@ -123,11 +123,13 @@ def _checked(o: ServingOptions) -> ServingOptions:
     for key in ("lookup", "draft_cuda_graph"):
         if not isinstance(getattr(o, key), bool):
             raise bad(key, "must be true or false")
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
     for key in ("max_batch_size", "soft_batch_size"):
-        v = getattr(o, key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+        if getattr(o, key) is not None and not count(getattr(o, key)):
             raise bad(key, "must be a batch size >= 0, or null (no limit)")
-    if not isinstance(o.soft_num_drafts, int) or isinstance(o.soft_num_drafts, bool) or o.soft_num_drafts < 0:
+    if not count(o.soft_num_drafts):
         raise bad("soft_num_drafts", "must be an integer >= 0")
     width = str(o.verify_width).strip().lower()
     if width not in WIDTH_MODES:
@@ -135,8 +137,7 @@ def _checked(o: ServingOptions) -> ServingOptions:
     dtype = str(o.drafter_dtype or "").strip().lower()
     if dtype and dtype not in (*_DTYPES, "target"):
         raise bad("drafter_dtype", f"use one of {', '.join(list(_DTYPES) + ['target'])}")
-    return ServingOptions(**{**{f.name: getattr(o, f.name) for f in fields(o)}, "verify_width": width,
-                             "drafter_dtype": dtype})
+    return replace(o, verify_width=width, drafter_dtype=dtype)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -88,9 +88,15 @@ def _int_flag(args: list, *names: str) -> int:
     for i, a in enumerate(args):
         for n in names:
             if a == n and i + 1 < len(args):
-                return int(args[i + 1])
-            if a.startswith(n + "="):
-                return int(a.split("=", 1)[1])
+                value = args[i + 1]
+            elif a.startswith(n + "="):
+                value = a.split("=", 1)[1]
+            else:
+                continue
+            try:
+                return int(value)
+            except ValueError:
+                raise DLiteInputError(f"{n} {value!r}: give a whole number of ranks, e.g. {n} 2.") from None
     return 1
 
 

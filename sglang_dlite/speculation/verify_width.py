@@ -189,7 +189,7 @@ class DraftGate:
         self._rounds: Dict[bool, Dict[int, deque]] = {True: {}, False: {}}  # drafted -> bs -> (s, committed)
         self._samples = int(samples)
         self._since_probe: Dict[int, int] = {}
-        self.off_rounds = 0  # rounds it ran without drafts (reported by the worker's log)
+        self.off_rounds = 0  # rounds it chose without drafts (for tests and diagnostics)
 
     def observe(self, batch_size: int, drafted: bool, seconds: float, committed_per_request: float) -> None:
         q = self._rounds[bool(drafted)].setdefault(batch_bucket(batch_size), deque(maxlen=self._samples))
@@ -210,7 +210,9 @@ class DraftGate:
             return True
         plain, draft = self._rate(False, bs), self._rate(True, bs)
         choice = plain is None or draft >= self.margin * plain
-        every = self.probe_every * ((8 if draft > 2 * plain else 2) if choice and plain is not None else 1)
+        every = self.probe_every  # while off, or before a plain round was measured
+        if choice and plain is not None:
+            every *= 8 if draft > 2 * plain else 2
         n = self._since_probe.get(bs, every)  # the first time here: probe at once
         self._since_probe[bs] = n + 1
         if n >= every:  # probe the kind not chosen
