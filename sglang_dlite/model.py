@@ -311,6 +311,25 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         return DraftProposal(torch.stack(toks, 1), torch.stack(probs, 1) if probs else None,
                              confidence=torch.stack(confs, 1) if confs else None)
 
+    @torch.no_grad()
+    def head_branch(self, z: torch.Tensor, state: torch.Tensor, i: int, prev_token: torch.Tensor, k: int):
+        """One step of the token-fed head for one node of a draft tree: block position ``i``, the
+        backbone outputs ``z`` [B, K+1, H] (``backbone``), the head state ``state`` [B, r] after the
+        node's parent (zeros at the root) and the node's token ``prev_token`` [B]. Returns (the
+        state after the node, its ``k`` likeliest next tokens [B, k], their softmax probabilities
+        over the drafting vocabulary [B, k]). No backbone re-run: a tree costs one head step and one
+        vocabulary projection per expanded node."""
+        if self.config.head_input != "token":
+            raise DLiteConfigError("tree drafting branches the token-fed head (head_input='token'), not "
+                                   f"head_input={self.config.head_input!r}.")
+        if not 0 <= i < self.config.block_size:
+            raise DLiteInputError(f"block position {i} outside [0, K={self.config.block_size}).")
+        emb = F.embedding(prev_token, self.embed_weight).to(z.dtype)
+        state, y = self.head.step(state, z[:, 1 + i], emb)
+        probs = torch.softmax(self.draft_logits(y).float(), -1)
+        top, idx = probs.topk(min(k, probs.shape[-1]), -1)
+        return state, self._draft_ids(idx), top
+
 
 def load_checkpoint(path: str):
     """Read and validate (config, state dict) from a DLite checkpoint folder."""

@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from .speculation.tree import DraftTree
+
 
 @dataclass
 class DraftProposal:
@@ -21,3 +23,6 @@ class DraftProposal:
     confidence: Optional[torch.Tensor] = None
     source: Optional[str] = None  # which drafting source made the chain (hybrid drafting)
     score: Optional[float] = None  # the source's expected accepted drafts (hybrid drafting)
+    # a token tree to verify instead of the chain (tree drafters: ``lookup/tree_drafters.py``); then
+    # ``tokens`` is [1, N-1], the tree's drafts in node order, and ``probs`` is None (q one-hot)
+    tree: Optional[DraftTree] = None

@@ -24,6 +24,7 @@ Pure python; imports neither torch nor sglang.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import List, Sequence
 
@@ -202,6 +203,29 @@ class SuffixIndex:
             if length[link[w]] >= m:
                 w = link[w]
         return w, m
+
+    def continuations(self, v: int, m: int, k: int, min_match: int = 1):
+        """The ``k`` most frequent continuations of a match (state v, length m), backing off to a
+        shorter suffix (as ``propose``) where it has none: ``[(LookupStep, the match after the
+        step's token)]``, most frequent first; [] when no suffix of at least ``min_match`` tokens
+        continues. The branches of a lookup tree (``tree_drafters.py``)."""
+        link, length, cnt, total = self.link, self.length, self.cnt, self.total
+        while v > 0 and m >= min_match and total[v] == 0:
+            v = link[v]
+            m = length[v]
+        if v <= 0 or m < min_match or k < 1:
+            return []
+        kids = heapq.nlargest(k, self.nxt[v].items(), key=lambda kv: cnt[kv[1]])
+        out = []
+        for c, w in kids:
+            step = LookupStep(c, cnt[w], total[v], m)
+            n = m + 1
+            if n > self.max_match:
+                n = self.max_match
+                if length[link[w]] >= n:
+                    w = link[w]
+            out.append((step, (w, n)))
+        return out
 
     def propose(self, k: int, start=None, min_match: int = 1) -> LookupDraft:
         """Up to k tokens along the most frequent continuation (see the module docstring).
