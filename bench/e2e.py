@@ -1,8 +1,8 @@
-"""End-to-end serving benchmark: DLITE (and sglang's NGRAM) vs no speculation, same prompts, one run.
+"""End-to-end serving benchmark: DLITE (and sglang's NGRAM and EAGLE3) vs no speculation, same prompts, one run.
 
     python bench/e2e.py --engine sglang --workload agent-stdlib --concurrency 1,4,16 --out RESULT.json
 
-For every mode (``dlite``, ``dlite:W``, ``hybrid[:W]``, ``dlite-only[:W]``, ``ngram``, ``ngram:W``, ``nospec``) one
+For every mode (``dlite``, ``dlite:W``, ``hybrid[:W]``, ``dlite-only[:W]``, ``ngram[:W]``, ``eagle3[:W]``, ``nospec``) one
 sglang Engine is started (start-up is not timed) and
 the same requests (every recorded turn of the first ``--max-convs`` conversations of the
 workload, rendered with the target's chat template) are run greedily at each concurrency:
@@ -14,7 +14,11 @@ source (hybrid modes: the worker's lookup trace), and whether the speculative ou
 no-speculation outputs (they must, greedy). ``ngram`` is sglang's own prompt-lookup drafter (its
 trie corpus, tree verify; W = 8 draft tokens by default): the training-free peer. Its corpus keeps
 the requests it served (``flush_cache`` flushes the radix cache, not the corpus) and every level
-replays the same requests, so every level of an ngram mode runs on a fresh engine. ``--engine reference`` runs the HF reference
+replays the same requests, so every level of an ngram mode runs on a fresh engine. ``eagle3`` is
+sglang's own EAGLE3 worker running the project's EAGLE-3-style baseline (trained on the same data
+as DLite, exported by ``sglang_dlite.baselines.sglang_export``), a chain of W-1 = 7 drafts (topk 1;
+on a CPU the stand-ins run its draft attention on torch_native, chains only): the same-budget
+trained peer with a draft KV cache. ``--engine reference`` runs the HF reference
 engine instead (concurrency 1 only).
 
 DLITE modes: ``dlite`` is DLITE's default drafting, which is hybrid (DLite + the per-request suffix
@@ -89,7 +93,11 @@ def parse_args(argv=None):
                         "explicitly), hybrid-fixed[:W] (hybrid verifying all W-1 drafts every round: "
                         "SGLANG_DLITE_VERIFY_WIDTH=fixed; the default picks the width per round on a CPU), "
                         "dlite-only[:W] (lookup off: DLite alone), ngram[:W] (sglang's NGRAM, default "
-                        "W=8), nospec")
+                        "W=8), eagle3[:W] (sglang's EAGLE3 worker on the project's EAGLE-3-style baseline "
+                        "exported to its format, a chain of W-1 drafts, default W=8), nospec")
+    p.add_argument("--eagle3-draft", default=None,
+                   help="the EAGLE-3-style baseline checkpoint the eagle3 mode exports for sglang (default: the "
+                        "shipped one)")
     p.add_argument("--dtype", default=None,
                    help="target dtype, the same for every mode: bfloat16, float32, or auto (the checkpoint's). "
                         "Default: bfloat16 on a GPU or a CPU with avx512_bf16/AMX (a 4-8 token verify then costs "
@@ -149,16 +157,32 @@ async def _run_level(engine, reqs, conc, sp):
     return outs, lat, time.perf_counter() - t0
 
 
-def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_size=1, dp_size=1):
+def eagle3_kwargs(w, src, target, dtype):
+    """sglang EAGLE3 arguments: the EAGLE-3-style baseline (``src``, None = shipped) exported to the
+    checkpoint sglang reads (``baselines/sglang_export.py``), a chain of W-1 drafts (topk 1)."""
+    import tempfile
+
+    import torch
+
+    from sglang_dlite.baselines.sglang_export import export_sglang_eagle3
+
+    n = int(w) if w else 8
+    path = export_sglang_eagle3(src, os.path.join(tempfile.mkdtemp(prefix="dlite_eagle3_"), "eagle3"), target,
+                                torch.float32 if dtype == "float32" else torch.bfloat16)
+    return {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": path, "speculative_eagle_topk": 1,
+            "speculative_num_steps": n - 1, "speculative_num_draft_tokens": n}
+
+
+def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_size=1, dp_size=1, eagle3_draft=None):
     from sglang_dlite.cpu_launch import start_engine
 
     kw = dict(dtype=dtype, max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
     base_mode, tp_size, dp_size = parse_parallel(mode, tp_size, dp_size)
     kw.update(tp_size=tp_size, dp_size=dp_size)
     spec, _, w = base_mode.partition(":")
-    if spec not in ("dlite", "hybrid", "hybrid-fixed", "dlite-only", "ngram", "nospec"):
-        raise SystemExit(f"unknown mode {mode!r}: dlite[:W], hybrid[:W], hybrid-fixed[:W], dlite-only[:W], ngram[:W] "
-                         "or nospec")
+    if spec not in ("dlite", "hybrid", "hybrid-fixed", "dlite-only", "ngram", "eagle3", "nospec"):
+        raise SystemExit(f"unknown mode {mode!r}: dlite[:W], hybrid[:W], hybrid-fixed[:W], dlite-only[:W], ngram[:W], "
+                         "eagle3[:W] or nospec")
     lookup = {"hybrid": "1", "hybrid-fixed": "1", "dlite-only": "0"}.get(spec, os.environ.get("SGLANG_DLITE_LOOKUP", "1"))
     width = "fixed" if spec == "hybrid-fixed" else os.environ.get("SGLANG_DLITE_VERIFY_WIDTH", "auto")
     is_dlite = spec in ("dlite", "hybrid", "hybrid-fixed", "dlite-only")
@@ -179,6 +203,8 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     verify_kw = {"speculative_num_draft_tokens": int(w)} if spec != "nospec" and w else {}
     if spec == "ngram":
         verify_kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8, **verify_kw}
+    if spec == "eagle3":
+        verify_kw = eagle3_kwargs(w, eagle3_draft, target, dtype)
     t0 = time.perf_counter()
     if device == "cpu":
         e = start_engine(target, dlite=draft if is_dlite else None, **kw, **verify_kw)
@@ -353,8 +379,9 @@ def main(argv=None) -> int:
     reqs = build_requests(tok, args.workload, args.max_convs, args.max_requests, args.max_new_tokens)
     levels = [int(x) for x in args.concurrency.split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
-    if args.engine == "reference" and any(m.startswith("ngram") for m in modes):
-        raise SystemExit("--engine reference runs dlite and nospec; ngram is sglang's NGRAM (--engine sglang)")
+    if args.engine == "reference" and any(m.startswith(("ngram", "eagle3")) for m in modes):
+        raise SystemExit("--engine reference runs dlite and nospec; ngram and eagle3 are sglang's NGRAM and EAGLE3 "
+                         "workers (--engine sglang)")
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
     if args.dtype is None:
@@ -373,11 +400,11 @@ def main(argv=None) -> int:
                 r, o = [], {}
                 for c in levels:
                     rc, oc = run_sglang(mode, target, draft, reqs, [c], args.max_new_tokens, device, args.dtype,
-                                        args.tp_size, args.dp_size)
+                                        args.tp_size, args.dp_size, args.eagle3_draft)
                     r, o = r + rc, {**o, **oc}
             elif args.engine == "sglang":
                 r, o = run_sglang(mode, target, draft, reqs, levels, args.max_new_tokens, device, args.dtype,
-                                  args.tp_size, args.dp_size)
+                                  args.tp_size, args.dp_size, args.eagle3_draft)
             else:
                 r, o = run_reference(mode, target, draft, reqs, args.max_new_tokens)
             runs[mode].append(r)

@@ -74,11 +74,13 @@ def activate_cpu_standins() -> None:
     os.environ.update(cpu_environ())
     if str(CPU_STANDINS) not in sys.path:
         sys.path.insert(0, str(CPU_STANDINS))
+    import dlite_cpu_eagle_draft  # process boundary: importable only after the sys.path edit above
     import dlite_cpu_packed_linear  # process boundary: importable only after the sys.path edit above
     import dlite_cpu_verify_hook  # process boundary: importable only after the sys.path edit above
 
     dlite_cpu_verify_hook.install_lazy()
     dlite_cpu_packed_linear.install_lazy()
+    dlite_cpu_eagle_draft.install_lazy()
 
 
 def engine_kwargs(model_path: str, *, dlite: str | None = None, overlap: bool = False, **extra) -> dict:

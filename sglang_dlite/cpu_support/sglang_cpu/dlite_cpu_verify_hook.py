@@ -11,6 +11,8 @@ would build a query the length of the whole context, O(context^2) per verify; th
 O(W * context), like decode.) The per-request KV index and masks are planned once per
 forward (the first layer); a request whose slots are one contiguous run is read as a view of the
 pool, not gathered; grouped-query heads are folded into the query (``attend``).
+sglang's EAGLE3 draft extend (``DRAFT_EXTEND_V2``: every request extends its draft KV by the same W
+tokens) takes the same path with a causal mask, instead of the backend's O(context^2) extend.
 ``SGLANG_DLITE_CPU_DECODE_ATTN=1`` gives sglang's plain DECODE forward the same attention, for
 like-for-like speed comparisons (``decode_attention_enabled``). Installed lazily (on first import of the backend) by
 ``sitecustomize`` in this folder; never used on a CUDA deployment.
@@ -29,9 +31,12 @@ def patch(module) -> None:
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         fb = forward_batch
-        if not fb.forward_mode.is_target_verify():
-            return orig_extend(self, q, k, v, layer, fb, save_kv_cache)
-        return _attend_blocks(self, q, k, v, layer, fb, save_kv_cache, KVWriteLoc, decode=False)
+        if fb.forward_mode.is_target_verify():
+            return _attend_blocks(self, q, k, v, layer, fb, save_kv_cache, KVWriteLoc, decode=False)
+        if fb.forward_mode.is_draft_extend_v2() and _is_block_extend(fb, q):
+            return _attend_blocks(self, q, k, v, layer, fb, save_kv_cache, KVWriteLoc, decode=False,
+                                  draft_extend=True)
+        return orig_extend(self, q, k, v, layer, fb, save_kv_cache)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         fb = forward_batch
@@ -61,7 +66,7 @@ class _Plan:
     allocated its slots in order; else the slot tensor) and its attention mask. Built once per
     forward (the first layer), not once per layer."""
 
-    def __init__(self, fb, bs, width, r2t, tree, decode):
+    def __init__(self, fb, bs, width, r2t, tree, decode, draft_extend=False):
         import torch
 
         self.key = (fb, fb.seq_lens, fb.req_pool_indices, fb.out_cache_loc)
@@ -70,7 +75,8 @@ class _Plan:
         self.kv, self.masks, self._folded = [], [], {}
         steps = torch.arange(width)
         for i in range(bs):
-            pre = int(prefixes[i]) - 1 if decode else int(prefixes[i])  # decode: seq_lens counts the new token
+            # decode: seq_lens counts the new token; draft extend: it counts the W new tokens
+            pre = int(prefixes[i]) - (1 if decode else width if draft_extend else 0)
             total = pre + width
             locs = r2t[rows[i], :total]
             self.kv.append(contiguous_run(locs))
@@ -128,7 +134,18 @@ def attend(q, kk, vv, mask, scale, kv_heads):
     return out[0].reshape(hq, width, -1).movedim(0, 1)
 
 
-def _attend_blocks(self, q, k, v, layer, fb, save_kv_cache, KVWriteLoc, decode):
+def _is_block_extend(fb, q) -> bool:
+    """An EAGLE draft extend (``DRAFT_EXTEND_V2``) in the block layout ``_attend_blocks`` reads: every
+    request extends by the same W tokens right after its prefix, and ``seq_lens`` counts them."""
+    bs = fb.batch_size
+    lens, prefixes = fb.extend_seq_lens, fb.extend_prefix_lens
+    if bs < 1 or lens is None or prefixes is None or q.shape[0] % bs:
+        return False
+    width = q.shape[0] // bs
+    return bool((lens == width).all()) and bool((prefixes + width == fb.seq_lens.to(prefixes.dtype)).all())
+
+
+def _attend_blocks(self, q, k, v, layer, fb, save_kv_cache, KVWriteLoc, decode, draft_extend=False):
     """Write the new tokens' K/V, then attend each request's W = tokens/requests queries over its
     context (committed prefix + its own new tokens)."""
     if save_kv_cache and k is not None and v is not None:
@@ -141,8 +158,8 @@ def _attend_blocks(self, q, k, v, layer, fb, save_kv_cache, KVWriteLoc, decode):
     o_ = o.view(-1, hq, layer.v_head_dim)
     plan = _plan_cache[0]
     if plan is None or not plan.matches(fb):
-        tree = None if decode else _tree_mask(fb, bs, width)
-        plan = _plan_cache[0] = _Plan(fb, bs, width, self.req_to_token_pool.req_to_token, tree, decode)
+        tree = None if decode or draft_extend else _tree_mask(fb, bs, width)
+        plan = _plan_cache[0] = _Plan(fb, bs, width, self.req_to_token_pool.req_to_token, tree, decode, draft_extend)
     kbuf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
     vbuf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
     groups = hq // hk

@@ -6,6 +6,8 @@ folder (the test fixtures and the CPU demo put it there, for the sglang schedule
    torch_native attention backend is imported.
 3. Installs the bf16 packed-weight linear (``dlite_cpu_packed_linear``: what sglang's AMX path does,
    through oneDNN) the moment sglang's unquantized linear method is imported.
+4. Adds the ``torch_native`` backend to sglang's EAGLE draft backends (``dlite_cpu_eagle_draft``:
+   sglang's own EAGLE3 worker, chains, beside DLITE in ``bench/e2e.py``) when its factory is imported.
 ``sgl_kernel`` (the pure-torch stand-in beside this file) is found on the same PYTHONPATH.
 """
 
@@ -28,3 +30,9 @@ try:
     dlite_cpu_packed_linear.install_lazy()
 except Exception as exc:  # never break interpreter start-up
     print(f"[dlite cpu stand-ins] packed linear not installed: {exc}", file=sys.stderr)
+try:
+    import dlite_cpu_eagle_draft
+
+    dlite_cpu_eagle_draft.install_lazy()
+except Exception as exc:  # never break interpreter start-up
+    print(f"[dlite cpu stand-ins] EAGLE draft backend not installed: {exc}", file=sys.stderr)

@@ -61,8 +61,15 @@ def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
                 ctypes.memmove(ptr + int(t) * st, ptr + int(s) * st, st)
 
 
-def assign_draft_cache_locs_contiguous_cpu(*args, **kwargs):
-    raise NotImplementedError("draft KV cache locations: not used by DLITE (no draft KV).")
+def assign_draft_cache_locs_contiguous_cpu(req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len,
+                                           topk, num_cols):
+    """sglang's EAGLE draft (DLITE keeps no draft KV): request i's ``topk * num_cols`` draft slots are
+    ``req_to_token[req_pool_indices[i], seq_lens[i] : seq_lens[i] + topk * num_cols]``, copied into
+    ``out_cache_loc[i * topk * num_cols : ...]`` (``assign_draft_cache_locs_contiguous`` in sglang's
+    ``kernels/ops/speculative/cache_locs.py``)."""
+    n = topk * num_cols
+    for i, (row, start) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+        out_cache_loc[i * n:(i + 1) * n] = req_to_token[row, start:start + n].to(out_cache_loc.dtype)
 
 
 def verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, candidates, retrive_index,
@@ -117,6 +124,70 @@ def fill_bonus_tokens_cpu(accept_tokens, accept_lens, bonus_tokens, accept_strid
     bs = accept_lens.numel()
     idx = torch.arange(bs, dtype=torch.int64) * int(accept_stride) + accept_lens.to(torch.int64) - 1
     bonus_tokens[:bs] = accept_tokens.reshape(-1)[idx].to(bonus_tokens.dtype)
+
+
+def build_tree_kernel_efficient_cpu(parent_list, selected_index, seq_lens, tree_mask, positions, retrieve_index,
+                                    retrieve_next_token, retrieve_next_sibling, topk, depth, draft_token_num,
+                                    tree_mask_mode):
+    """sglang's EAGLE draft tree -> verify layout, in place, following its Triton kernel
+    ``sgl_build_tree_kernel_efficient_triton`` (``kernels/ops/speculative/spec_tree.py``): per request,
+    node i > 0's parent is found through ``selected_index[i-1] // topk`` and ``parent_list``; writes
+    retrieve_index / next_token / next_sibling (children linked newest first), positions (seq_len +
+    depth) and the tree mask (mode 0: the full prefix + tree rows; mode 1: the W x W tree block only)."""
+    if int(tree_mask_mode) not in (0, 1):
+        raise NotImplementedError(f"CPU stand-in: tree mask mode {int(tree_mask_mode)} (bit-packed) is not "
+                                  "supported; sglang uses mode 0 or 1 on a CPU device.")
+    W = int(draft_token_num)
+    sel, par = selected_index.tolist(), parent_list.tolist()
+    lens = seq_lens.tolist()
+    flat_mask = tree_mask.view(-1)
+    prefix_sum = 0
+    for b, seq_len in enumerate(lens):
+        seq_len = int(seq_len)
+
+        def parent_position(i):  # the verify row of node i's parent (0 = the root), or None
+            tb = sel[b][i - 1] // topk
+            if tb == 0:
+                return 0
+            want = par[b][tb]
+            for pp in range(W - 1):
+                if sel[b][pp] == want:
+                    return pp + 1
+            return None
+
+        positions[b * W] = seq_len
+        for i in range(W - 1, 0, -1):
+            retrieve_index[b, i] = b * W + i
+            pp = parent_position(i)
+            if pp is not None:
+                nxt = int(retrieve_next_token[b, pp])
+                retrieve_next_token[b, pp] = i
+                if nxt != -1:
+                    retrieve_next_sibling[b, i] = nxt
+        retrieve_index[b, 0] = b * W
+        tree_base = W * W * b + (prefix_sum * W if int(tree_mask_mode) == 0 else 0)
+        for x in range(W):
+            row = tree_base + ((seq_len + W) * x + seq_len + 1 if int(tree_mask_mode) == 0 else W * x + 1)
+            flat_mask[row - 1] = True
+            flat_mask[row:row + W - 1] = False
+            if x == 0:
+                continue
+            cur, depth_x = x - 1, 0
+            for _ in range(int(depth)):
+                depth_x += 1
+                flat_mask[row + cur] = True
+                tb = sel[b][cur] // topk
+                if tb == 0:
+                    break
+                want, found = par[b][tb], False
+                for cp in range(W - 1):
+                    if sel[b][cp] == want:
+                        cur, found = cp, True
+                        break
+                if not found:
+                    break
+            positions[b * W + x] = seq_len + depth_x
+        prefix_sum += seq_len
 
 
 def __getattr__(name):
