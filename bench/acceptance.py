@@ -133,6 +133,8 @@ def main(argv=None) -> int:
         if not args.check_lossless:
             r["lossless_mismatches"] = None
     r["ar_cached_turns"] = ar_cache.hits if ar_cache else 0
+    if callable(getattr(drafter, "stats", None)):  # online drafters: updates, reverts, learning ms per round
+        r["drafter_stats"] = drafter.stats()
     r.update({"torch_threads": torch.get_num_threads(), "target_load_s": load_s,
               "drafter_warnings": drafter_warnings, "torch_version": torch.__version__,
               "python": platform.python_version(), "argv": sys.argv[1:] if argv is None else list(argv)})

@@ -46,6 +46,9 @@ class Drafter(Protocol):
 
     def draft(self, req: DraftRequest) -> DraftProposal: ...
 
+    # Optional: ``observe(req, drafts, target_logits, accepted)``, called by the reference engine
+    # after each chain's verify (target_logits [len(drafts) + 1, V]); online.py learns from it.
+
 
 class DLiteEngineDrafter:
     """Adapts a DLiteDrafter (any history mode) to the engine's per-round interface."""

@@ -1,0 +1,394 @@
+"""Online adaptation: DLite learns from the verify results of the traffic it serves (issue 47).
+
+Every verify round already holds the drafter's training signal, in distribution and for free: the
+inputs DLite read (the last C captured target rows and the anchor) and the target's own logits at
+every verified row. ``OnlineLearner`` keeps those pairs in a bounded buffer and, every
+``update_every`` rounds, takes a few optimizer steps on a small parameter set of a *working copy*
+of the drafter, with the stabilize stage's loss (CE + TV against the target, ``losses.py``).
+
+One pair per round, for a chain ``d_1..d_n`` verified after anchor ``t``::
+
+    row j of the verify logits scores the token after t, d_1..d_j   (j = 0..n)
+    the drafter's position j (0-based) is fed d_j (the head's token feedback) and predicts row j's
+    label; rows 0..a (a = accepted drafts) are conditioned on committed tokens only: those are
+    the pair's valid positions (the same teacher forcing as offline training).
+
+The pair does not depend on who drafted (hybrid rounds drafted by the suffix lookup teach DLite
+too). Output stays lossless by construction: verification is unchanged, only drafts move.
+
+Parameter sets (``PARAM_SETS``): ``norm`` (the final norm's gain), ``head`` (the low-rank RNN
+head + final norm), ``last`` (the last backbone layer + head + final norm). Scopes: ``session``
+(state in the engine session's ``drafter_state``: starts from the shipped weights with each
+conversation, freed with it) and ``server`` (one shared state, decayed back towards the shipped
+weights after every update). Rails: the shipped model is never written (a deep copy is trained;
+the target's frozen tensors are shared, not copied); a watchdog compares, on the same rounds, the
+adapted chain's acceptance with the shipped drafter's and reverts to the shipped weights when a
+window of rounds says the adapted one is worse; the buffer is bounded; a seed makes every update
+deterministic (``max_update_ms`` is then the one source of run-to-run variation: off by default).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import NamedTuple, Optional
+
+import torch
+
+from .drafters import DLiteEngineDrafter, DraftRequest
+from .errors import DLiteConfigError, DLiteInputError
+from .losses import position_weights, tv_distance, weighted_ce
+from .model import DLiteDrafter
+from .proposal import DraftProposal
+
+# parameter name prefixes of each trainable set ("layers.-1." = the last backbone layer)
+PARAM_SETS = {"norm": ("final_norm.",), "head": ("head.", "final_norm."),
+              "last": ("layers.-1.", "head.", "final_norm.")}
+SCOPES = ("session", "server")
+STATE_KEY = "online"  # this module's entry in a session's drafter_state
+
+
+@dataclass
+class OnlineConfig:
+    """The learner's settings; ``parse("params=head,scope=server,lr=1e-3")`` reads a spec's options."""
+
+    params: str = "last"  # PARAM_SETS (the best measured: see the module doc)
+    scope: str = "session"  # SCOPES
+    lr: float = 3e-3  # Adam
+    update_every: int = 4  # rounds between updates
+    steps: int = 2  # optimizer steps per update
+    batch_size: int = 16  # pairs per step (sampled from the buffer)
+    buffer_size: int = 256  # pairs kept, oldest dropped first
+    min_pairs: int = 4  # no update before the buffer holds this many pairs
+    recent: int = 4  # newest pairs always in a step's batch (the rest sampled at random)
+    ce_weight: float = 1.0  # the stabilize stage's CE + TV
+    tv_weight: float = 1.0
+    gamma: float = 4.0  # position weights exp(-(i-1)/gamma), as offline training
+    tv_topk: int = 32  # target probabilities kept per verified row (the TV term's label)
+    decay: float = 0.02  # server scope: after each update, delta *= 1 - decay
+    watchdog_window: int = 64  # rounds per watchdog verdict (0: no watchdog)
+    watchdog_margin: float = 0.0  # revert when adapted mean accepted < shipped's - margin
+    max_update_ms: Optional[float] = None  # an update stops stepping past this (breaks determinism)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.params not in PARAM_SETS:
+            raise DLiteConfigError(f"online params={self.params!r}: pick one of {', '.join(PARAM_SETS)}.")
+        if self.scope not in SCOPES:
+            raise DLiteConfigError(f"online scope={self.scope!r}: pick one of {', '.join(SCOPES)}.")
+        ints = ("update_every", "steps", "batch_size", "buffer_size", "min_pairs", "tv_topk")
+        bad = [n for n in ints if int(getattr(self, n)) < 1]
+        if bad or self.lr <= 0 or not 0 <= self.decay < 1 or self.watchdog_window < 0 or self.recent < 0:
+            raise DLiteConfigError(f"online settings out of range ({', '.join(bad) or 'lr/decay/watchdog/recent'}): "
+                                   "counts >= 1, lr > 0, 0 <= decay < 1, watchdog_window >= 0, recent >= 0.")
+
+    @classmethod
+    def parse(cls, text: str) -> "OnlineConfig":
+        """``key=value`` pairs separated by commas (empty: the defaults)."""
+        types = {f.name: f.type for f in fields(cls)}
+        kw = {}
+        for item in filter(None, (s.strip() for s in text.split(","))):
+            key, eq, value = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not eq or key not in types:
+                raise DLiteInputError(f"online option {item!r}: expected key=value with key one of {', '.join(types)}.")
+            kind = types[key]
+            try:
+                kw[key] = (value if "str" in kind else int(value) if kind == "int"
+                           else None if value.lower() == "none" else float(value))
+            except ValueError:
+                raise DLiteInputError(f"online option {item!r}: {value!r} is not a {kind}.") from None
+        return cls(**kw)
+
+
+class Pair(NamedTuple):
+    """One verify round as a training example (drafting-vocabulary indices; -1: not in it / none)."""
+
+    context: torch.Tensor  # [L, C, H] the captured rows the drafter read
+    valid: torch.Tensor  # [C] bool
+    anchor: int
+    feedback: torch.Tensor  # [K] the verified drafts (the head's token feedback), 0-padded
+    labels: torch.Tensor  # [K] the target's argmax per row; -1 past the first rejection
+    top_idx: torch.Tensor  # [K, k] the target's top-k tokens per row
+    top_p: torch.Tensor  # [K, k] their probabilities
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self if isinstance(t, torch.Tensor))
+
+
+class _State:
+    """One scope's adaptation: its parameter values, optimizer, buffer, watchdog window."""
+
+    def __init__(self, learner: "OnlineLearner"):
+        self.values = {n: v.clone() for n, v in learner.shipped_values.items()}
+        self.optim = torch.optim.Adam(learner.trainable, lr=learner.cfg.lr)
+        self.buffer: deque = deque(maxlen=learner.cfg.buffer_size)
+        self.window: deque = deque(maxlen=max(1, learner.cfg.watchdog_window))  # (adapted, shipped) accepted
+        self.rounds_since_update = 0
+        self.adapted = False  # values differ from the shipped ones
+
+
+def chain_accepted(chain: list, drafts: list, target_tokens: list) -> int:
+    """How many of ``chain`` the target accepts, judged from one verify of ``drafts``: row j of
+    ``target_tokens`` is only valid for a chain that agrees with ``drafts[:j]``, so past the first
+    disagreement this is a lower bound (exact for ``chain == drafts``)."""
+    for i, tok in enumerate(chain):
+        if i >= len(target_tokens) or tok != target_tokens[i]:
+            return i
+        if i >= len(drafts) or tok != drafts[i]:
+            return i + 1  # accepted here; the rows after it judged another chain
+    return len(chain)
+
+
+def _working_copy(model: DLiteDrafter) -> DLiteDrafter:
+    """A deep copy of the drafter that shares (does not copy) the target's frozen tensors."""
+    frozen = (model.embed_weight, model.lm_head_weight, model.draft_head_weight)
+    memo = {id(t): t for t in frozen}
+    memo.update({id(v): v for v in vars(model).values() if isinstance(v, torch.Tensor)})
+    return copy.deepcopy(model, memo)
+
+
+def trainable_names(model: DLiteDrafter, params: str) -> list:
+    last = len(model.layers) - 1
+    prefixes = [p.replace("layers.-1.", f"layers.{last}.") for p in PARAM_SETS[params]]
+    return [n for n, _ in model.named_parameters() if n.startswith(tuple(prefixes))]
+
+
+class OnlineLearner:
+    """Learns a working copy of ``shipped`` (never written) from verify rounds; see the module doc."""
+
+    def __init__(self, shipped: DLiteDrafter, cfg: Optional[OnlineConfig] = None):
+        self.cfg = cfg = cfg or OnlineConfig()
+        mc = shipped.config
+        if mc.history_window != 0 or mc.head_input != "token":
+            raise DLiteConfigError("online adaptation needs the shipped DLite layout (history none, token-fed "
+                                   f"head); this drafter has history={mc.history!r}, head_input={mc.head_input!r}.")
+        self.shipped = shipped
+        self.model = _working_copy(shipped).eval()
+        names = trainable_names(self.model, cfg.params)
+        params = dict(self.model.named_parameters())
+        for n, p in params.items():
+            p.requires_grad_(n in names)
+        self.trainable = [params[n] for n in names]
+        self.names = names
+        self.shipped_values = {n: params[n].detach().clone() for n in names}
+        self.adapter = DLiteEngineDrafter(self.model)  # its context_inputs: the rows the drafter read
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.weights = position_weights(mc.block_size, cfg.gamma)
+        self._vocab_index = self._build_vocab_index()
+        self._server = _State(self) if cfg.scope == "server" else None
+        self._active = None  # weakref to the state whose values the working model holds
+        self._pending = None  # (context, valid, anchor) of the round being verified
+        self.drafts_are_model = False  # the verified drafts are the working model's greedy chain (DLite alone)
+        self.stats = {"rounds": 0, "updates": 0, "steps": 0, "reverts": 0, "budget_cut": 0,
+                      "observe_ms": 0.0, "update_ms": 0.0, "shadow_ms": 0.0, "sessions": 0}
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _build_vocab_index(self) -> torch.Tensor:
+        """Token id -> index in the drafting vocabulary (-1: not in it); identity without one."""
+        V, m = self.model.config.vocab_size, self.model
+        if not m.config.draft_vocab_size:
+            return torch.arange(V)
+        idx = torch.full((V,), -1, dtype=torch.int64)
+        idx[m.draft_vocab.cpu()] = torch.arange(m.draft_vocab.numel())
+        return idx
+
+    def describe(self) -> str:
+        n = sum(v.numel() for v in self.shipped_values.values())
+        K, C, L = self.model.config.block_size, self.model.config.num_context_positions, self.model.config.num_capture_layers
+        pair = (L * C * self.model.config.target_hidden_size + C) * 4 + K * (3 + 2 * self.cfg.tv_topk) * 8
+        return (f"online adaptation: params={self.cfg.params} ({n:,} trainable values, "
+                f"{n * 4 * 3 / 2**20:.1f} MiB with Adam per state), scope={self.cfg.scope}, lr={self.cfg.lr}, "
+                f"update every {self.cfg.update_every} rounds x {self.cfg.steps} steps of {self.cfg.batch_size} "
+                f"pairs, buffer {self.cfg.buffer_size} pairs (~{pair * self.cfg.buffer_size / 2**20:.1f} MiB), "
+                f"watchdog window {self.cfg.watchdog_window}, seed {self.cfg.seed}")
+
+    def state_for(self, req: DraftRequest) -> _State:
+        if self._server is not None:
+            return self._server
+        st = req.state.get(STATE_KEY)
+        if st is None:  # a new conversation: the shipped weights, an empty buffer
+            st = req.state[STATE_KEY] = _State(self)
+            self.stats["sessions"] += 1
+        return st
+
+    @torch.no_grad()
+    def _activate(self, st: _State) -> None:
+        """Load ``st``'s values into the working model (one request at a time shares it)."""
+        if self._active is not None and self._active() is st:
+            return
+        for p, n in zip(self.trainable, self.names):
+            p.copy_(st.values[n])
+        self._active = weakref.ref(st)
+
+    @torch.no_grad()
+    def _save(self, st: _State) -> None:
+        for p, n in zip(self.trainable, self.names):
+            st.values[n].copy_(p)
+
+    @torch.no_grad()
+    def revert(self, st: _State) -> None:
+        """Back to the shipped weights (fresh optimizer moments; the buffer is kept)."""
+        for n, v in st.values.items():
+            v.copy_(self.shipped_values[n])
+        st.optim = torch.optim.Adam(self.trainable, lr=self.cfg.lr)
+        st.window.clear()
+        st.adapted = False
+        self._active = None
+        self._activate(st)
+
+    # ------------------------------------------------------------------ the round
+    def before_draft(self, req: DraftRequest) -> None:
+        """Called before the inner drafter drafts: the session's weights in, its inputs kept."""
+        self._activate(self.state_for(req))
+        ctx, valid, _, _ = self.adapter.context_inputs(req)
+        self._pending = (ctx[0].detach().clone(), valid[0].clone(), int(req.tokens[-1]))
+
+    def observe(self, req: DraftRequest, drafts: list, target_logits: torch.Tensor, accepted: int) -> None:
+        """One verify result: ``target_logits`` [len(drafts) + 1, V] the target's logits at the
+        anchor and each draft, ``accepted`` the drafts it accepted."""
+        if self._pending is None:
+            return  # a round this learner did not see drafted
+        t0 = time.perf_counter()
+        st = self.state_for(req)
+        self._activate(st)
+        pair = self._pair(drafts, target_logits.detach(), accepted)
+        st.buffer.append(pair)
+        if st.adapted and self.cfg.watchdog_window:
+            self._watch(st, pair, drafts, target_logits.argmax(-1).tolist())
+        self.stats["rounds"] += 1
+        st.rounds_since_update += 1
+        if st.rounds_since_update >= self.cfg.update_every and len(st.buffer) >= self.cfg.min_pairs:
+            self.update(st)
+        self._pending = None
+        self.stats["observe_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def _pair(self, drafts: list, logits: torch.Tensor, accepted: int) -> Pair:
+        ctx, valid, anchor = self._pending
+        K, k = self.model.config.block_size, self.cfg.tv_topk
+        rows = min(len(drafts) + 1, K)  # verified rows the drafter has a position for
+        n_valid = min(accepted + 1, rows)
+        fb = torch.zeros(K, dtype=torch.int64)
+        fb[:min(len(drafts), K)] = torch.tensor(drafts[:K], dtype=torch.int64)
+        vi = self._vocab_index
+        probs = torch.softmax(logits[:rows].float(), -1).cpu()
+        top_p, top_i = probs.topk(min(k, probs.shape[-1]), -1)
+        labels = torch.full((K,), -1, dtype=torch.int64)
+        labels[:n_valid] = vi[probs[:n_valid].argmax(-1)]
+        top_idx = torch.full((K, top_i.shape[-1]), -1, dtype=torch.int64)
+        top_idx[:rows] = vi[top_i]
+        tp = torch.zeros(K, top_i.shape[-1])
+        tp[:rows] = top_p
+        return Pair(ctx, valid, anchor, fb, labels, top_idx, tp)
+
+    @torch.no_grad()
+    def _watch(self, st: _State, pair: Pair, drafts: list, target_tokens: list) -> None:
+        """Score the adapted and the shipped chains on this round; revert on a losing window."""
+        t0 = time.perf_counter()
+        ctx, valid, anchor = pair.context[None], pair.valid[None], torch.tensor([pair.anchor], device=pair.context.device)
+        self.shipped.to(ctx.device)
+        shipped = self.shipped.propose(ctx, valid, anchor).tokens[0].tolist()
+        adapted = drafts if self.drafts_are_model else self.model.propose(ctx, valid, anchor).tokens[0].tolist()
+        st.window.append((chain_accepted(adapted, drafts, target_tokens), chain_accepted(shipped, drafts, target_tokens)))
+        self.stats["shadow_ms"] += (time.perf_counter() - t0) * 1e3
+        if len(st.window) == st.window.maxlen:
+            a = sum(x for x, _ in st.window) / len(st.window)
+            s = sum(y for _, y in st.window) / len(st.window)
+            if a < s - self.cfg.watchdog_margin:
+                self.stats["reverts"] += 1
+                self.revert(st)
+            else:
+                st.window.clear()  # one verdict per window
+
+    # ------------------------------------------------------------------ learning
+    def _batch(self, st: _State) -> list:
+        buf = list(st.buffer)
+        n = min(self.cfg.batch_size, len(buf))
+        r = min(self.cfg.recent, n)
+        rest = buf[:len(buf) - r]
+        pick = torch.randperm(len(rest), generator=self.generator)[:n - r].tolist() if rest else []
+        return [rest[i] for i in pick] + buf[len(buf) - r:]
+
+    def loss(self, pairs: list) -> torch.Tensor:
+        """The stabilize stage's CE + TV of the working model on ``pairs`` (drafting vocabulary)."""
+        dev = self.model.mask_embed.device
+        ctx = torch.stack([p.context for p in pairs]).to(dev)
+        valid = torch.stack([p.valid for p in pairs]).to(dev)
+        anchor = torch.tensor([p.anchor for p in pairs], device=dev)
+        fb = torch.stack([p.feedback for p in pairs]).to(dev)
+        labels = torch.stack([p.labels for p in pairs]).to(dev)
+        y = self.model.head_states(ctx, valid, anchor, feedback_tokens=fb)
+        logits = self.model.draft_logits(y)  # [B, K, N]
+        ok = labels >= 0
+        w = self.weights.to(dev)
+        loss = self.cfg.ce_weight * weighted_ce(logits, labels.clamp_min(0), ok, w)
+        if self.cfg.tv_weight:
+            idx = torch.stack([p.top_idx for p in pairs]).to(dev)
+            tp = torch.stack([p.top_p for p in pairs]).to(dev)
+            target = torch.zeros_like(logits, dtype=torch.float32)
+            target.scatter_add_(-1, idx.clamp_min(0), torch.where(idx >= 0, tp, torch.zeros_like(tp)))
+            loss = loss + self.cfg.tv_weight * tv_distance(target, logits, ok, w)
+        return loss
+
+    def update(self, st: _State) -> None:
+        """``steps`` optimizer steps on batches of ``st``'s buffer; then (server) the decay."""
+        t0 = time.perf_counter()
+        st.rounds_since_update = 0
+        with torch.enable_grad():
+            for _ in range(self.cfg.steps):
+                st.optim.zero_grad(set_to_none=True)
+                self.loss(self._batch(st)).backward()
+                torch.nn.utils.clip_grad_norm_(self.trainable, 1.0)
+                st.optim.step()
+                self.stats["steps"] += 1
+                if self.cfg.max_update_ms is not None and (time.perf_counter() - t0) * 1e3 > self.cfg.max_update_ms:
+                    self.stats["budget_cut"] += 1
+                    break
+        if self.cfg.scope == "server" and self.cfg.decay:
+            with torch.no_grad():
+                for p, n in zip(self.trainable, self.names):
+                    p.lerp_(self.shipped_values[n].to(p.device), self.cfg.decay)
+        self._save(st)
+        st.adapted = True
+        self.stats["updates"] += 1
+        self.stats["update_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def summary(self) -> dict:
+        s = dict(self.stats)
+        r = max(1, s["rounds"])
+        s.update(config={f.name: getattr(self.cfg, f.name) for f in fields(self.cfg)},
+                 trainable_values=sum(v.numel() for v in self.shipped_values.values()),
+                 learn_ms_per_round=s["observe_ms"] / r, update_ms_per_round=s["update_ms"] / r,
+                 shadow_ms_per_round=s["shadow_ms"] / r)
+        return s
+
+
+class OnlineDrafter:
+    """An engine drafter (DLite, or hybrid over the learner's working model) that learns online:
+    ``draft`` as the inner drafter, ``observe`` feeds the verify result to the learner."""
+
+    def __init__(self, inner, learner: OnlineLearner):
+        self.inner, self.learner = inner, learner
+        self.num_drafts = inner.num_drafts
+        self.capture_layer_ids = inner.capture_layer_ids
+        self.hidden_rows_needed = inner.hidden_rows_needed
+        learner.drafts_are_model = isinstance(inner, DLiteEngineDrafter) and inner.model is learner.model
+
+    def draft(self, req: DraftRequest) -> DraftProposal:
+        self.learner.before_draft(req)
+        return self.inner.draft(req)
+
+    def observe(self, req: DraftRequest, drafts: list, target_logits: torch.Tensor, accepted: int) -> None:
+        self.learner.observe(req, drafts, target_logits, accepted)
+
+    def memory_bytes(self, state: dict) -> int:
+        inner = getattr(self.inner, "memory_bytes", None)
+        st = state.get(STATE_KEY)
+        own = 0 if st is None else sum(p.nbytes() for p in st.buffer)
+        return (inner(state) if inner else 0) + own
+
+    def stats(self) -> dict:
+        return self.learner.summary()
