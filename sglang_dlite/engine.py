@@ -28,6 +28,7 @@ from .drafters import DraftRequest, Drafter
 from .errors import DLiteInputError
 from .speculation import chain_rejection_sample, greedy_accept, logits_to_probs
 from .speculation.tau import tau_of_requests
+from .speculation.tree import DraftTree, accept_tree
 
 
 @dataclass
@@ -153,12 +154,17 @@ class Session:
         if self.hidden is not None:
             self.hidden = self.hidden[:, :max(0, n - self.hidden_start)]
 
-    def forward(self, ids: list) -> torch.Tensor:
-        """Run the target over ids at the end of the cache; returns logits [len(ids), V]."""
+    def forward(self, ids: list, tree: Optional[DraftTree] = None) -> torch.Tensor:
+        """Run the target over ids at the end of the cache; returns logits [len(ids), V]. With a
+        ``tree`` (ids = its tokens), each node sees the cache and its own root path only."""
         eng = self.engine
         start = self.cache_len
         x = torch.tensor([ids], device=eng.device)
-        out = eng.target(input_ids=x, past_key_values=self.cache, use_cache=True)
+        kw = {}
+        if tree is not None:
+            kw = dict(attention_mask=tree.attention_mask(start, eng.target.dtype, eng.device),
+                      position_ids=tree.position_ids(start, eng.device))
+        out = eng.target(input_ids=x, past_key_values=self.cache, use_cache=True, **kw)
         self.cache = out.past_key_values
         if eng.capture is not None:
             self._append_hidden(torch.stack([o[-1][0] for o in eng.capture.take()]), start)  # [L, T, H]
@@ -185,11 +191,28 @@ class Session:
         self._bound_hidden()
         return logits[-1], common
 
-    verify = forward  # one target forward over [anchor] + drafts
+    verify = forward  # one target forward over [anchor] + drafts (a chain or a tree)
 
-    def commit(self, new_tokens: list, n_valid: int):
-        """After verify: keep KV/hidden of anchor + accepted drafts (n_valid rows), append tokens."""
+    def _keep_rows(self, base: int, rows: list):
+        """Move the target KV and captured rows of verify rows ``rows`` (offsets from ``base``, in
+        path order) to positions base, base+1, ..: the accepted path contiguous, rejected branches
+        left past it for the crop."""
+        if list(rows) == list(range(len(rows))):
+            return
+        idx = torch.tensor(rows, device=self.engine.device)
+        for layer in self.cache.layers:
+            layer.keys[..., base:base + len(rows), :] = layer.keys.index_select(-2, idx + base)
+            layer.values[..., base:base + len(rows), :] = layer.values.index_select(-2, idx + base)
+        h0 = base - self.hidden_start
+        if self.hidden is not None and h0 >= 0:
+            self.hidden[:, h0:h0 + len(rows)] = self.hidden.index_select(1, idx.to(self.hidden.device) + h0)
+
+    def commit(self, new_tokens: list, n_valid: int, rows: Optional[list] = None):
+        """After verify: keep KV/hidden of anchor + accepted drafts (n_valid rows), append tokens.
+        ``rows`` (a tree): the verify rows of the accepted path, moved to the front first."""
         base = len(self.tokens) - 1
+        if rows is not None:
+            self._keep_rows(base, rows)
         self.truncate(base + n_valid)
         self._bound_hidden()
         self.tokens.extend(new_tokens)
@@ -294,17 +317,23 @@ class ReferenceEngine:
             tokens=sess.tokens, hidden=sess.hidden, hidden_start=sess.hidden_start,
             temperature=temperature, top_p=top_p, generator=gen, state=sess.drafter_state,
         ))
-        drafts = [int(t) for t in prop.tokens[0].tolist()]
+        tree = getattr(prop, "tree", None)
+        drafts = tree.drafts if tree is not None else [int(t) for t in prop.tokens[0].tolist()]
         t1 = time.perf_counter()
         # [K+1, V]; a lookup chain may be shorter than the block (then a shorter verify)
-        logits = sess.verify([sess.tokens[-1]] + drafts)
+        logits = sess.verify([sess.tokens[-1]] + drafts, tree=tree)
         t2 = time.perf_counter()
-        if temperature <= 0:
+        rows = None
+        if tree is not None:  # speculation/tree.py: the accepted root path = its verify rows
+            p = None if temperature <= 0 else logits_to_probs(logits, temperature, top_p)
+            rows, new = accept_tree(tree, logits.argmax(-1), p=p, generator=gen)
+            a = len(rows) - 1
+        elif temperature <= 0:
             a, new = accept_round(drafts, logits.argmax(-1))
         else:
             q = prop.probs[0].to(logits.device) if prop.probs is not None else None
             a, new = accept_round(drafts, p=logits_to_probs(logits, temperature, top_p), q=q, generator=gen)
-        sess.commit(new, a + 1)
+        sess.commit(new, a + 1, rows)
         res.output_ids.extend(new)
         res.rounds.append(RoundRecord(drafts, a, ctx_len, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
                                       getattr(prop, "source", None), getattr(prop, "score", None)))

@@ -1,7 +1,8 @@
 """The one drafter registry: every ``--drafter`` spec the reference engine and the benchmarks take.
 
 ``dlite[:PATH]``, ``hybrid[:PATH]`` (DLite + suffix lookup, chosen per round), ``suffix[:K]`` (the
-lookup alone), or a baseline / ablation name (``baselines/registry.py``: EAGLE-3-, DFlash-,
+lookup alone), their token-tree versions ``dlite-tree`` / ``hybrid-tree`` / ``suffix-tree`` (``@N``: N tree
+nodes per round, ``lookup/tree_drafters.py``), or a baseline / ablation name (``baselines/registry.py``: EAGLE-3-, DFlash-,
 DSpark-style, n-gram, DLite teacher and windows). Sits above ``drafters.py`` (the interface and
 the DLite adapter), ``lookup/`` and ``baselines/``, so none of those imports another's registry.
 """
@@ -15,6 +16,9 @@ from .baselines.registry import BASELINE_NAMES, known_drafters_text, make_baseli
 from .drafters import DLiteEngineDrafter, Drafter, load_dlite
 from .errors import DLiteInputError
 from .lookup.drafters import HybridEngineDrafter, SuffixEngineDrafter
+from .lookup.tree_drafters import DEFAULT_TREE_NODES, TreeEngineDrafter
+
+TREE_NAMES = ("dlite-tree", "hybrid-tree", "suffix-tree")
 
 
 def make_engine_drafter(spec: str, target) -> Drafter:
@@ -22,6 +26,8 @@ def make_engine_drafter(spec: str, target) -> Drafter:
     round), ``suffix`` (the lookup alone), a baseline/ablation name (``baselines/registry.py``), or a
     bare checkpoint folder (its config.json's ``model_type`` names the drafter)."""
     name, _, path = spec.partition(":")
+    if name.partition("@")[0] in TREE_NAMES:
+        return _tree_drafter(name, path, target)
     if name not in ("dlite", "hybrid", "suffix") + BASELINE_NAMES and os.path.isdir(spec):
         name, path = _kind_of_folder(spec), spec  # a bare checkpoint folder: its config.json says which drafter
     if name == "dlite":
@@ -33,7 +39,21 @@ def make_engine_drafter(spec: str, target) -> Drafter:
     if name in BASELINE_NAMES:
         return make_baseline_drafter(name, path or None, target)
     raise DLiteInputError(f"unknown drafter {spec!r}; known: dlite[:PATH], hybrid[:PATH], suffix[:K], "
-                          f"{known_drafters_text()}.")
+                          f"dlite-tree[@N][:PATH], hybrid-tree[@N][:PATH], suffix-tree[@N], {known_drafters_text()}.")
+
+
+def _tree_drafter(name: str, path: str, target) -> TreeEngineDrafter:
+    """``dlite-tree`` / ``hybrid-tree`` / ``suffix-tree``, ``@N``: N tree nodes per round."""
+    name, _, nodes = name.partition("@")
+    if nodes and not nodes.isdigit():
+        raise DLiteInputError(f"--drafter {name}@{nodes}: the node budget after @ must be a positive integer.")
+    n = int(nodes) if nodes else DEFAULT_TREE_NODES
+    if name == "suffix-tree":
+        if path:
+            raise DLiteInputError("--drafter suffix-tree takes no checkpoint (the lookup has no model).")
+        return TreeEngineDrafter(None, lookup=True, num_drafts=n)
+    return TreeEngineDrafter(DLiteEngineDrafter(load_dlite(path or None, target)), lookup=name == "hybrid-tree",
+                             num_drafts=n)
 
 
 def _kind_of_folder(path: str) -> str:
