@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import sys
@@ -141,20 +142,42 @@ def build_requests(tok, workload, max_convs, max_requests, max_new):
 
 
 async def _run_level(engine, reqs, conc, sp):
+    """Every request streamed, ``conc`` in flight: (final outputs, latency per request, wall time,
+    time to first token per request, inter-token latencies). A chunk that brings n tokens after a
+    gap g counts n inter-token latencies of g / n (a speculative round commits several tokens at
+    once; this is the per-token latency a reader of the stream sees on average)."""
     sem = asyncio.Semaphore(conc)
     outs = [None] * len(reqs)
-    lat = [0.0] * len(reqs)
+    lat, ttft = [0.0] * len(reqs), [0.0] * len(reqs)
+    itl = []
 
     async def one(i):
         async with sem:
             t0 = time.perf_counter()
-            o = await engine.async_generate(input_ids=reqs[i], sampling_params=sp)
+            last_t, last_n, final = t0, 0, None
+            async for chunk in await engine.async_generate(input_ids=reqs[i], sampling_params=sp, stream=True):
+                now, n = time.perf_counter(), int(chunk["meta_info"]["completion_tokens"])
+                if n > last_n:
+                    if last_n == 0:
+                        ttft[i] = now - t0
+                    else:
+                        itl.extend([(now - last_t) / (n - last_n)] * (n - last_n))
+                    last_t, last_n = now, n
+                final = chunk
             lat[i] = time.perf_counter() - t0
-            outs[i] = o
+            outs[i] = final
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(len(reqs))))
-    return outs, lat, time.perf_counter() - t0
+    return outs, lat, time.perf_counter() - t0, ttft, itl
+
+
+def percentile(xs, q):
+    """The q-th percentile (nearest rank) of xs; None for no values."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
 
 
 def eagle3_kwargs(w, src, target, dtype):
@@ -230,10 +253,10 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
             e.flush_cache()  # every level starts cold: same prefix-cache behaviour for both modes
             mark = os.path.getsize(trace) if os.path.exists(trace) else 0
             rmark = os.path.getsize(round_log) if os.path.exists(round_log) else 0
-            outs, lat, wall = e.loop.run_until_complete(_run_level(e, reqs, c, sp))
+            outs, lat, wall, ttft, itl = e.loop.run_until_complete(_run_level(e, reqs, c, sp))
             shares, width = _trace_stats(trace, mark)
             round_ms = _round_stats(round_log, rmark)
-            rows.append(level_row(mode, c, [o["meta_info"] for o in outs], wall, lat))
+            rows.append(level_row(mode, c, [o["meta_info"] for o in outs], wall, lat, ttft, itl))
             rows[-1]["start_up_s"] = round(start_s, 1)
             if shares:
                 rows[-1]["source_share"] = shares
@@ -287,7 +310,7 @@ def _round_stats(path, offset):
             "verify_ms_per_round": round(sum(float(r["verify_ms"]) for r in recs) / n, 2)}
 
 
-def level_row(mode, concurrency, metas, wall, lat) -> dict:
+def level_row(mode, concurrency, metas, wall, lat, ttft=(), itl=()) -> dict:
     """One (mode, concurrency) row from its requests' counts, for both engines: ``metas`` are
     sglang's ``meta_info`` (``completion_tokens``, the prefill's token included; ``spec_verify_ct``)
     or the reference engine's same counts (``reference_meta``); tau is ``speculation.tau.tau_of_sglang``."""
@@ -297,7 +320,10 @@ def level_row(mode, concurrency, metas, wall, lat) -> dict:
             "verify_rounds": sum(int(m.get("spec_verify_ct") or 0) for m in metas),
             "wall_s": round(wall, 3), "tokens_per_s": round(toks / wall, 2),
             "mean_latency_s": round(sum(lat) / len(lat), 3),
-            "tau": None if t is None else round(t, 3)}
+            "tau": None if t is None else round(t, 3),
+            **{k: (None if v is None else round(v * scale, 3)) for k, v, scale in (
+                ("ttft_p50_s", percentile(ttft, 50), 1), ("ttft_p99_s", percentile(ttft, 99), 1),
+                ("itl_p50_ms", percentile(itl, 50), 1e3), ("itl_p99_ms", percentile(itl, 99), 1e3))}}
 
 
 def reference_meta(g) -> dict:
@@ -349,6 +375,8 @@ def aggregate(runs):
             wall_s=round(median([r["wall_s"] for r in level_rows]), 3),
             mean_latency_s=round(median([r["mean_latency_s"] for r in level_rows]), 3),
             tau=None if level_rows[0]["tau"] is None else round(median([r["tau"] for r in level_rows]), 3),
+            **{k: round(median([r[k] for r in level_rows]), 3) for k in ("ttft_p50_s", "ttft_p99_s", "itl_p50_ms",
+                                                                          "itl_p99_ms") if level_rows[0].get(k) is not None},
             repeats=len(level_rows), tokens_per_s_min=min(tps), tokens_per_s_max=max(tps),
         )
         rows.append(row)
@@ -410,6 +438,18 @@ def main(argv=None) -> int:
             runs[mode].append(r)
             outs.setdefault(mode, o)  # outputs of the first repeat
     rows = [row for m in modes for row in aggregate(runs[m])]
+    result = {
+        "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),
+        "engine": args.engine, "device": device, "workload": args.workload, "target": str(target),
+        "drafter": str(draft), "note": note, "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype if args.engine == "sglang" else "float32", "repeats": args.repeats,
+        "tie_margin": args.tie_margin, "tau_definition": TAU_DEFINITION,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "rows": rows, "runs": runs, "outputs": {m: {str(c): o for c, o in lv.items()} for m, lv in outs.items()},
+    }
+    if args.out:  # the measured rows first: the divergence scoring below can take minutes in bf16
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({**result, "table": None, "divergences": "not scored yet"}, indent=2))
 
     score = Fp32LogitGap(target)
     noise = score.bf16_noise if args.engine == "sglang" and args.dtype == "bfloat16" else None
@@ -433,30 +473,23 @@ def main(argv=None) -> int:
                           "identical": len(reqs) - len(div), "requests": len(reqs),
                           "ties": sum(x["tie"] for x in div), "baseline_off": sum(x["baseline_off"] for x in div),
                           "mismatches": sum(is_mismatch(x) for x in div),
-                          "identical_outputs": not div})
-    print("\n| mode | concurrency | spec tok/s | no-spec tok/s | speed-up | tau | spec latency s | no-spec latency s "
-          "| identical | precision ties | baseline off | mismatches |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+                          "identical_outputs": not div,
+                          **{f"{side}_{k}": r.get(k) for side, r in (("spec", d), ("nospec", b))
+                             for k in ("ttft_p50_s", "itl_p50_ms", "itl_p99_ms")}})
+    print("\n| mode | concurrency | spec tok/s | no-spec tok/s | speed-up | tau | TTFT p50 s spec / no-spec "
+          "| ITL p50 / p99 ms spec | ITL p50 / p99 ms no-spec | identical | precision ties | baseline off | mismatches |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for t in table:
         print(f"| {t['mode']} | {t['concurrency']} | {t['spec_tok_s']} | {t['nospec_tok_s']} | {t['speedup']}x | {t['tau']} | "
-              f"{t['spec_latency_s']} | {t['nospec_latency_s']} | {t['identical']}/{t['requests']} | {t['ties']} | "
+              f"{t['spec_ttft_p50_s']} / {t['nospec_ttft_p50_s']} | {t['spec_itl_p50_ms']} / {t['spec_itl_p99_ms']} | "
+              f"{t['nospec_itl_p50_ms']} / {t['nospec_itl_p99_ms']} | {t['identical']}/{t['requests']} | {t['ties']} | "
               f"{t['baseline_off']} | {t['mismatches']} |")
     for k, div in divergences.items():
         if k.startswith("nospec@"):
             print(f"floor: {k}: {len(reqs) - len(div)}/{len(reqs)} identical, "
                   f"{sum(x['tie'] for x in div)} precision ties, {sum(not x['tie'] for x in div)} beyond the margin")
-    result = {
-        "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),
-        "engine": args.engine, "device": device, "workload": args.workload, "target": str(target),
-        "drafter": str(draft), "note": note, "max_new_tokens": args.max_new_tokens,
-        "dtype": args.dtype if args.engine == "sglang" else "float32", "repeats": args.repeats,
-        "tie_margin": args.tie_margin, "tau_definition": TAU_DEFINITION,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "rows": rows, "runs": runs, "table": table, "divergences": divergences,
-        "outputs": {m: {str(c): o for c, o in lv.items()} for m, lv in outs.items()},
-    }
+    result.update(table=table, divergences=divergences)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
         print(f"wrote {args.out}")
     return 0 if all(t["mismatches"] == 0 for t in table) else 1

@@ -274,11 +274,23 @@ class _RecordedSglang:
     def generate(self, input_ids, sampling_params):
         return {"output_ids": [0], "meta_info": {"completion_tokens": 1}}
 
-    async def async_generate(self, input_ids, sampling_params):
+    async def async_generate(self, input_ids, sampling_params, stream=False):
         g = self.recorded[tuple(input_ids)]
         n, r = len(g.output_ids), len(g.rounds)
-        return {"output_ids": list(g.output_ids),
-                "meta_info": {"completion_tokens": n, "spec_verify_ct": r, "spec_accept_length": n / r}}
+        final = {"output_ids": list(g.output_ids),
+                 "meta_info": {"completion_tokens": n, "spec_verify_ct": r, "spec_accept_length": n / r}}
+        if not stream:
+            return final
+
+        async def chunks():  # as sglang streams: the prefill's token, then each round's committed tokens
+            done = 1
+            yield {"output_ids": list(g.output_ids[:1]), "meta_info": {"completion_tokens": 1}}
+            for rnd in g.rounds[:-1]:
+                done += rnd.committed
+                yield {"output_ids": list(g.output_ids[:done]), "meta_info": {"completion_tokens": done}}
+            yield final
+
+        return chunks()
 
     def flush_cache(self):
         pass
@@ -331,3 +343,10 @@ def test_e2e_both_engines_report_the_same_tau_for_the_same_run(monkeypatch):
     assert sgl_row["output_tokens"] == ref_row["output_tokens"] == sum(len(x.output_ids) for x in results)
     # what the sglang rows reported before (completion tokens / verify rounds) was another number
     assert round(sgl_row["output_tokens"] / rounds, 3) != sgl_row["tau"]
+
+
+def test_e2e_percentile_is_nearest_rank():
+    pct = _e2e().percentile
+    xs = list(range(1, 101))  # 1..100
+    assert pct(xs, 50) == 50 and pct(xs, 99) == 99 and pct(xs, 100) == 100 and pct(xs, 0) == 1
+    assert pct([7.0], 99) == 7.0 and pct([], 50) is None
