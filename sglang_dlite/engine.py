@@ -313,10 +313,11 @@ class ReferenceEngine:
     def _round(self, sess: Session, res: GenerationResult, temperature, top_p, gen):
         ctx_len = len(sess.tokens)
         t0 = time.perf_counter()
-        prop = self.drafter.draft(DraftRequest(
+        req = DraftRequest(
             tokens=sess.tokens, hidden=sess.hidden, hidden_start=sess.hidden_start,
             temperature=temperature, top_p=top_p, generator=gen, state=sess.drafter_state,
-        ))
+        )
+        prop = self.drafter.draft(req)
         tree = getattr(prop, "tree", None)
         drafts = tree.drafts if tree is not None else [int(t) for t in prop.tokens[0].tolist()]
         t1 = time.perf_counter()
@@ -334,6 +335,9 @@ class ReferenceEngine:
             q = prop.probs[0].to(logits.device) if prop.probs is not None else None
             a, new = accept_round(drafts, p=logits_to_probs(logits, temperature, top_p), q=q, generator=gen)
         sess.commit(new, a + 1, rows)
+        observe = getattr(self.drafter, "observe", None)  # a drafter learning from verify results (online.py)
+        if observe is not None and tree is None:
+            observe(req, drafts, logits, a)
         res.output_ids.extend(new)
         res.rounds.append(RoundRecord(drafts, a, ctx_len, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
                                       getattr(prop, "source", None), getattr(prop, "score", None)))

@@ -2,7 +2,8 @@
 
 ``dlite[:PATH]``, ``hybrid[:PATH]`` (DLite + suffix lookup, chosen per round), ``suffix[:K]`` (the
 lookup alone), their token-tree versions ``dlite-tree`` / ``hybrid-tree`` / ``suffix-tree`` (``@N``: N tree
-nodes per round, ``lookup/tree_drafters.py``), or a baseline / ablation name (``baselines/registry.py``: EAGLE-3-, DFlash-,
+nodes per round, ``lookup/tree_drafters.py``), ``dlite-online[:PATH][@OPTS]`` / ``hybrid-online[:PATH][@OPTS]``
+(learning online from verify results, ``online.py``; OPTS: ``key=value,...`` of ``OnlineConfig``), or a baseline / ablation name (``baselines/registry.py``: EAGLE-3-, DFlash-,
 DSpark-style, n-gram, DLite teacher and windows). Sits above ``drafters.py`` (the interface and
 the DLite adapter), ``lookup/`` and ``baselines/``, so none of those imports another's registry.
 """
@@ -11,14 +12,17 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from .baselines.registry import BASELINE_NAMES, known_drafters_text, make_baseline_drafter
 from .drafters import DLiteEngineDrafter, Drafter, load_dlite
 from .errors import DLiteInputError
 from .lookup.drafters import HybridEngineDrafter, SuffixEngineDrafter
 from .lookup.tree_drafters import DEFAULT_TREE_NODES, TreeEngineDrafter
+from .online import OnlineConfig, OnlineDrafter, OnlineLearner
 
 TREE_NAMES = ("dlite-tree", "hybrid-tree", "suffix-tree")
+ONLINE_NAMES = ("dlite-online", "hybrid-online")
 
 
 def make_engine_drafter(spec: str, target) -> Drafter:
@@ -28,6 +32,8 @@ def make_engine_drafter(spec: str, target) -> Drafter:
     name, _, path = spec.partition(":")
     if name.partition("@")[0] in TREE_NAMES:
         return _tree_drafter(name, path, target)
+    if name.partition("@")[0] in ONLINE_NAMES:
+        return make_online_drafter(spec, target)
     if name not in ("dlite", "hybrid", "suffix") + BASELINE_NAMES and os.path.isdir(spec):
         name, path = _kind_of_folder(spec), spec  # a bare checkpoint folder: its config.json says which drafter
     if name == "dlite":
@@ -39,7 +45,20 @@ def make_engine_drafter(spec: str, target) -> Drafter:
     if name in BASELINE_NAMES:
         return make_baseline_drafter(name, path or None, target)
     raise DLiteInputError(f"unknown drafter {spec!r}; known: dlite[:PATH], hybrid[:PATH], suffix[:K], "
-                          f"dlite-tree[@N][:PATH], hybrid-tree[@N][:PATH], suffix-tree[@N], {known_drafters_text()}.")
+                          f"dlite-tree[@N][:PATH], hybrid-tree[@N][:PATH], suffix-tree[@N], "
+                          f"dlite-online[:PATH][@OPTS], hybrid-online[:PATH][@OPTS], {known_drafters_text()}.")
+
+
+def make_online_drafter(spec: str, target) -> OnlineDrafter:
+    """``dlite-online[:PATH][@key=value,...]`` / ``hybrid-online[...]``: DLite (alone, or in the
+    hybrid) drafting from a working copy that learns from each verify round (``online.py``)."""
+    head, _, opts = spec.partition("@")
+    name, _, path = head.partition(":")
+    learner = OnlineLearner(load_dlite(path or None, target), OnlineConfig.parse(opts))
+    dlite = DLiteEngineDrafter(learner.model)
+    inner = dlite if name == "dlite-online" else HybridEngineDrafter(dlite)
+    print(f"[{name}] {learner.describe()}", file=sys.stderr)
+    return OnlineDrafter(inner, learner)
 
 
 def _tree_drafter(name: str, path: str, target) -> TreeEngineDrafter:

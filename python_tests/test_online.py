@@ -1,0 +1,190 @@
+"""Online adaptation (``sglang_dlite/online.py``, issue 47) on tiny random-weight models: it learns a
+planted repetitive stream, the watchdog reverts a worse adapter, per-session state starts from the
+shipped weights and is freed with its session, the output stays the target's greedy output, the
+shipped drafter is never written, and a seed makes a run reproducible."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from conftest import tiny_dlite_config
+from sglang_dlite.drafters import DLiteEngineDrafter
+from sglang_dlite.engine import ReferenceEngine
+from sglang_dlite.errors import DLiteConfigError, DLiteInputError
+from sglang_dlite.lookup.drafters import HybridEngineDrafter
+from sglang_dlite.model import DLiteDrafter
+from sglang_dlite.online import STATE_KEY, OnlineConfig, OnlineDrafter, OnlineLearner, chain_accepted
+
+EOS = 2
+# a tiny random target continues this prompt with one token repeated: the planted stream
+REPETITIVE = [1, 5, 9, 13, 5, 9, 13, 5, 9, 13]
+
+
+def shipped(target, seed=0, **kw):
+    torch.manual_seed(seed)
+    return DLiteDrafter(tiny_dlite_config(target, head_input="token", **kw)).bind_hf_target(target)
+
+
+def online_engine(target, model, hybrid=False, **opts):
+    learner = OnlineLearner(model, OnlineConfig(**opts))
+    inner = DLiteEngineDrafter(learner.model)
+    if hybrid:
+        inner = HybridEngineDrafter(inner)
+    return ReferenceEngine(target, OnlineDrafter(inner, learner), [EOS]), learner
+
+
+def hf_greedy(target, prompt, n):
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=EOS,
+                          pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def params_of(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_update_moves_the_drafter_towards_the_target(tiny_target):
+    """On a repetitive stream: the loss on the collected pairs falls, acceptance rises above the
+    static drafter's (which accepts ~nothing: random weights)."""
+    model = shipped(tiny_target)
+    static = ReferenceEngine(tiny_target, DLiteEngineDrafter(model), [EOS]).generate(REPETITIVE, 120)
+    # collect pairs without learning, then learn on them
+    eng, learner = online_engine(tiny_target, model, params="head", update_every=10**6, buffer_size=64)
+    sess = eng.new_session()
+    eng.generate(REPETITIVE, 60, session=sess)
+    st = sess.drafter_state[STATE_KEY]
+    pairs = list(st.buffer)
+    with torch.no_grad():
+        before = float(learner.loss(pairs))
+    for _ in range(5):
+        learner.update(st)
+    with torch.no_grad():
+        after = float(learner.loss(pairs))
+    assert after < 0.7 * before, (before, after)
+    eng, learner = online_engine(tiny_target, model, params="head")
+    adaptive = eng.generate(REPETITIVE, 120)
+    assert adaptive.output_ids == static.output_ids
+    assert adaptive.tau > static.tau + 1.0, (static.tau, adaptive.tau)
+    second_half = adaptive.rounds[len(adaptive.rounds) // 2:]
+    assert sum(r.accepted for r in second_half) / len(second_half) > 1.0
+    assert learner.stats["updates"] > 0 and learner.stats["reverts"] == 0
+
+
+def test_watchdog_reverts_a_worse_adapter(tiny_target):
+    """A shipped drafter that accepts well, an adapter made worse (the final norm negated): the
+    watchdog sees the adapted chain lose on a window of rounds and goes back to the shipped weights."""
+    eng, first = online_engine(tiny_target, shipped(tiny_target), params="head")
+    eng.generate(REPETITIVE, 80)  # first.model now drafts the stream well: the "shipped" drafter below
+    good = first.model
+    eng, learner = online_engine(tiny_target, good, params="norm", scope="server", update_every=10**6,
+                                 watchdog_window=4)
+    st = learner._server
+    st.values["final_norm.weight"].mul_(-1)
+    st.adapted = True
+    res = eng.generate(REPETITIVE, 60)
+    assert learner.stats["reverts"] == 1
+    assert torch.equal(st.values["final_norm.weight"], good.final_norm.weight)
+    assert torch.equal(learner.model.final_norm.weight, good.final_norm.weight)
+    assert not st.adapted
+    late = res.rounds[8:]
+    assert sum(r.accepted for r in late) / len(late) > 1.0  # drafting well again after the revert
+
+
+def test_session_state_starts_from_shipped_and_is_freed_with_its_session(tiny_target):
+    model = shipped(tiny_target)
+    eng, learner = online_engine(tiny_target, model, params="head")
+    s1 = eng.new_session()
+    eng.generate(REPETITIVE, 80, session=s1)
+    st1 = s1.drafter_state[STATE_KEY]
+    assert st1.adapted
+    head = lambda m: m.head.out_proj.weight.detach().clone()  # noqa: E731
+    assert not torch.equal(head(learner.model), head(model))
+    s2 = eng.new_session()
+    eng.generate([1, 7, 11], 2, session=s2)  # one round: a fresh state, no update yet
+    assert s2.drafter_state[STATE_KEY] is not st1
+    assert torch.equal(head(learner.model), head(model))  # the new conversation drafts with shipped weights
+    ref = weakref.ref(st1)
+    del s1, st1
+    gc.collect()
+    assert ref() is None  # nothing of the finished conversation is kept
+    assert learner.stats["sessions"] == 2
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("scope", ["session", "server"])
+def test_lossless_with_adaptation_on(tiny_target, hybrid, scope):
+    """Greedy output with adaptation on == the target's own greedy output (float32), over the turns
+    of a conversation (one session) and on random prompts."""
+    eng, learner = online_engine(tiny_target, shipped(tiny_target), hybrid=hybrid, params="last", scope=scope,
+                                 update_every=2)
+    sess = eng.new_session()
+    prompt = list(REPETITIVE)
+    for turn in range(3):
+        res = eng.generate(prompt, 40, session=sess)
+        assert res.output_ids == hf_greedy(tiny_target, prompt, 40)
+        prompt = prompt + res.output_ids + [7 + turn, 3, 21]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        p = [1] + torch.randint(3, tiny_target.config.vocab_size, (12,), generator=g).tolist()
+        assert eng.generate(p, 30).output_ids == hf_greedy(tiny_target, p, 30)
+    assert learner.stats["updates"] > 0
+
+
+def test_shipped_weights_unchanged(tiny_target):
+    model = shipped(tiny_target)
+    before = params_of(model)
+    for params in ("head", "last"):
+        eng, learner = online_engine(tiny_target, model, params=params, scope="server")
+        eng.generate(REPETITIVE, 60)
+        assert learner.stats["updates"] > 0
+    after = params_of(model)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert learner.model.embed_weight is model.embed_weight  # the target's frozen tensors are shared
+
+
+def test_deterministic_with_a_seed(tiny_target):
+    def run(seed):
+        eng, learner = online_engine(tiny_target, shipped(tiny_target), params="last", seed=seed, batch_size=4,
+                                     update_every=2)
+        res = eng.generate(REPETITIVE[:5] + [40, 41, 40, 41], 80)
+        return [r.draft_tokens for r in res.rounds], learner.model.head.out_proj.weight.detach().clone()
+
+    (d1, w1), (d2, w2) = run(0), run(0)
+    assert d1 == d2 and torch.equal(w1, w2)
+
+
+def test_chain_accepted_judges_other_chains_conservatively():
+    target = [5, 6, 7, 8]  # the target's token at each verify row of drafts [5, 6, 9]
+    assert chain_accepted([5, 6, 9], [5, 6, 9], target) == 2  # the verified chain: exact
+    assert chain_accepted([5, 6, 7, 1], [5, 6, 9], target) == 3  # accepted at row 2, later rows judged [5, 6, 9]
+    assert chain_accepted([4, 6], [5, 6, 9], target) == 0
+    assert chain_accepted([5, 6, 9, 8], [5, 6, 9], [5, 6, 9, 8]) == 4
+
+
+def test_bad_settings_say_what_is_wrong(tiny_target):
+    with pytest.raises(DLiteConfigError, match="params"):
+        OnlineConfig(params="everything")
+    with pytest.raises(DLiteConfigError, match="scope"):
+        OnlineConfig(scope="galaxy")
+    with pytest.raises(DLiteInputError, match="key=value"):
+        OnlineConfig.parse("lr")
+    with pytest.raises(DLiteInputError, match="not a"):
+        OnlineConfig.parse("steps=many")
+    assert OnlineConfig.parse("params=head, scope=server,lr=1e-2,max_update_ms=none") == OnlineConfig(
+        params="head", scope="server", lr=1e-2)
+    with pytest.raises(DLiteConfigError, match="token-fed"):
+        OnlineLearner(DLiteDrafter(tiny_dlite_config(tiny_target, head_input="hidden")).bind_hf_target(tiny_target))
+
+
+def test_update_budget_caps_the_steps(tiny_target):
+    """``max_update_ms``: an update stops stepping once past its budget (here 0 ms: one step each)."""
+    eng, learner = online_engine(tiny_target, shipped(tiny_target), params="head", steps=50, max_update_ms=0.0)
+    eng.generate(REPETITIVE, 40)
+    s = learner.summary()
+    assert s["updates"] > 0 and s["steps"] == s["updates"] == s["budget_cut"]
+    assert s["learn_ms_per_round"] >= s["update_ms_per_round"] > 0
