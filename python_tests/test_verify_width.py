@@ -174,3 +174,23 @@ def test_draft_gate_pools_batch_sizes_in_power_of_two_buckets():
         chosen.append(d)
         gate.observe(bs, d, 0.017 if d else 0.010, 1.0)  # never accepted: plain rounds are faster
     assert chosen[:16] == [True] * 16 and sum(chosen[16:]) <= 200 // 32 + 1
+
+
+def test_the_drafts_cost_inside_the_width_choice():
+    """A round's throughput is its tokens over its whole period: with a costly draft (the rest of
+    the round outside the verify, told by the draft gate) the 30 % dearer 7th-8th rows are worth
+    verifying for a tail they were not worth verifying for alone."""
+    from sglang_dlite.speculation.verify_width import DraftGate
+
+    tail = [0.9, 0.9, 0.9, 0.7, 0.7, 0.7, 0.7]
+    pol = VerifyWidthPolicy(8)
+    _measured(pol, {w: (1.0 if w <= 6 else 1.3) for w in range(2, 9)})
+    assert pol.rest(1) == 0.0 and pol.choose([tail]) == 6  # verify cost alone: stop before the step
+    gate = DraftGate(width_policy=pol)
+    for _ in range(5):
+        pol.observe(8, 1.3)  # the verify of a drafting round at batch size 1 ...
+        gate.observe(1, True, 1.3 + 3.0, 2.0)  # ... whose whole period was 3 s longer: the draft
+    assert abs(pol.rest(1) - 3.0) < 1e-9
+    assert pol.choose([tail]) == 8
+    gate.observe(1, False, 0.5, 1.0)  # a plain round tells the width policy nothing
+    assert abs(pol.rest(1) - 3.0) < 1e-9

@@ -179,7 +179,7 @@ class DLiteWorker(BaseSpecWorker):
                                                1 if self._tp is None else 2)
         self.width_policy = VerifyWidthPolicy(self.W) if adaptive and self.lookup is not None else None
         # where a verify row is not free (a CPU), also whether to draft at all: it must pay
-        self.gate = DraftGate() if adaptive else None
+        self.gate = DraftGate(width_policy=self.width_policy) if adaptive else None
         self._last_round = None  # the decode round before, for the gate: (bs, drafted, start, committed per request)
         logger.info("DLITE drafting: %s; verify width %s%s", self.options.describe_drafting(),
                     f"chosen per round, 2..{self.W}" if self.width_policy is not None else f"fixed at {self.W}",

@@ -11,7 +11,10 @@ is cheaper to leave out.
 
 ``VerifyWidthPolicy`` learns that cost online from the rounds it picked (wall seconds of the
 verify forward by total rows; the median of the last few) and picks ``argmax_w sum_r (1 +
-E_r(w - 1)) / cost(batch * w)``. Rows it has not measured yet get an optimistic estimate
+E_r(w - 1)) / (rest(batch) + cost(batch * w))``, where ``rest`` is the rest of a drafting round's
+period at that batch size (the draft, acceptance and the scheduler's work: what the round costs
+whatever its width; told by ``DraftGate`` from the period it measures): a round's throughput is its
+tokens over its whole time, so a costly draft makes the verify's extra rows relatively cheaper. Rows it has not measured yet get an optimistic estimate
 (interpolated between measured neighbours, proportional below the smallest, flat above the
 largest), so every width is tried once and then judged by what it cost. Pure Python; the sglang
 DLITE worker uses it where the verify runs eagerly on a CPU (``SGLANG_DLITE_VERIFY_WIDTH``).
@@ -103,6 +106,8 @@ class VerifyWidthPolicy:
         self._samples = int(samples)
         self._cost: Dict[int, deque] = {}  # total verify rows -> recent wall seconds
         self._rows: List[int] = []  # sorted keys of _cost
+        self._rest: Dict[int, deque] = {}  # batch bucket -> recent seconds of a round outside its verify
+        self._last_verify_s: Optional[float] = None
         self.chosen: Dict[int, int] = {}  # width -> rounds (reported by the worker's metrics)
 
     # ------------------------------------------------------------------ cost model
@@ -114,6 +119,24 @@ class VerifyWidthPolicy:
             q = self._cost[rows] = deque(maxlen=self._samples)
             bisect.insort(self._rows, rows)
         q.append(float(seconds))
+        self._last_verify_s = float(seconds)
+
+    def observe_round(self, batch_size: int, period_s: float) -> None:
+        """The drafting round whose verify was observed last took ``period_s`` from its start to the
+        next round's start: the part outside its verify is the round's width-independent cost."""
+        if self._last_verify_s is None:
+            return
+        q = self._rest.setdefault(batch_bucket(batch_size), deque(maxlen=self._samples))
+        q.append(max(0.0, float(period_s) - self._last_verify_s))
+        self._last_verify_s = None
+
+    def rest(self, batch_size: int) -> float:
+        """Median seconds of a drafting round outside its verify at the nearest measured batch
+        bucket (0 before any round)."""
+        if not self._rest:
+            return 0.0
+        b = batch_bucket(batch_size)
+        return median(self._rest[min(self._rest, key=lambda k: (abs(k - b), k))])
 
     def measured(self, rows: int) -> Optional[float]:
         q = self._cost.get(int(rows))
@@ -150,11 +173,11 @@ class VerifyWidthPolicy:
         n drafts are verified (n = 0 .. max_verify_width - 1; the hybrid re-picks each request's chain for
         every n, so a chain whose value lies in a tail that would be cut does not win)."""
         bs = max(1, len(table))
-        best_w, best_v = self.max_verify_width, -1.0
+        best_w, best_v, rest = self.max_verify_width, -1.0, self.rest(bs)
         for w in range(self.min_verify_width, self.max_verify_width + 1):
             c = self.cost(bs * w)
             gain = sum(1.0 + row[min(w - 1, len(row) - 1)] for row in table) if table else float(bs)
-            v = gain if c is None else gain / max(c, 1e-9)
+            v = gain if c is None else gain / max(rest + c, 1e-9)
             if c is None:  # nothing measured yet: the widest round (the fixed-width behaviour)
                 v = w
             if v > best_v + 1e-12:
@@ -182,9 +205,12 @@ class DraftGate:
     the kind not chosen is probed every ``probe_every`` rounds while off, every ``2 * probe_every``
     (``8 *`` while drafting is more than twice as fast) while on, so a change of load or of
     acceptance is seen. Pure Python; the sglang worker uses it beside the verify width policy
-    (where a verify row is not free: a CPU)."""
+    (where a verify row is not free: a CPU), which it tells the period of every drafting round
+    (``VerifyWidthPolicy.observe_round``: the draft's cost inside the width choice)."""
 
-    def __init__(self, warmup: int = 16, probe_every: int = 32, samples: int = 64, margin: float = 0.9):
+    def __init__(self, warmup: int = 16, probe_every: int = 32, samples: int = 64, margin: float = 0.9,
+                 width_policy: Optional[VerifyWidthPolicy] = None):
+        self.width_policy = width_policy
         self.warmup, self.probe_every, self.margin = int(warmup), int(probe_every), float(margin)
         self._rounds: Dict[bool, Dict[int, deque]] = {True: {}, False: {}}  # drafted -> bs -> (s, committed)
         self._samples = int(samples)
@@ -194,6 +220,8 @@ class DraftGate:
     def observe(self, batch_size: int, drafted: bool, seconds: float, committed_per_request: float) -> None:
         q = self._rounds[bool(drafted)].setdefault(batch_bucket(batch_size), deque(maxlen=self._samples))
         q.append((float(seconds), float(committed_per_request)))
+        if drafted and self.width_policy is not None:
+            self.width_policy.observe_round(batch_size, seconds)
 
     def _rate(self, drafted: bool, batch_size: int) -> Optional[float]:
         """Committed tokens per request per second of this kind of round at the nearest batch size."""
