@@ -78,6 +78,9 @@ def test_acceptance_end_to_end_greedy_lossless(tiny_ckpt, tiny_drafter, workload
     assert len(r["per_position_accept"]) == K and 1.0 <= r["tau"] <= K + 1
     assert set(r["tau_by_context"]) >= {"0-1k", "1-2k", "2-4k", "4-8k"} and r["tau_by_context"]["0-1k"] is not None
     assert r["rounds"] == r["rounds_by_context"]["0-1k"] > 0
+    # 16 new tokens: every round starts in the first 64 output positions; the later buckets are empty
+    assert r["rounds_by_output_position"]["0-63"] == r["rounds"] and r["tau_by_output_position"]["0-63"] == r["tau"]
+    assert r["tau_by_output_position"]["64-127"] is None and r["rounds_by_output_position"]["1024+"] == 0
     assert r["spec_tokens_per_s"] > 0 and r["ar_tokens_per_s"] > 0 and r["generated_tokens"] > 0
     assert r["reused_prefix_tokens"] > 0  # the session reused the KV of earlier turns
     line = capsys.readouterr().out.strip().splitlines()[-1]

@@ -38,6 +38,9 @@ from ..speculation.tau import TAU_DEFINITION, committed_per_round, tau
 from .render import count_turns, render_turns
 
 CONTEXT_BUCKETS = (("0-1k", 0, 1024), ("1-2k", 1024, 2048), ("2-4k", 2048, 4096), ("4-8k", 4096, 8192))
+# how far into its answer a round starts (output tokens committed before it): does acceptance decay?
+OUTPUT_POSITION_BUCKETS = (("0-63", 0, 64), ("64-127", 64, 128), ("128-255", 128, 256), ("256-511", 256, 512),
+                           ("512-1023", 512, 1024), ("1024+", 1024, 1 << 62))
 MAX_MISMATCH_DETAILS = 20
 
 
@@ -152,6 +155,11 @@ class _Round(NamedTuple):
     drafted: int
     draft_ms: float
     verify_ms: float
+    output_position: int = 0  # output tokens of its turn committed before the round
+
+
+def output_position_bucket(position: int) -> str:
+    return next(name for name, lo, hi in OUTPUT_POSITION_BUCKETS if lo <= position < hi)
 
 
 def _group(rounds: list, key, first=()) -> dict:
@@ -196,7 +204,8 @@ class ReplayStats:
         # accepted + 1 per round, the tokens past the turn's EOS / limit not counted (speculation/tau.py)
         committed = committed_per_round([r.accepted for r in res.rounds], len(res.output_ids))
         self.rounds += [_Round(int(r.context_len), int(r.accepted), k, getattr(r, "source", None),
-                               getattr(r, "predicted", None), len(r.draft_tokens), r.draft_ms, r.verify_ms)
+                               getattr(r, "predicted", None), len(r.draft_tokens), r.draft_ms, r.verify_ms,
+                               int(r.context_len) - int(res.prompt_len))
                         for r, k in zip(res.rounds, committed)]
 
     def compare(self, turn, spec, ar, target) -> bool:
@@ -222,6 +231,8 @@ class ReplayStats:
     def to_dict(self) -> dict:
         K, rs, n = self.num_drafts, self.rounds, len(self.rounds)
         by_ctx = _group(rs, lambda r: bucket_of(r.context_len), [name for name, _, _ in CONTEXT_BUCKETS])
+        by_pos = _group(rs, lambda r: output_position_bucket(r.output_position),
+                        [name for name, _, _ in OUTPUT_POSITION_BUCKETS])
         sources = _group([r for r in rs if r.source is not None], lambda r: r.source)
         by_src = {s: _source_stats(g, n) for s, g in sources.items()}
         reach = [sum(1 for r in rs if r.accepted >= i) for i in range(K + 1)]  # rounds accepting >= i drafts
@@ -231,6 +242,8 @@ class ReplayStats:
             "tau_definition": TAU_DEFINITION,
             "tau_by_context": {b: _tau(g) for b, g in by_ctx.items()},
             "rounds_by_context": {b: len(g) for b, g in by_ctx.items()},
+            "tau_by_output_position": {b: _tau(g) for b, g in by_pos.items()},
+            "rounds_by_output_position": {b: len(g) for b, g in by_pos.items()},
             "per_position_accept": [reach[i] / n if n else None for i in range(1, K + 1)],
             "per_position_accept_conditional": [reach[i] / reach[i - 1] if reach[i - 1] else None
                                                 for i in range(1, K + 1)],
