@@ -11,7 +11,8 @@ Reads whatever exists (any subset is fine):
 Writes: tau per drafter x workload; tau per context bucket (all workloads pooled, rounds-weighted)
 and per workload; per-position acceptance; end-to-end tokens/s vs autoregressive; draft ms and
 drafter memory vs context; the commands that produced each file. Plots (bench/plots/):
-tau_vs_context.png, draft_ms_vs_context.png, speedup_per_workload.png, e2e_speedup.png.
+tau_vs_context.png, tau_vs_output_position.png, draft_ms_vs_context.png, speedup_per_workload.png,
+e2e_speedup.png.
 """
 
 from __future__ import annotations
@@ -368,6 +369,33 @@ def plot_e2e(results, plots: Path, plt) -> list:
     return ["e2e_speedup.png"]
 
 
+def plot_output_position(ref, plots: Path, plt) -> list:
+    """tau vs how far into its answer a round starts (``tau_by_output_position``), per drafter, all
+    workloads pooled (rounds-weighted): does acceptance decay over a long answer?"""
+    series = {}
+    for k, r in ref.items():
+        for b, t in (r.get("tau_by_output_position") or {}).items():
+            n = (r.get("rounds_by_output_position") or {}).get(b, 0)
+            if t is not None and n:
+                acc = series.setdefault(k[1], {}).setdefault(b, [0.0, 0])
+                acc[0] += t * n
+                acc[1] += n
+    if not series:
+        return []
+    order = ["0-63", "64-127", "128-255", "256-511", "512-1023", "1024+"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for i, d in enumerate(sorted(series, key=drafter_key)):
+        xs = [b for b in order if b in series[d]]
+        label = display_name(d)
+        ax.plot([order.index(b) for b in xs], [series[d][b][0] / series[d][b][1] for b in xs], label=label,
+                **series_style(label, i))
+    ax.set_xticks(range(len(order)))
+    ax.set_xticklabels(order)
+    _finish(fig, ax, plt, plots / "tau_vs_output_position.png", "output tokens committed before the round",
+            "acceptance length tau", "tau vs position in the answer (all workloads pooled)")
+    return ["tau_vs_output_position.png"]
+
+
 def plot_all(acc, dc, plots: Path, e2e=None) -> list:
     try:
         import matplotlib
@@ -419,6 +447,7 @@ def plot_all(acc, dc, plots: Path, e2e=None) -> list:
         fig.savefig(plots / "speedup_per_workload.png", dpi=110)
         plt.close(fig)
         made.append("speedup_per_workload.png")
+        made += plot_output_position(ref, plots, plt)
     if dc:
         plot_draft_cost(dc, plots / "draft_ms_vs_context.png")
         made.append("draft_ms_vs_context.png")

@@ -377,7 +377,8 @@ def test_acceptance_harness_runs_baselines_and_report_renders(tmp_path):
     assert "| dlite | 1 | 15.0 (14.0-16.0) | 12.0 (11.0-13.0) | 1.25x | 1.5 | 7/8 | 1 | 0 |" in md
     assert "nospec@4 vs nospec@1: 1 of the requests differ, 1 of them at bf16 precision ties" in md
     assert sorted(os.listdir(tmp_path / "plots")) == ["draft_ms_vs_context.png", "e2e_speedup.png",
-                                                      "speedup_per_workload.png", "tau_vs_context.png"]
+                                                      "speedup_per_workload.png", "tau_vs_context.png",
+                                                      "tau_vs_output_position.png"]
 
 
 @pytest.mark.parametrize("name", KV_NAMES)
