@@ -356,3 +356,26 @@ def test_sampled_engine_rounds_with_trees_run(tiny_target):
     eng = ReferenceEngine(tiny_target, drafter, [EOS])
     res = eng.generate(prompt_of(random.Random(8), V), 30, temperature=0.8, seed=0)
     assert res.rounds and all(0 <= t < V for t in res.output_ids)
+
+
+def test_lookup_continuations_count_every_earlier_continuation():
+    """``SuffixIndex.continuations`` at the match: the continuations of the matched suffix and
+    their counts, as a brute-force scan of the tokens finds them, most frequent first."""
+    from collections import Counter
+
+    from sglang_dlite.lookup.suffix import SuffixIndex
+
+    rng = random.Random(9)
+    for _ in range(50):
+        toks = [rng.randrange(4) for _ in range(rng.randrange(5, 60))]
+        idx = SuffixIndex(toks, max_match=6)
+        v, m = idx.match()
+        got = idx.continuations(v, m, 10)
+        if v == 0:
+            assert got == []
+            continue
+        s = toks[len(toks) - m:]
+        nxt = Counter(toks[e + 1] for e in range(m - 1, len(toks) - 1) if toks[e - m + 1:e + 1] == s)
+        assert {st.token: st.count for st, _ in got} == dict(nxt)
+        assert all(st.total == sum(nxt.values()) and st.match_len == m for st, _ in got)
+        assert [st.count for st, _ in got] == sorted(nxt.values(), reverse=True)
