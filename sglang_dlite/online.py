@@ -25,6 +25,14 @@ the target's frozen tensors are shared, not copied); a watchdog compares, on the
 adapted chain's acceptance with the shipped drafter's and reverts to the shipped weights when a
 window of rounds says the adapted one is worse; the buffer is bounded; a seed makes every update
 deterministic (``max_update_ms`` is then the one source of run-to-run variation: off by default).
+
+Measured (reference engine, SmolLM2-135M + the shipped drafter, greedy, CPU; ``bench/acceptance.py``,
+first 2 conversations at 128 new tokens; tau static -> adaptive): agent-stdlib 1.535 -> 1.912 with
+``last`` (1.744 with ``head``, 1.965 with ``last`` at server scope), bfcl-multiturn 1.628 -> 2.263;
+agent-stdlib's first conversation at 512 new tokens 1.573 -> 2.901. Hybrid: agent-stdlib 2.860 ->
+2.871, bfcl-multiturn 2.768 -> 2.688 (its chooser is calibrated on the shipped drafter's
+confidences). Hence the defaults: ``last``, per session. The learning costs about half a verify per
+round on this CPU (updates + the watchdog's shadow draft); all runs lossless.
 """
 
 from __future__ import annotations
