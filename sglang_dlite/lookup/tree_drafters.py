@@ -21,7 +21,7 @@ q (``speculation.tree``): lossless at any temperature.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Optional
 
 import torch
 
