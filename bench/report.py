@@ -371,24 +371,21 @@ def plot_e2e(results, plots: Path, plt) -> list:
 
 def plot_output_position(ref, plots: Path, plt) -> list:
     """tau vs how far into its answer a round starts (``tau_by_output_position``), per drafter, all
-    workloads pooled (rounds-weighted): does acceptance decay over a long answer?"""
+    workloads pooled (``speculation.tau.pool_tau``): does acceptance decay over a long answer?"""
     series = {}
     for k, r in ref.items():
         for b, t in (r.get("tau_by_output_position") or {}).items():
-            n = (r.get("rounds_by_output_position") or {}).get(b, 0)
-            if t is not None and n:
-                acc = series.setdefault(k[1], {}).setdefault(b, [0.0, 0])
-                acc[0] += t * n
-                acc[1] += n
-    if not series:
+            series.setdefault(k[1], {}).setdefault(b, []).append((t, (r.get("rounds_by_output_position") or {}).get(b, 0)))
+    pooled = {d: {b: pool_tau(ps) for b, ps in by.items()} for d, by in series.items()}
+    pooled = {d: {b: t for b, t in by.items() if t is not None} for d, by in pooled.items()}
+    if not any(pooled.values()):
         return []
     order = ["0-63", "64-127", "128-255", "256-511", "512-1023", "1024+"]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for i, d in enumerate(sorted(series, key=drafter_key)):
-        xs = [b for b in order if b in series[d]]
+    for i, d in enumerate(sorted(pooled, key=drafter_key)):
+        xs = [b for b in order if b in pooled[d]]
         label = display_name(d)
-        ax.plot([order.index(b) for b in xs], [series[d][b][0] / series[d][b][1] for b in xs], label=label,
-                **series_style(label, i))
+        ax.plot([order.index(b) for b in xs], [pooled[d][b] for b in xs], label=label, **series_style(label, i))
     ax.set_xticks(range(len(order)))
     ax.set_xticklabels(order)
     _finish(fig, ax, plt, plots / "tau_vs_output_position.png", "output tokens committed before the round",
