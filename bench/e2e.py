@@ -172,6 +172,18 @@ async def _run_level(engine, reqs, conc, sp):
     return outs, lat, time.perf_counter() - t0, ttft, itl
 
 
+def flush_until_done(engine, tries: int = 50) -> None:
+    """Flush the radix cache, retrying while the scheduler still holds a request (it refuses to flush
+    then: right after a level's last streamed chunk it may not have retired that request yet; an
+    unchecked flush left some levels warm and others cold)."""
+    for _ in range(tries):
+        out = engine.flush_cache()
+        if getattr(out, "success", out) is not False:
+            return
+        time.sleep(0.1)
+    raise SystemExit("the engine refused to flush its cache for 5 s: a request is still running")
+
+
 def percentile(xs, q):
     """The q-th percentile (nearest rank) of xs; None for no values."""
     if not xs:
@@ -250,7 +262,7 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     try:
         e.generate(input_ids=reqs[0][:32], sampling_params={"temperature": 0.0, "max_new_tokens": 4})  # warm-up
         for c in levels:
-            e.flush_cache()  # every level starts cold: same prefix-cache behaviour for both modes
+            flush_until_done(e)  # every level starts cold: same prefix-cache behaviour for every mode
             mark = os.path.getsize(trace) if os.path.exists(trace) else 0
             rmark = os.path.getsize(round_log) if os.path.exists(round_log) else 0
             outs, lat, wall, ttft, itl = e.loop.run_until_complete(_run_level(e, reqs, c, sp))
