@@ -148,19 +148,26 @@ def _sample_two_tokens(tree_of, p_of, n, seed=0):
     return counts / n
 
 
-def test_sampled_tree_keeps_the_target_distribution():
-    """The target's law depends on the whole prefix (a table keyed by the committed tokens); trees
-    with two and three siblings per node, chosen to cover likely and unlikely tokens. The joint law
-    of the first two committed tokens must be the target's, and a broken rule (accepting each child
-    with p(c) instead of the residual) must fail the same tolerance."""
-    V = 4
-    g = torch.Generator().manual_seed(3)
+def _prefix_law(V, seed):
+    """A target law that depends on the last two committed tokens: a random table, filled on use."""
+    g = torch.Generator().manual_seed(seed)
     table = {}
 
     def p_of(prefix):
         if prefix[-2:] not in table:
             table[prefix[-2:]] = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
         return table[prefix[-2:]]
+
+    return p_of
+
+
+def test_sampled_tree_keeps_the_target_distribution():
+    """The target's law depends on the whole prefix (a table keyed by the committed tokens); trees
+    with two and three siblings per node, chosen to cover likely and unlikely tokens. The joint law
+    of the first two committed tokens must be the target's, and a broken rule (accepting each child
+    with p(c) instead of the residual) must fail the same tolerance."""
+    V = 4
+    p_of = _prefix_law(V, seed=3)
 
     def tree_of(done):
         return DraftTree((0, 1, 2, 3, 0, 2, 1), (-1, 0, 0, 0, 1, 1, 2))
@@ -188,13 +195,7 @@ def test_tree_sampling_tolerance_catches_a_broken_rule(monkeypatch):
 
     monkeypatch.setattr(T, "tree_rejection_sample", broken)
     V = 4
-    g = torch.Generator().manual_seed(3)
-    table = {}
-
-    def p_of(prefix):
-        if prefix[-2:] not in table:
-            table[prefix[-2:]] = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
-        return table[prefix[-2:]]
+    p_of = _prefix_law(V, seed=3)
 
     emp = _sample_two_tokens(lambda done: DraftTree((0, 1, 2, 3, 0, 2, 1), (-1, 0, 0, 0, 1, 1, 2)), p_of, 12000)
     want = torch.stack([p_of(())[a] * p_of((a,)) for a in range(V)])

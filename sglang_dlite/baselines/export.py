@@ -14,6 +14,7 @@ that record alone, so what it says is what the record holds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -102,17 +103,26 @@ def export(name: str, src: str, dst: str, data_dir: Optional[str] = None, accept
         raise DLiteConfigError(f"export ships KV baselines ({', '.join(KV_BASELINES)}), not {name!r}.")
     rec = baseline_record(name, src, data_dir, list(acceptance))
     model = model_class(name).from_pretrained(src)
-    tmp = dst.rstrip("/") + ".partial"  # staged beside dst, then swapped in (as training/recipe.export)
+    with staged_folder(dst) as tmp:
+        model.save_pretrained(tmp, dtype=torch.bfloat16)
+        write_training_json(tmp, rec)
+        with open(os.path.join(tmp, "README.md"), "w") as f:
+            f.write(render_card(name, model.config.to_dict(), rec))
+    return dst
+
+
+@contextlib.contextmanager
+def staged_folder(dst: str):
+    """A fresh folder beside ``dst`` to write a checkpoint into, swapped in for ``dst`` when the block
+    ends without an error (as training/recipe.export): a failed export never leaves half a folder."""
+    tmp = dst.rstrip("/") + ".partial"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, dtype=torch.bfloat16)
-    write_training_json(tmp, rec)
-    with open(os.path.join(tmp, "README.md"), "w") as f:
-        f.write(render_card(name, model.config.to_dict(), rec))
+    os.makedirs(tmp)
+    yield tmp
     if os.path.isdir(dst):
         shutil.rmtree(dst)
     os.replace(tmp, dst)
-    return dst
 
 
 def main(argv=None) -> int:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 from typing import Optional
 
 import torch
@@ -39,6 +38,7 @@ from safetensors.torch import save_file
 from ..errors import DLiteConfigError
 from ..target import resolve_target
 from .eagle3 import Eagle3Drafter
+from .export import staged_folder
 from .registry import shipped_checkpoint
 
 KEY_MAP = {
@@ -110,17 +110,11 @@ def export_sglang_eagle3(src: Optional[str], dst: str, target: Optional[str] = N
     missing = sorted(set(KEY_MAP) - set(state))
     if missing:
         raise DLiteConfigError(f"{src!r} lacks EAGLE-3 weights {missing}: not a complete EAGLE-3 baseline.")
-    tmp = dst.rstrip("/") + ".partial"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    save_file({KEY_MAP[k]: v.to(dtype).contiguous() for k, v in state.items()},
-              os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(sglang_eagle3_config(cfg, target_config), f, indent=2)
-    if os.path.isdir(dst):
-        shutil.rmtree(dst)
-    os.replace(tmp, dst)
+    with staged_folder(dst) as tmp:
+        save_file({KEY_MAP[k]: v.to(dtype).contiguous() for k, v in state.items()},
+                  os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(sglang_eagle3_config(cfg, target_config), f, indent=2)
     return dst
 
 
