@@ -135,8 +135,7 @@ class VerifyWidthPolicy:
         bucket (0 before any round)."""
         if not self._rest:
             return 0.0
-        b = batch_bucket(batch_size)
-        return median(self._rest[min(self._rest, key=lambda k: (abs(k - b), k))])
+        return median(self._rest[nearest_bucket(self._rest, batch_size)])
 
     def measured(self, rows: int) -> Optional[float]:
         q = self._cost.get(int(rows))
@@ -191,6 +190,13 @@ def batch_bucket(batch_size: int) -> int:
     return 1 << max(int(batch_size) - 1, 0).bit_length()
 
 
+def nearest_bucket(measured, batch_size: int) -> int:
+    """The measured bucket (a key of ``measured``) nearest to ``batch_size``'s bucket, the smaller on
+    a tie: what stands in for a batch size not measured yet."""
+    b = batch_bucket(batch_size)
+    return min(measured, key=lambda k: (abs(k - b), k))
+
+
 class DraftGate:
     """Whether drafting pays at a batch size: the committed tokens per second of a drafting round
     (draft + verify time, its mean committed tokens per request, both measured) against a round
@@ -228,7 +234,7 @@ class DraftGate:
         series = self._rounds[drafted]
         if not series:
             return None
-        q = series[min(series, key=lambda b: (abs(b - batch_size), b))]
+        q = series[nearest_bucket(series, batch_size)]
         return sum(c for _, c in q) / len(q) / max(median(s for s, _ in q), 1e-9)
 
     def should_draft(self, batch_size: int) -> bool:

@@ -27,8 +27,6 @@ class TorchNativeMultiStepDraftBackend:
     """``speculative_num_steps - 1`` torch_native backends, one per draft decode step."""
 
     def __init__(self, model_runner, topk: int, speculative_num_steps: int):
-        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-
         if topk != 1:
             raise NotImplementedError(
                 "sglang's EAGLE draft on the CPU torch_native backend (sglang-dlite's stand-in) drafts "
@@ -36,7 +34,6 @@ class TorchNativeMultiStepDraftBackend:
                 "CPU build (--attention-backend intel_amx).")
         self.topk, self.speculative_num_steps = topk, speculative_num_steps
         self.attn_backends = [_DraftStepBackend(model_runner, step) for step in range(speculative_num_steps - 1)]
-        assert all(isinstance(b, TorchNativeAttnBackend) for b in self.attn_backends)
 
     def init_forward_metadata(self, forward_batch) -> None:
         for backend in self.attn_backends:
