@@ -1,6 +1,7 @@
 """Tensor parallelism for the DLITE worker: the target's vocabulary-sharded embedding / LM head
 gathered once into full copies (padding stripped, checked against the sharded embedding), and
-per-round tensors made identical on every TP rank (broadcast from rank 0, optionally checked)."""
+per-round tensors made identical on every TP rank (broadcast from rank 0, optionally checked); the
+target's embedding / LM head found on an sglang model, and what the drafter costs in memory per rank."""
 
 from __future__ import annotations
 
@@ -64,3 +65,28 @@ def same_on_all_ranks(group, t: torch.Tensor, what: str, *, sync: bool, check: b
     if sync:
         group.broadcast(t, src=0)
     return t
+
+
+def target_parts(model):
+    """(embedding weight, LM head weight) of an sglang causal LM."""
+    inner = getattr(model, "model", model)
+    embed = getattr(inner, "embed_tokens", None)
+    if embed is None or not hasattr(embed, "weight"):
+        raise DLiteConfigError(f"DLITE: {type(model).__name__} exposes no model.embed_tokens.weight.")
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is None or not hasattr(lm_head, "weight"):
+        raise DLiteConfigError(f"DLITE: {type(model).__name__} exposes no lm_head.weight.")
+    return embed.weight, lm_head.weight
+
+
+def drafter_memory(drafter, group, target_weights, embed_full: torch.Tensor, head_full: torch.Tensor) -> dict:
+    """MiB this rank spends on the drafter: its own weights (the target's tensors it shares not
+    counted) and, under TP (``group`` not None), the gathered full embedding / LM head copies."""
+    mib = 2 ** 20
+    shared = {w.data_ptr() for w in (*target_weights, embed_full, head_full)}
+    own = sum(t.numel() * t.element_size() for t in list(drafter.parameters()) + list(drafter.buffers())
+              if t.data_ptr() not in shared)
+    copies = 0 if group is None else embed_full.numel() * embed_full.element_size() * (
+        1 if head_full is embed_full else 2)
+    return {"tp_rank": 0 if group is None else int(group.rank_in_group), "drafter_weights_mib": round(own / mib, 1),
+            "gathered_vocab_copies_mib": round(copies / mib, 1)}

@@ -55,21 +55,10 @@ from .cuda_graphs import DrafterCudaGraphs
 from .info import DLiteDraftInput, DLiteVerifyInput, pack_context, unpack_context
 from .load_policy import LoadPolicy
 from .options import ENV_DRAFTER_DTYPE, ServingOptions, drafter_dtype
-from .tensor_parallel import check_gathered_embedding, gather_vocab_rows, same_on_all_ranks, tp_group
+from .tensor_parallel import (check_gathered_embedding, drafter_memory, gather_vocab_rows, same_on_all_ranks,
+                              target_parts, tp_group)
 
 logger = logging.getLogger(__name__)
-
-
-def _target_parts(model):
-    """(embedding weight, LM head weight) of an sglang causal LM."""
-    inner = getattr(model, "model", model)
-    embed = getattr(inner, "embed_tokens", None)
-    if embed is None or not hasattr(embed, "weight"):
-        raise DLiteConfigError(f"DLITE: {type(model).__name__} exposes no model.embed_tokens.weight.")
-    lm_head = getattr(model, "lm_head", None)
-    if lm_head is None or not hasattr(lm_head, "weight"):
-        raise DLiteConfigError(f"DLITE: {type(model).__name__} exposes no lm_head.weight.")
-    return embed.weight, lm_head.weight
 
 
 class DLiteWorker(BaseSpecWorker):
@@ -127,7 +116,7 @@ class DLiteWorker(BaseSpecWorker):
         Under tensor parallelism both are vocabulary-sharded: every rank gathers a full copy once
         (padding stripped), so drafting needs no collective; the copy is that rank's extra memory."""
         model = self.model_runner.model
-        embed_w, head_w = _target_parts(model)
+        embed_w, head_w = target_parts(model)
         V = drafter.config.vocab_size
         self._tp = tp_group(self.model_runner)
         self.tp_rank = 0 if self._tp is None else int(self._tp.rank_in_group)
@@ -138,15 +127,10 @@ class DLiteWorker(BaseSpecWorker):
         drafter.bind_target(embed_full, head_full)
         self._tp_sync = self._tp is not None and self.options.tp_sync
         self._tp_check = self._tp is not None and self.options.tp_check
-        mib = 2 ** 20
-        own = sum(t.numel() * t.element_size() for t in list(drafter.parameters()) + list(drafter.buffers())
-                  if t.data_ptr() not in {w.data_ptr() for w in (embed_w, head_w, embed_full, head_full)})
-        copies = 0 if self._tp is None else embed_full.numel() * embed_full.element_size() * (
-            1 if head_full is embed_full else 2)
-        self.drafter_memory = {"tp_rank": self.tp_rank, "drafter_weights_mib": round(own / mib, 1),
-                               "gathered_vocab_copies_mib": round(copies / mib, 1)}
+        self.drafter_memory = drafter_memory(drafter, self._tp, (embed_w, head_w), embed_full, head_full)
         logger.info("DLITE drafter memory on TP rank %d: %.1f MiB weights (replicated) + %.1f MiB gathered "
-                    "target embedding/LM head", self.tp_rank, own / mib, copies / mib)
+                    "target embedding/LM head", self.tp_rank, self.drafter_memory["drafter_weights_mib"],
+                    self.drafter_memory["gathered_vocab_copies_mib"])
 
     def _set_round_shape(self, cfg, W: int) -> None:
         """Tokens verified per round, at most (anchor + the first W-1 drafts of the chain):
