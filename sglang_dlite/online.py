@@ -20,7 +20,8 @@ Parameter sets (``PARAM_SETS``): ``norm`` (the final norm's gain), ``head`` (the
 head + final norm), ``last`` (the last backbone layer + head + final norm). Scopes: ``session``
 (state in the engine session's ``drafter_state``: starts from the shipped weights with each
 conversation, freed with it) and ``server`` (one shared state, decayed back towards the shipped
-weights after every update). Rails: the shipped model is never written (a deep copy is trained;
+weights after every update; the sglang worker's setting ``online``, ``sglang_plugin/online_serving.py``,
+feeds it whole batches through ``learn_round``). Rails: the shipped model is never written (a deep copy is trained;
 the target's frozen tensors are shared, not copied); a watchdog compares, on the same rounds, the
 adapted chain's acceptance with the shipped drafter's and reverts to the shipped weights when a
 window of rounds says the adapted one is worse; the buffer is bounded; a seed makes every update
@@ -96,20 +97,60 @@ class OnlineConfig:
     @classmethod
     def parse(cls, text: str) -> "OnlineConfig":
         """``key=value`` pairs separated by commas (empty: the defaults)."""
-        types = {f.name: f.type for f in fields(cls)}
+        return cls.from_mapping(cls.spec_items(text))
+
+    @classmethod
+    def spec_items(cls, text: str) -> dict:
+        """A spec's ``key=value`` pairs, values as written (``from_mapping`` types them)."""
         kw = {}
         for item in filter(None, (s.strip() for s in text.split(","))):
             key, eq, value = item.partition("=")
-            key = key.strip().replace("-", "_")
-            if not eq or key not in types:
-                raise DLiteInputError(f"online option {item!r}: expected key=value with key one of {', '.join(types)}.")
-            kind = types[key]
+            if not eq:
+                raise DLiteInputError(f"online option {item!r}: expected key=value with key one of "
+                                      f"{', '.join(f.name for f in fields(cls))}.")
+            kw[key.strip()] = value
+        return kw
+
+    def to_spec(self) -> str:
+        """The spec ``parse`` reads back into this config (the settings that differ from the defaults)."""
+        default = OnlineConfig()
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                        if getattr(self, f.name) != getattr(default, f.name))
+
+    @classmethod
+    def from_mapping(cls, kw: dict, where: str = "online option {key}={value!r}") -> "OnlineConfig":
+        """The settings of ``kw`` (names with ``-`` or ``_``; values typed, or strings as ``parse``
+        reads them); an unknown key or a value of the wrong type raises a message built from ``where``."""
+        types = {f.name: f.type for f in fields(cls)}
+        out = {}
+        for key, value in kw.items():
+            name = str(key).strip().replace("-", "_")
+            msg = where.format(key=key, value=value)
+            if name not in types:
+                raise DLiteInputError(f"{msg}: unknown; the keys are {', '.join(types)}.")
             try:
-                kw[key] = (value if "str" in kind else int(value) if kind == "int"
-                           else None if value.lower() == "none" else float(value))
-            except ValueError:
-                raise DLiteInputError(f"online option {item!r}: {value!r} is not a {kind}.") from None
-        return cls(**kw)
+                out[name] = _typed(value, types[name])
+            except (TypeError, ValueError):
+                raise DLiteInputError(f"{msg}: {value!r} is not a {types[name]}.") from None
+        return cls(**out)
+
+
+def _typed(value, kind: str):
+    """``value`` (a string from a spec, or a JSON value) as a field of type ``kind``."""
+    if isinstance(value, str):
+        value = value.strip()
+        if "str" in kind:
+            return value
+        if "Optional" in kind and value.lower() == "none":
+            return None
+        return int(value) if kind == "int" else float(value)
+    if value is None and "Optional" in kind:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or "str" in kind:
+        raise TypeError(kind)
+    if kind == "int" and value != int(value):
+        raise ValueError(kind)
+    return int(value) if kind == "int" else float(value)
 
 
 class Pair(NamedTuple):
@@ -132,7 +173,7 @@ class _State:
 
     def __init__(self, learner: "OnlineLearner"):
         self.values = {n: v.clone() for n, v in learner.shipped_values.items()}
-        self.optim = torch.optim.Adam(learner.trainable, lr=learner.cfg.lr)
+        self.optim = torch.optim.Adam(learner.masters, lr=learner.cfg.lr)
         self.buffer: deque = deque(maxlen=learner.cfg.buffer_size)
         self.window: deque = deque(maxlen=max(1, learner.cfg.watchdog_window))  # (adapted, shipped) accepted
         self.rounds_since_update = 0
@@ -156,6 +197,10 @@ def _working_copy(model: DLiteDrafter) -> DLiteDrafter:
     frozen = (model.embed_weight, model.lm_head_weight, model.draft_head_weight)
     memo = {id(t): t for t in frozen}
     memo.update({id(v): v for v in vars(model).values() if isinstance(v, torch.Tensor)})
+    for m in model.modules():  # ops.pack_cpu_linears' packed copies (opaque: not copyable): the copy repacks
+        for attr in ("_dlite_packed", "_dlite_packed_key"):
+            if getattr(m, attr, None) is not None:
+                memo[id(getattr(m, attr))] = None
     return copy.deepcopy(model, memo)
 
 
@@ -182,7 +227,10 @@ class OnlineLearner:
             p.requires_grad_(n in names)
         self.trainable = [params[n] for n in names]
         self.names = names
-        self.shipped_values = {n: params[n].detach().clone() for n in names}
+        # what the optimizer steps: the parameters themselves in float32, else float32 master copies
+        # (a bf16 drafter: Adam's small steps would round away), written back after every change
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float() for p in self.trainable]
+        self.shipped_values = {n: m.detach().clone() for n, m in zip(names, self.masters)}
         self.adapter = DLiteEngineDrafter(self.model)  # its context_inputs: the rows the drafter read
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.weights = position_weights(mc.block_size, cfg.gamma)
@@ -228,21 +276,29 @@ class OnlineLearner:
         """Load ``st``'s values into the working model (one request at a time shares it)."""
         if self._active is not None and self._active() is st:
             return
-        for p, n in zip(self.trainable, self.names):
-            p.copy_(st.values[n])
+        for m, n in zip(self.masters, self.names):
+            m.copy_(st.values[n])
+        self._sync_masters()
         self._active = weakref.ref(st)
 
     @torch.no_grad()
+    def _sync_masters(self) -> None:
+        """The float32 masters' values into the drafter's own (lower-precision) parameters."""
+        for p, m in zip(self.trainable, self.masters):
+            if m is not p:
+                p.copy_(m)
+
+    @torch.no_grad()
     def _save(self, st: _State) -> None:
-        for p, n in zip(self.trainable, self.names):
-            st.values[n].copy_(p)
+        for m, n in zip(self.masters, self.names):
+            st.values[n].copy_(m)
 
     @torch.no_grad()
     def revert(self, st: _State) -> None:
         """Back to the shipped weights (fresh optimizer moments; the buffer is kept)."""
         for n, v in st.values.items():
             v.copy_(self.shipped_values[n])
-        st.optim = torch.optim.Adam(self.trainable, lr=self.cfg.lr)
+        st.optim = torch.optim.Adam(self.masters, lr=self.cfg.lr)
         st.window.clear()
         st.adapted = False
         self._active = None
@@ -263,46 +319,64 @@ class OnlineLearner:
         t0 = time.perf_counter()
         st = self.state_for(req)
         self._activate(st)
-        pair = self._pair(drafts, target_logits.detach(), accepted)
-        st.buffer.append(pair)
-        if st.adapted and self.cfg.watchdog_window:
-            self._watch(st, pair, drafts, target_logits.argmax(-1).tolist())
+        ctx, valid, anchor = self._pending
+        d = torch.tensor([drafts], dtype=torch.int64).view(1, len(drafts))
+        probs = torch.softmax(target_logits.detach()[None].float(), -1)
+        self.learn_round(st, ctx[None], valid[None], torch.tensor([anchor]), d, probs, [accepted])
+        self._pending = None
+        self.stats["observe_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def learn_round(self, st: _State, ctx, valid, anchors, drafts, probs, accepted: list) -> None:
+        """One verify round of B requests into ``st``: its pairs into the buffer, the watchdog's
+        comparison (once adapted), an update when one is due. ``ctx`` [B, L, C, H] and ``valid`` [B, C]
+        the rows the drafter read, ``anchors`` [B], ``drafts`` [B, n] the verified chain, ``probs``
+        [B, n + 1, V] the target's distribution at every verified row, ``accepted`` [B] ints."""
+        st.buffer.extend(self.make_pairs(ctx, valid, anchors, drafts, probs, accepted))
+        if st.adapted and self.cfg.watchdog_window and drafts.shape[1]:
+            self._watch(st, ctx, valid, anchors, drafts.tolist(), probs.argmax(-1).tolist())
         self.stats["rounds"] += 1
         st.rounds_since_update += 1
         if st.rounds_since_update >= self.cfg.update_every and len(st.buffer) >= self.cfg.min_pairs:
             self.update(st)
-        self._pending = None
-        self.stats["observe_ms"] += (time.perf_counter() - t0) * 1e3
-
-    def _pair(self, drafts: list, logits: torch.Tensor, accepted: int) -> Pair:
-        ctx, valid, anchor = self._pending
-        K, k = self.model.config.block_size, self.cfg.tv_topk
-        rows = min(len(drafts) + 1, K)  # verified rows the drafter has a position for
-        n_valid = min(accepted + 1, rows)
-        fb = torch.zeros(K, dtype=torch.int64)
-        fb[:min(len(drafts), K)] = torch.tensor(drafts[:K], dtype=torch.int64)
-        vi = self._vocab_index
-        probs = torch.softmax(logits[:rows].float(), -1).cpu()
-        top_p, top_i = probs.topk(min(k, probs.shape[-1]), -1)
-        labels = torch.full((K,), -1, dtype=torch.int64)
-        labels[:n_valid] = vi[probs[:n_valid].argmax(-1)]
-        top_idx = torch.full((K, top_i.shape[-1]), -1, dtype=torch.int64)
-        top_idx[:rows] = vi[top_i]
-        tp = torch.zeros(K, top_i.shape[-1])
-        tp[:rows] = top_p
-        return Pair(ctx, valid, anchor, fb, labels, top_idx, tp)
 
     @torch.no_grad()
-    def _watch(self, st: _State, pair: Pair, drafts: list, target_tokens: list) -> None:
-        """Score the adapted and the shipped chains on this round; revert on a losing window."""
+    def make_pairs(self, ctx, valid, anchors, drafts, probs, accepted: list) -> list:
+        """One ``Pair`` per request of a verify round (``learn_round``'s arguments)."""
+        K, k = self.model.config.block_size, self.cfg.tv_topk
+        B, n = drafts.shape
+        rows = min(n + 1, K)  # verified rows the drafter has a position for
+        vi = self._vocab_index
+        p = probs[:, :rows].float()
+        top_p, top_i = (t.cpu() for t in p.topk(min(k, p.shape[-1]), -1))
+        best = vi[p.argmax(-1).cpu()]  # [B, rows]
+        fb = torch.zeros(B, K, dtype=torch.int64)
+        fb[:, :min(n, K)] = drafts[:, :K].cpu()
+        out = []
+        for b in range(B):
+            n_valid = min(int(accepted[b]) + 1, rows)
+            labels = torch.full((K,), -1, dtype=torch.int64)
+            labels[:n_valid] = best[b, :n_valid]
+            top_idx = torch.full((K, top_i.shape[-1]), -1, dtype=torch.int64)
+            top_idx[:rows] = vi[top_i[b]]
+            tp = torch.zeros(K, top_i.shape[-1])
+            tp[:rows] = top_p[b]
+            out.append(Pair(ctx[b].detach().clone(), valid[b].clone(), int(anchors[b]), fb[b], labels, top_idx, tp))
+        return out
+
+    @torch.no_grad()
+    def _watch(self, st: _State, ctx, valid, anchors, drafts: list, target_tokens: list) -> None:
+        """Score the adapted and the shipped chains on this round's requests; revert on a losing
+        window. Where the verified drafts are the adapted chain, the shipped one is cut to their length."""
         t0 = time.perf_counter()
-        ctx, valid, anchor = pair.context[None], pair.valid[None], torch.tensor([pair.anchor], device=pair.context.device)
+        ctx, anchors = ctx.contiguous(), anchors.to(ctx.device, torch.int64)
         self.shipped.to(ctx.device)
-        shipped = self.shipped.propose(ctx, valid, anchor).tokens[0].tolist()
-        adapted = drafts if self.drafts_are_model else self.model.propose(ctx, valid, anchor).tokens[0].tolist()
-        st.window.append((chain_accepted(adapted, drafts, target_tokens), chain_accepted(shipped, drafts, target_tokens)))
+        shipped = self.shipped.propose(ctx, valid, anchors).tokens.tolist()
+        adapted = drafts if self.drafts_are_model else self.model.propose(ctx, valid, anchors).tokens.tolist()
+        for b, (d, t) in enumerate(zip(drafts, target_tokens)):
+            s_chain = shipped[b][:len(d)] if self.drafts_are_model else shipped[b]
+            st.window.append((chain_accepted(adapted[b], d, t), chain_accepted(s_chain, d, t)))
         self.stats["shadow_ms"] += (time.perf_counter() - t0) * 1e3
-        if len(st.window) == st.window.maxlen:
+        if len(st.window) >= st.window.maxlen:
             a = sum(x for x, _ in st.window) / len(st.window)
             s = sum(y for _, y in st.window) / len(st.window)
             if a < s - self.cfg.watchdog_margin:
@@ -349,16 +423,21 @@ class OnlineLearner:
             for _ in range(self.cfg.steps):
                 st.optim.zero_grad(set_to_none=True)
                 self.loss(self._batch(st)).backward()
-                torch.nn.utils.clip_grad_norm_(self.trainable, 1.0)
+                for p, m in zip(self.trainable, self.masters):
+                    if m is not p:
+                        m.grad, p.grad = p.grad.float(), None
+                torch.nn.utils.clip_grad_norm_(self.masters, 1.0)
                 st.optim.step()
+                self._sync_masters()
                 self.stats["steps"] += 1
                 if self.cfg.max_update_ms is not None and (time.perf_counter() - t0) * 1e3 > self.cfg.max_update_ms:
                     self.stats["budget_cut"] += 1
                     break
         if self.cfg.scope == "server" and self.cfg.decay:
             with torch.no_grad():
-                for p, n in zip(self.trainable, self.names):
-                    p.lerp_(self.shipped_values[n].to(p.device), self.cfg.decay)
+                for m, n in zip(self.masters, self.names):
+                    m.lerp_(self.shipped_values[n].to(m.device), self.cfg.decay)
+                self._sync_masters()
         self._save(st)
         st.adapted = True
         self.stats["updates"] += 1

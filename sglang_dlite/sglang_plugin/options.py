@@ -3,7 +3,7 @@
 Where they go: ``SGLANG_DLITE_CONFIG``, a path to a JSON file or the JSON itself, e.g.
 ``SGLANG_DLITE_CONFIG='{"max_batch_size": 48, "lookup": true}'``. Keys (``SETTINGS``, defaults in
 ``ServingOptions``): ``lookup``, ``verify_width``, ``drafter_dtype``, ``draft_cuda_graph``,
-``round_log``, ``max_batch_size``, ``soft_batch_size``, ``soft_num_drafts``
+``round_log``, ``max_batch_size``, ``soft_batch_size``, ``soft_num_drafts``, ``online``
 (sglang_plugin/README.md says what each does). An unknown key or a bad value stops the launch with
 a message. The per-setting variables of earlier releases (``SGLANG_DLITE_LOOKUP`` ...) still
 override one key each; debug switches (``SGLANG_DLITE_LOOKUP_TRACE``, ``SGLANG_DLITE_TP_SYNC``,
@@ -25,8 +25,9 @@ from typing import Mapping, Optional
 import torch
 
 from .. import ops
-from ..errors import DLiteConfigError
+from ..errors import DLiteConfigError, DLiteInputError
 from ..lookup.batch import ENV_LOOKUP, ENV_TRACE, lookup_enabled
+from ..online import OnlineConfig
 from ..speculation.verify_width import ENV_VERIFY_WIDTH, WIDTH_MODES, adaptive_width_wanted
 
 ENV_CONFIG = "SGLANG_DLITE_CONFIG"
@@ -47,6 +48,7 @@ class ServingOptions:
     max_batch_size: Optional[int] = None  # hard off-switch: a larger decode batch runs no drafter (load_policy.py)
     soft_batch_size: Optional[int] = None  # soft limit: a larger decode batch verifies at most soft_num_drafts
     soft_num_drafts: int = 2  # drafts per request per round above soft_batch_size
+    online: Optional[str] = None  # online learning (online_serving.py): the OnlineConfig spec, normalized; None: off
     lookup_trace: Optional[str] = None  # debug (SGLANG_DLITE_LOOKUP_TRACE): live indices + sources per round
     tp_sync: bool = True  # debug (SGLANG_DLITE_TP_SYNC=0): no broadcast of rank 0's drafts / accepts under TP
     tp_check: bool = False  # debug (SGLANG_DLITE_TP_CHECK=1): all-gather and compare them every round
@@ -82,12 +84,13 @@ class ServingOptions:
         return "hybrid (DLite + suffix lookup)" if self.lookup else "DLite alone (lookup: false)"
 
     def describe(self) -> str:
-        """The effective user settings, one line (logged once at start-up)."""
-        return json.dumps({k: v for k, v in asdict(self).items() if k in SETTINGS}, sort_keys=True)
+        """The effective user settings, one line (logged once at start-up; ``online`` only when on)."""
+        return json.dumps({k: v for k, v in asdict(self).items()
+                           if k in SETTINGS and (k != "online" or v is not None)}, sort_keys=True)
 
 
 SETTINGS = ("lookup", "verify_width", "drafter_dtype", "draft_cuda_graph", "round_log", "max_batch_size",
-            "soft_batch_size", "soft_num_drafts")
+            "soft_batch_size", "soft_num_drafts", "online")
 
 
 def read_config(text: Optional[str]) -> dict:
@@ -137,7 +140,7 @@ def _checked(o: ServingOptions) -> ServingOptions:
     dtype = str(o.drafter_dtype or "").strip().lower()
     if dtype and dtype not in (*_DTYPES, "target"):
         raise bad("drafter_dtype", f"use one of {', '.join(list(_DTYPES) + ['target'])}")
-    return replace(o, verify_width=width, drafter_dtype=dtype)
+    return replace(o, verify_width=width, drafter_dtype=dtype, online=online_setting(o.online))
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -154,3 +157,28 @@ def drafter_dtype(target_dtype: torch.dtype, device, options: Optional[ServingOp
         cpu = str(device).startswith("cpu")
         name = "float32" if cpu and target_dtype != torch.float32 and not ops.cpu_has_native_bf16() else "target"
     return target_dtype if name == "target" else _DTYPES[name]
+
+# the setting online's defaults where they differ from the reference engine's (OnlineConfig): one
+# adapter for the whole batch (per-session weights cannot batch), each update within a time budget
+ONLINE_DEFAULTS = {"scope": "server", "max_update_ms": 50.0}
+
+
+def online_setting(value) -> Optional[str]:
+    """The setting ``online`` -> the spec ``OnlineConfig.parse`` reads (None: off). Given as null or
+    false (off), true (the defaults), a spec string (``"params=head,lr=1e-3"``) or a JSON object of the
+    same fields; ``ONLINE_DEFAULTS`` fill what it leaves out; the scope must be server."""
+    if value is None or value is False:
+        return None
+    where = f"DLITE setting online ({ENV_CONFIG})"
+    if not isinstance(value, (bool, str, dict)):
+        raise DLiteConfigError(f"{where}: {value!r} must be a spec string such as \"params=head,lr=1e-3\", a "
+                               "JSON object of the same fields, true (the defaults), or null (off).")
+    try:
+        given = {} if value is True else OnlineConfig.spec_items(value) if isinstance(value, str) else value
+        cfg = OnlineConfig.from_mapping({**ONLINE_DEFAULTS, **given}, where + ": {key}={value!r}")
+    except (DLiteInputError, DLiteConfigError) as exc:
+        raise DLiteConfigError(str(exc) if str(exc).startswith(where) else f"{where}: {exc}") from None
+    if cfg.scope != "server":
+        raise DLiteConfigError(f"{where}: scope={cfg.scope!r}; serving learns at server scope only (one adapter "
+                               "for the whole batch: per-session weights cannot batch).")
+    return cfg.to_spec()

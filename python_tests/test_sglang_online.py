@@ -1,0 +1,227 @@
+"""Online learning in the sglang DLITE worker (issue 47; ``sglang_plugin/online_serving.py``, the
+setting ``online``): the serving learner on a tiny random-weight drafter fed synthetic verify rounds
+(it learns a planted stream, the time budget caps every update, errors disable it instead of
+raising, opted-out rows are skipped, a bf16 drafter trains float32 masters and its prepacked CPU
+weights follow), the setting's checks, and one real sglang engine on the CPU whose greedy output
+with learning on is the target's own."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import pytest
+import torch
+
+from conftest import tiny_dlite_config
+from sglang_dlite.errors import DLiteConfigError
+from sglang_dlite.model import DLiteDrafter
+from sglang_dlite.online import OnlineConfig
+from sglang_dlite.ops import cpu_linear
+from sglang_dlite.sglang_plugin.info import pack_context
+from sglang_dlite.sglang_plugin.online_serving import OnlineServing, _as_probs
+from sglang_dlite.sglang_plugin.options import SETTINGS, ServingOptions
+
+NEXT = {5: 9, 9: 13, 13: 5}  # the planted stream: the target continues 5 -> 9 -> 13 -> 5 ...
+
+
+def drafter(target, seed=0):
+    torch.manual_seed(seed)
+    return DLiteDrafter(tiny_dlite_config(target, head_input="token")).bind_hf_target(target).eval()
+
+
+def serving(model, drafts_are_model=True, **opts):
+    opts.setdefault("min_pairs", 1)  # every round may update
+    return OnlineServing(model, OnlineConfig(scope="server", **opts), drafts_are_model=drafts_are_model)
+
+
+def planted_round(srv, B=2, gen=None, V=None):
+    """One synthetic verify round on the planted stream: the working copy drafts, the "target" puts
+    its mass on the stream's next token at every verified row. Returns the observe arguments."""
+    m = srv.model
+    cfg = m.config
+    gen = gen or torch.Generator().manual_seed(0)
+    V = V or cfg.vocab_size
+    rows = torch.randn(B, cfg.num_context_positions, cfg.num_capture_layers * cfg.target_hidden_size, generator=gen)
+    state = pack_context(rows, torch.ones(B, cfg.num_context_positions, dtype=torch.bool))
+    anchors = torch.tensor([list(NEXT)[int(i)] for i in torch.randint(0, 3, (B,), generator=gen)])
+    ctx = rows.view(B, cfg.num_context_positions, cfg.num_capture_layers, -1).permute(0, 2, 1, 3)
+    with torch.no_grad():
+        drafts = m.propose(ctx.contiguous(), torch.ones(B, cfg.num_context_positions, dtype=torch.bool),
+                           anchors).tokens
+    block = torch.cat([anchors[:, None], drafts], 1)
+    target = torch.tensor([[NEXT.get(int(t), 5) for t in r] for r in block])  # row j: the token after block[:, j]
+    logits = torch.randn(B, block.shape[1], V, generator=gen)
+    logits.scatter_(-1, target[..., None], 12.0)
+    ok = (drafts == target[:, :-1]).int().cumprod(1)
+    return state, anchors, block, logits, ok.sum(1)
+
+
+def test_update_moves_the_drafter_towards_a_planted_stream(tiny_target):
+    shipped = drafter(tiny_target)
+    before = {k: v.clone() for k, v in shipped.state_dict().items()}
+    srv = serving(shipped, params="last", update_every=1, watchdog_window=0)
+    assert srv.model is not shipped and srv.model.embed_weight is shipped.embed_weight
+    gen = torch.Generator().manual_seed(1)
+    acc = []
+    for _ in range(80):
+        args = planted_round(srv, gen=gen)
+        acc.append(float(args[-1].float().mean()))
+        srv.observe(*args)
+    assert srv.enabled and srv.learner.stats["updates"] == 80
+    assert sum(acc[:2]) / 2 < 0.5 and sum(acc[-10:]) / 10 > 2.0, acc  # K = 4 drafts; random weights: ~0
+    assert all(torch.equal(v, shipped.state_dict()[k]) for k, v in before.items())  # the shipped drafter: never written
+    # decayed towards the shipped weights after every update: with decay 1 - 1e-9 nothing is kept
+    srv2 = serving(drafter(tiny_target), params="head", update_every=1, decay=1 - 1e-9, watchdog_window=0)
+    for _ in range(3):
+        srv2.observe(*planted_round(srv2, gen=gen))
+    w = srv2.model.head.out_proj.weight
+    assert torch.allclose(w, srv2.learner.shipped.head.out_proj.weight, atol=1e-6)
+
+
+def test_attach_off_keeps_the_shipped_drafter_on_hands_over_the_working_copy(tiny_target):
+    d = drafter(tiny_target)
+    assert OnlineServing.attach(ServingOptions(), d) == (None, d)
+    srv, drafts_with = OnlineServing.attach(ServingOptions(online="params=head,scope=server"), d, lookup=None)
+    assert drafts_with is srv.model and drafts_with is not d and srv.learner.drafts_are_model
+    srv, _ = OnlineServing.attach(ServingOptions(online="scope=server"), d, lookup=object())
+    assert not srv.learner.drafts_are_model and srv.learner.cfg.params == "last"
+
+
+def test_the_budget_never_blocks(tiny_target):
+    """max_update_ms: every update stops stepping once past it (0 ms: one step each, of 50 asked)."""
+    srv = serving(drafter(tiny_target), params="last", update_every=1, steps=50, max_update_ms=0.0)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(6):
+        srv.observe(*planted_round(srv, gen=gen))
+    s = srv.summary()
+    assert s["updates"] == 6 and s["steps"] == 6 and s["budget_cut"] == 6
+    assert ServingOptions.from_env({"SGLANG_DLITE_CONFIG": '{"online": true}'}).online == "scope=server,max_update_ms=50.0"
+
+
+def test_errors_disable_learning_instead_of_raising(tiny_target, monkeypatch, caplog):
+    shipped = drafter(tiny_target)
+    srv = serving(shipped, params="head", update_every=1, watchdog_window=0)
+    gen = torch.Generator().manual_seed(3)
+    srv.observe(*planted_round(srv, gen=gen))
+    assert srv.learner.stats["updates"] == 1
+    assert not torch.equal(srv.model.head.out_proj.weight, shipped.head.out_proj.weight)
+
+    def boom(*a, **k):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(srv.learner, "loss", boom)
+    srv.observe(*planted_round(srv, gen=gen))  # must not raise
+    assert not srv.enabled and "planted failure" in srv.error
+    assert "online learning failed" in caplog.text
+    assert torch.equal(srv.model.head.out_proj.weight, shipped.head.out_proj.weight)  # back to shipped
+    rounds = srv.learner.stats["rounds"]
+    srv.observe(*planted_round(srv, gen=gen))  # off: a no-op
+    assert srv.learner.stats["rounds"] == rounds
+    # a malformed round (a state of the wrong width) disables too
+    srv = serving(drafter(tiny_target), params="norm")
+    state, anchors, block, logits, a = planted_round(srv, gen=gen)
+    srv.observe(state[..., 1:], anchors, block, logits, a)
+    assert not srv.enabled
+
+
+def test_opted_out_rows_are_skipped_and_padded_vocab_rows_cut(tiny_target):
+    srv = serving(drafter(tiny_target), params="norm", update_every=10**6)
+    V = srv.model.config.vocab_size
+    state, anchors, block, logits, a = planted_round(srv, B=3, V=V + 64)  # sglang pads the vocabulary
+    srv.observe(state, anchors, block, logits, a, torch.tensor([False, True, False]))
+    buf = list(srv.state.buffer)
+    assert srv.enabled and [p.anchor for p in buf] == [int(anchors[0]), int(anchors[2])]
+    srv.observe(state, anchors, block, logits, a, torch.ones(3, dtype=torch.bool))
+    assert len(srv.state.buffer) == 2 and srv.learner.stats["rounds"] == 1
+
+
+def test_sampled_rows_are_kept_as_probabilities():
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.7, 0.2, 0.1]])  # row 1: a distribution already
+    p = _as_probs(logits)
+    assert torch.allclose(p[0], torch.softmax(logits[0], -1)) and torch.equal(p[1], logits[1])
+
+
+def test_bf16_drafter_trains_float32_masters_and_refreshes_packed_weights(tiny_target):
+    shipped = drafter(tiny_target).to(torch.bfloat16)
+    packed = cpu_linear.pack_cpu_linears(shipped)
+    ctx = torch.randn(2, 2, 3, tiny_target.config.hidden_size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        shipped.propose(ctx, torch.ones(2, 3, dtype=torch.bool), torch.tensor([5, 9]))  # packs (if oneDNN bf16 runs)
+    srv = serving(shipped, params="last", update_every=1, lr=1e-2, watchdog_window=0)  # the copy of a packed drafter
+    assert all(m.dtype == torch.float32 for m in srv.learner.masters)
+    assert all(p.dtype == torch.bfloat16 for p in srv.learner.trainable)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        srv.observe(*planted_round(srv, gen=gen))
+    assert srv.enabled and srv.learner.stats["updates"] == 3
+    for p, m in zip(srv.learner.trainable, srv.learner.masters):
+        assert torch.equal(p, m.to(torch.bfloat16))
+    if not packed:
+        pytest.skip("oneDNN's packed bf16 linear does not run on this CPU")
+    assert srv._packed, "the trained linears run on packed weights"
+    for lin in srv._packed:
+        x = torch.randn(4, lin.in_features, dtype=torch.bfloat16)
+        with torch.no_grad():
+            got = lin(x)
+        ref = torch.nn.functional.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+        assert lin._dlite_packed_key == (lin.weight.data_ptr(), lin.weight._version)
+        assert torch.allclose(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("value, msg", [
+    ('"scope=session"', "online.*scope='session'; serving learns at server scope only"),
+    ('"params=everything"', "online.*params='everything'"),
+    ('{"lr": "fast"}', r"setting online.*lr='fast': 'fast' is not a float"),
+    ('{"batch": 4}', "setting online.*batch=4: unknown; the keys are params, scope"),
+    ('"steps"', "setting online.*expected key=value"),
+    ("7", "setting online.*must be a spec string"),
+])
+def test_a_bad_online_setting_stops_the_launch_naming_it(value, msg):
+    with pytest.raises(DLiteConfigError, match=msg):
+        ServingOptions.from_env({"SGLANG_DLITE_CONFIG": '{"online": %s}' % value})
+    o = ServingOptions.from_env({"SGLANG_DLITE_CONFIG": '{"online": {"params": "head", "update-every": 2}}'})
+    assert OnlineConfig.parse(o.online) == OnlineConfig(params="head", scope="server", update_every=2,
+                                                        max_update_ms=50.0)
+    assert ServingOptions.from_env({}).online is None and "online" not in json.loads(ServingOptions().describe())
+
+
+# ---------------------------------------------------------------------------------- sglang
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]]
+MAX_NEW = [40, 24, 40]
+
+
+def test_sglang_greedy_output_with_online_learning_is_the_targets(tmp_path, monkeypatch, capfd):
+    """A real engine (CPU, tiny sticky Llama, a random token-fed DLite, DLite alone so the watchdog's
+    drafts-are-the-model path runs, one request opted out): greedy output == the target's own greedy
+    output, the learner updated (its first-update log line) and never failed."""
+    import sglang_fixtures as F
+    from transformers import AutoModelForCausalLM
+
+    target = F.save_tiny_llama(tmp_path / "target")
+    draft = F.save_random_dlite(tmp_path / "drafter", target, head_input="token")
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    ref = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                       attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+           for p, n in zip(PROMPTS, MAX_NEW)]
+    settings = {"lookup": False, "online": "params=last,update_every=1,min_pairs=1,steps=1,watchdog_window=4"}
+    if "tree_max_batch_size" in SETTINGS:  # token-tree rounds do not feed the learner: chain rounds here
+        settings["tree_max_batch_size"] = 0
+    monkeypatch.setenv("SGLANG_DLITE_CONFIG", json.dumps(settings))
+    sps = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in MAX_NEW]
+    sps[1]["custom_params"] = {"dlite_speculate": False}
+    root = logging.getLogger()
+    saved = root.level, list(root.handlers)
+    try:  # log_level info (the learner's first-update line); sglang re-configures this process's root logger
+        with F.engine(target, dlite=draft, skip_tokenizer_init=True, log_level="info") as e:
+            outs = e.generate(input_ids=PROMPTS, sampling_params=sps)
+            again = e.generate(input_ids=PROMPTS[0], sampling_params=sps[0])  # after the updates
+    finally:  # its handler writes to this test's captured stderr: gone after the test
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]
+    assert [o["output_ids"] for o in outs] == ref and again["output_ids"] == ref[0]
+    log = "".join(capfd.readouterr())
+    assert "online learning failed" not in log
+    m = re.search(r"DLITE online: (\d+) rounds, (\d+) updates", log)
+    assert m and int(m.group(2)) >= 1, log[-3000:]

@@ -1,0 +1,159 @@
+"""Online learning in the DLITE worker (issue 47): the setting ``online`` (``options.py``).
+
+The reference engine's learner (``sglang_dlite/online.py``: ``OnlineLearner``, its parameter sets,
+the stabilize loss, the bounded buffer, the watchdog, the decay) at **server scope**: one adapted
+working copy of the drafter for the whole batch (per-session weights cannot batch), decayed back
+towards the shipped weights after every update. The worker drafts with that copy (``attach``
+hands it over in place of the shipped drafter, so the drafter's CUDA graphs and tree rounds use it
+too: updates write its parameters in place) and, after each chain verify round, passes the round
+to ``observe``: per request the rows the drafter read (the carried ``state``), the anchor, the
+verified block [anchor, drafts], the target's verify logits after sglang's logit processing and
+the accepted count; opted-out rows are skipped. Every ``update_every`` rounds an update takes up to
+``steps`` optimizer steps, stopping once past ``max_update_ms`` (the serving default
+``options.ONLINE_DEFAULTS``; one step always runs).
+
+Rails: output stays lossless (verification is unchanged, only drafts move); the shipped drafter is
+never written; a watchdog reverts to the shipped weights when the adapted chain loses; a
+non-finite update reverts too; any error is logged once and disables learning (after a revert to
+the shipped weights) instead of reaching the serving loop. A bf16 drafter trains float32 master
+copies (``OnlineLearner.masters``) and on a CPU its trained linears' prepacked oneDNN weights
+(``ops.pack_cpu_linears``) are rebuilt after every write. Under tensor parallelism every rank
+learns from the same rounds; the verified drafts are rank 0's either way (``_tp_same``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from ..errors import DLiteConfigError
+from ..model import DLiteDrafter
+from ..online import OnlineConfig, OnlineLearner
+from ..ops.cpu_linear import packed_for
+from .info import unpack_context
+
+logger = logging.getLogger(__name__)
+
+LOG_EVERY = 512  # rounds between two one-line summaries in the log
+
+
+def _as_probs(rows: torch.Tensor) -> torch.Tensor:
+    """The target's distribution per verify row: a row sglang's sampler already turned into
+    probabilities in place (sampled requests) is kept, a logits row is softmaxed."""
+    x = rows.float()
+    is_p = (x >= 0).all(-1, keepdim=True) & ((x.sum(-1, keepdim=True) - 1).abs() < 1e-3)
+    return torch.where(is_p, x, torch.softmax(x, -1))
+
+
+class OnlineServing:
+    """The serving side's learner: owns the adapted working copy (``model``) and its server state."""
+
+    def __init__(self, shipped: DLiteDrafter, cfg: OnlineConfig, drafts_are_model: bool = False):
+        if cfg.scope != "server":
+            raise DLiteConfigError(f"DLITE online learning runs at server scope, got scope={cfg.scope!r}.")
+        self.learner = OnlineLearner(shipped, cfg)
+        # DLite alone (no lookup): the verified drafts are the working copy's greedy chain
+        self.learner.drafts_are_model = drafts_are_model
+        self.model = self.learner.model
+        self.state = self.learner.state_for(None)  # the server's one state
+        mc = self.model.config
+        self.L, self.H, self.V = mc.num_capture_layers, mc.target_hidden_size, mc.vocab_size
+        self.enabled = True
+        self.error: Optional[str] = None
+        self.nonfinite = 0
+        self._packed = self._packed_linears()
+
+    @classmethod
+    def attach(cls, options, drafter: DLiteDrafter, lookup=None):
+        """(the learner or None, the drafter the worker drafts with): the setting ``online`` off ->
+        (None, ``drafter``); on -> (a learner, its working copy)."""
+        if options.online is None:
+            return None, drafter
+        serving = cls(drafter, OnlineConfig.parse(options.online), drafts_are_model=lookup is None)
+        logger.info("DLITE %s", serving.learner.describe())
+        return serving, serving.model
+
+    def _packed_linears(self) -> list:
+        """The trained linear layers whose forward runs on prepacked weights (``ops.pack_cpu_linears``)."""
+        mods = dict(self.model.named_modules())
+        out = []
+        for name in self.learner.names:
+            mod = mods.get(name.rpartition(".")[0])
+            if isinstance(mod, torch.nn.Linear) and "forward" in vars(mod) and mod not in out:
+                out.append(mod)
+        return out
+
+    # ------------------------------------------------------------------ the round
+    def observe(self, state: torch.Tensor, anchors: torch.Tensor, block: torch.Tensor, logits: torch.Tensor,
+                accepted: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
+        """One chain verify round: ``state`` [B, C, L*H+1] (``info.unpack_context``), ``anchors`` [B],
+        ``block`` [B, W] = [anchor, drafts], ``logits`` [B, W, V'] the target's verify logits (V' may
+        include sglang's vocabulary padding), ``accepted`` [B] drafts accepted, ``skip`` [B] bool rows
+        to leave out (opted-out requests) or None. Never raises: an error disables learning."""
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode(False), torch.no_grad():  # inference-mode inputs are cloned into pairs
+                self._observe(state, anchors, block, logits, accepted, skip)
+        except Exception as exc:  # noqa: BLE001  (the serving loop must go on: log, disable)
+            self.disable(exc)
+        self.learner.stats["observe_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def _observe(self, state, anchors, block, logits, accepted, skip) -> None:
+        if skip is not None:
+            keep = (~skip.to(torch.bool)).nonzero().flatten()
+            if keep.numel() == 0:
+                return
+            if keep.numel() < skip.numel():
+                state, anchors, block, logits, accepted = (t[keep] for t in (state, anchors, block, logits, accepted))
+        ctx, valid = unpack_context(state, self.L, self.H)
+        probs = _as_probs(logits[..., :self.V])
+        stats = self.learner.stats
+        before = (stats["updates"], stats["reverts"])
+        self.learner.learn_round(self.state, ctx, valid, anchors.to(torch.int64), block[:, 1:].to(torch.int64),
+                                 probs, accepted.tolist())
+        if (stats["updates"], stats["reverts"]) != before:
+            self._after_write()
+        if stats["rounds"] % LOG_EVERY == 0 or (stats["updates"] == 1 and before[0] == 0):  # and the first update
+            logger.info("DLITE online: %s", self.describe_stats())
+
+    @torch.no_grad()
+    def _after_write(self) -> None:
+        """After an update or a revert: a non-finite value reverts to the shipped weights; the packed
+        copies of the trained linears are rebuilt (they would be lazily too: ``packed_for`` keys on
+        the weight's version; rebuilt here so the cost falls in the update, not in a draft)."""
+        if not all(bool(torch.isfinite(m).all()) for m in self.learner.masters):
+            self.nonfinite += 1
+            logger.warning("DLITE online: an update left non-finite weights; back to the shipped weights")
+            self.learner.revert(self.state)
+        for lin in self._packed:
+            lin._dlite_packed_key = None
+            packed_for(lin, lin.weight)
+
+    def disable(self, exc: BaseException) -> None:
+        """Stop learning after an error: logged once, drafting goes on with the shipped weights."""
+        self.enabled = False
+        self.error = f"{type(exc).__name__}: {exc}"
+        logger.error("DLITE online learning failed and is now off (drafting goes on with the shipped "
+                     "weights): %s", self.error, exc_info=exc)
+        try:
+            with torch.inference_mode(False):
+                self.learner.revert(self.state)
+                self._after_write()
+        except Exception:  # noqa: BLE001  (the revert itself failed: drafts may suffer, output cannot)
+            logger.exception("DLITE online: the revert to the shipped weights failed too")
+
+    def summary(self) -> dict:
+        s = self.learner.summary()
+        s.update(enabled=self.enabled, error=self.error, nonfinite=self.nonfinite)
+        return s
+
+    def describe_stats(self) -> str:
+        s = self.summary()
+        return (f"{s['rounds']} rounds, {s['updates']} updates ({s['steps']} steps, {s['budget_cut']} cut by the "
+                f"budget), {s['reverts']} watchdog reverts, {s['learn_ms_per_round']:.2f} ms/round learning "
+                f"({s['update_ms_per_round']:.2f} updates, {s['shadow_ms_per_round']:.2f} watchdog)")
