@@ -26,7 +26,9 @@ lookup, chosen per request every round); ``hybrid`` says so explicitly; ``hybrid
 (``SGLANG_DLITE_VERIFY_WIDTH=fixed``; on a CPU the default picks each round's width from the
 chains' calibrated acceptance and the verify cost it has measured, ``speculation/verify_width.py``);
 ``dlite-only`` turns the
-lookup off (``SGLANG_DLITE_LOOKUP=0``: DLite alone, the previous release's drafting). The suffix
+lookup off (``SGLANG_DLITE_LOOKUP=0``: DLite alone, the previous release's drafting);
+``dlite-chain`` is the hybrid with chains only (the setting ``tree_max_batch_size: 0``; by default a
+CPU drafts token trees for greedy batches of up to 4 requests, ``sglang_plugin/tree_round.py``). The suffix
 lookup indexes only the request's own tokens (prompt + its output so far): a replayed request
 never sees its own recorded answer, and nothing carries over between requests or levels.
 
@@ -215,19 +217,19 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     base_mode, tp_size, dp_size = parse_parallel(mode, tp_size, dp_size)
     kw.update(tp_size=tp_size, dp_size=dp_size)
     spec, _, w = base_mode.partition(":")
-    if spec not in ("dlite", "hybrid", "hybrid-fixed", "dlite-only", "ngram", "eagle3", "nospec"):
-        raise SystemExit(f"unknown mode {mode!r}: dlite[:W], hybrid[:W], hybrid-fixed[:W], dlite-only[:W], ngram[:W], "
-                         "eagle3[:W] or nospec")
+    if spec not in ("dlite", "hybrid", "hybrid-fixed", "dlite-only", "dlite-chain", "ngram", "eagle3", "nospec"):
+        raise SystemExit(f"unknown mode {mode!r}: dlite[:W], hybrid[:W], hybrid-fixed[:W], dlite-only[:W], "
+                         "dlite-chain[:W], ngram[:W], eagle3[:W] or nospec")
     lookup = {"hybrid": "1", "hybrid-fixed": "1", "dlite-only": "0"}.get(spec, os.environ.get("SGLANG_DLITE_LOOKUP", "1"))
     width = "fixed" if spec == "hybrid-fixed" else os.environ.get("SGLANG_DLITE_VERIFY_WIDTH", "auto")
-    is_dlite = spec in ("dlite", "hybrid", "hybrid-fixed", "dlite-only")
+    is_dlite = spec in ("dlite", "hybrid", "hybrid-fixed", "dlite-only", "dlite-chain")
     import tempfile
 
     tmp = tempfile.mkdtemp(prefix="dlite_lookup_")
     trace, round_log = os.path.join(tmp, "trace.jsonl"), os.path.join(tmp, "rounds.jsonl")
     saved_env = {k: os.environ.get(k) for k in ("SGLANG_DLITE_LOOKUP", "SGLANG_DLITE_LOOKUP_TRACE",
                                                 "SGLANG_DLITE_VERIFY_WIDTH", "SGLANG_CPU_OMP_THREADS_BIND",
-                                                "SGLANG_DLITE_ROUND_LOG")}
+                                                "SGLANG_DLITE_ROUND_LOG", "SGLANG_DLITE_CONFIG")}
     ranks = tp_size * dp_size
     if device == "cpu" and ranks > 1 and not saved_env["SGLANG_CPU_OMP_THREADS_BIND"]:
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_threads_bind(ranks)  # sglang: each rank's cores
@@ -235,6 +237,11 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     os.environ["SGLANG_DLITE_LOOKUP_TRACE"] = trace
     os.environ["SGLANG_DLITE_ROUND_LOG"] = round_log  # the worker's draft / verify ms per decode round
     os.environ["SGLANG_DLITE_VERIFY_WIDTH"] = width  # per-round verify width: auto (CPU: adaptive) or fixed
+    if spec == "dlite-chain":  # chains only (the serving setting); other modes keep the caller's settings
+        from sglang_dlite.sglang_plugin.options import read_config
+
+        settings = read_config(os.environ.get("SGLANG_DLITE_CONFIG"))
+        os.environ["SGLANG_DLITE_CONFIG"] = json.dumps({**settings, "tree_max_batch_size": 0})
     verify_kw = {"speculative_num_draft_tokens": int(w)} if spec != "nospec" and w else {}
     if spec == "ngram":
         verify_kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8, **verify_kw}
@@ -319,7 +326,8 @@ def _round_stats(path, offset):
         return {}
     n = len(recs)
     return {"decode_rounds": n, "draft_ms_per_round": round(sum(float(r["draft_ms"]) for r in recs) / n, 2),
-            "verify_ms_per_round": round(sum(float(r["verify_ms"]) for r in recs) / n, 2)}
+            "verify_ms_per_round": round(sum(float(r["verify_ms"]) for r in recs) / n, 2),
+            "tree_round_share": round(sum(1 for r in recs if r.get("tree")) / n, 3)}
 
 
 def level_row(mode, concurrency, metas, wall, lat, ttft=(), itl=()) -> dict:

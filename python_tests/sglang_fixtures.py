@@ -64,21 +64,27 @@ def reference_greedy(target_path, drafter_path, prompts, max_new_tokens, eos=())
     return [r.output_ids for r in reference_results(target_path, drafter_path, prompts, max_new_tokens, eos)]
 
 
-def reference_results(target_path, drafter_path, prompts, max_new_tokens, eos=()):
-    """The reference engine's GenerationResults (outputs and per-round records), greedy."""
+def reference_results(target_path, drafter_path, prompts, max_new_tokens, eos=(), tree_nodes=None):
+    """The reference engine's GenerationResults (outputs and per-round records), greedy.
+    ``tree_nodes``: DLite drafts a token tree of that many nodes per round, branching along its
+    greedy chain (what the sglang worker's tree rounds draft with the lookup off)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from sglang_dlite.drafters import DLiteEngineDrafter
     from sglang_dlite.engine import ReferenceEngine
+    from sglang_dlite.lookup.tree_drafters import TreeEngineDrafter
     from sglang_dlite.model import DLiteDrafter
 
-    key = (str(target_path), str(drafter_path), tuple(eos))
+    key = (str(target_path), str(drafter_path), tuple(eos), tree_nodes)
     eng = _REF_ENGINES.get(key)
     if eng is None:
         target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
         d = DLiteDrafter.from_pretrained(drafter_path).bind_hf_target(target)
-        eng = _REF_ENGINES[key] = ReferenceEngine(target, DLiteEngineDrafter(d), eos_token_ids=eos)
+        drafter = DLiteEngineDrafter(d)
+        if tree_nodes is not None:
+            drafter = TreeEngineDrafter(drafter, lookup=False, num_drafts=tree_nodes, branching="chain")
+        eng = _REF_ENGINES[key] = ReferenceEngine(target, drafter, eos_token_ids=eos)
     return [eng.generate(list(p), max_new_tokens) for p in prompts]
 
 

@@ -34,7 +34,8 @@ def test_settings_come_from_one_json_inline_or_a_file(tmp_path):
     # what the worker logs once at start-up: every user setting, debug switches left out
     assert json.loads(o.describe()) == {
         "lookup": True, "verify_width": "auto", "drafter_dtype": "bfloat16", "draft_cuda_graph": True,
-        "round_log": None, "max_batch_size": None, "soft_batch_size": 16, "soft_num_drafts": 3}
+        "round_log": None, "max_batch_size": None, "soft_batch_size": 16, "soft_num_drafts": 3,
+        "tree_max_batch_size": None, "tree_branches": 4}
     # a per-setting variable of earlier releases overrides its key
     o = ServingOptions.from_env({"SGLANG_DLITE_CONFIG": '{"lookup": true}', "SGLANG_DLITE_LOOKUP": "0"})
     assert o.lookup is False

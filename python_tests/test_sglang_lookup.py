@@ -59,6 +59,8 @@ def test_hybrid_equals_nospec_and_frees_lookup_state(tmp_path, monkeypatch):
     trace = tmp_path / "lookup_trace.jsonl"
     monkeypatch.setenv("SGLANG_DLITE_LOOKUP_TRACE", str(trace))
     monkeypatch.delenv("SGLANG_DLITE_LOOKUP", raising=False)
+    # chains: this test reads the chain hybrid's sources and widths (tree rounds: test_sglang_tree.py)
+    monkeypatch.setenv("SGLANG_DLITE_CONFIG", '{"tree_max_batch_size": 0}')
     with F.engine(target, dlite=drafter, skip_tokenizer_init=True) as e:
         outs = e.generate(input_ids=prompts, sampling_params=_sp(64))
         assert [o["output_ids"] for o in outs] == base

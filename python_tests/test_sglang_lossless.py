@@ -9,6 +9,8 @@ Qwen3 (the Qwen3 code path) and one run on the real default target (SmolLM2-135M
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 
@@ -127,23 +129,29 @@ def test_dlite_qwen3_target(tmp_path_factory):
     assert got == ref
 
 
-def test_real_target_shipped_drafter_rounds_equal_reference(monkeypatch):
+@pytest.mark.parametrize("trees", [False, True], ids=["chain", "tree"])
+def test_real_target_shipped_drafter_rounds_equal_reference(monkeypatch, trees):
     """The default target + the shipped drafter: sglang's DLITE worker and the reference engine
     produce the same tokens in the same number of verify rounds. The round count depends on every
     draft, so a worker that carried the wrong context rows (or none) to the drafter would differ
     here even though its output stays lossless. With the lookup turned off
-    (SGLANG_DLITE_LOOKUP=0) DLITE drafts with DLite alone: exactly the reference DLite rounds."""
+    (SGLANG_DLITE_LOOKUP=0) DLITE drafts with DLite alone: exactly the reference DLite rounds --
+    chains (the setting tree_max_batch_size: 0), or token trees of W - 1 = K nodes branching along
+    DLite's greedy chain (tree_round.py; the reference engine's TreeEngineDrafter(branching="chain")),
+    whose rounds also depend on which path the tree verify accepted and which rows it carried."""
     from sglang_dlite.drafters import shipped_drafter_path
 
     monkeypatch.setenv("SGLANG_DLITE_LOOKUP", "0")
     monkeypatch.setenv("SGLANG_DLITE_VERIFY_WIDTH", "fixed")  # every round W wide (no draft gate), as the reference
+    monkeypatch.setenv("SGLANG_DLITE_CONFIG", json.dumps({"tree_max_batch_size": 4 if trees else 0}))
 
     drafter = shipped_drafter_path()
     if drafter is None:
         pytest.skip("no shipped drafter checkpoint in this build")
     target, prompts = F.default_target_chat_prompts(["Write a Python function that checks whether a string is a palindrome.",
                                                      "Explain the difference between a list and a tuple in Python."])
-    ref = F.reference_results(target, drafter, prompts, 40)
+    K = json.loads((Path(drafter) / "config.json").read_text())["block_size"]
+    ref = F.reference_results(target, drafter, prompts, 40, tree_nodes=K if trees else None)
     with F.engine(target, dlite=drafter, skip_tokenizer_init=True) as e:
         outs = e.generate(input_ids=prompts, sampling_params=_sp(40))
     assert [o["output_ids"] for o in outs] == [r.output_ids for r in ref]

@@ -222,6 +222,13 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         top, idx = logits.max(-1)
         return self._draft_ids(idx), torch.exp(top - torch.logsumexp(logits, -1))
 
+    def ranked_drafts(self, y: torch.Tensor, k: int):
+        """(the k likeliest draft token ids [..., k], their softmax probabilities [..., k]) of head
+        outputs ``y`` [..., D]; entry 0 is the greedy draft."""
+        probs = torch.softmax(self.draft_logits(y).float(), -1)
+        top, idx = probs.topk(min(int(k), probs.shape[-1]), -1)
+        return self._draft_ids(idx), top
+
     def sampled_drafts(self, y: torch.Tensor, temperature: float, top_p: float,
                        generator: Optional[torch.Generator]):
         """(draft token ids sampled at ``temperature`` / ``top_p``, the law each was sampled from
@@ -277,12 +284,15 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
     def propose(self, context_hidden, context_valid, anchor_ids, *, temperature: float = 0.0,
                 top_p: float = 1.0, generator: Optional[torch.Generator] = None,
                 history: Optional[variants.History] = None, round_offset=None,
-                num_drafts: Optional[int] = None, return_confidence: bool = False) -> DraftProposal:
+                num_drafts: Optional[int] = None, return_confidence: bool = False,
+                top_k: int = 0) -> DraftProposal:
         """Draft K tokens per request (greedy when temperature == 0), or only the first
         ``num_drafts`` of the chain: the backbone still sees the whole block, but the causal head
         and the vocabulary projection stop there (the tokens equal the full chain's prefix).
         ``return_confidence`` (greedy): also the softmax probability of each draft, from the same
-        vocabulary projection (unfused: the logits are written once).
+        vocabulary projection (unfused: the logits are written once). ``top_k`` (greedy): also the
+        k likeliest tokens at every position of the greedy chain and their probabilities
+        (``DraftProposal.top_tokens`` / ``top_probs``; a tree's DLite branches, ``lookup/tree_drafters.py``).
 
         The token-fed head drafts position by position: each step's draft (fused final norm +
         drafting-vocabulary projection + argmax when greedy) is the next step's input."""
@@ -292,16 +302,21 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         n = K if num_drafts is None else num_drafts
         z = self.backbone(context_hidden, context_valid, anchor_ids, history, round_offset)
         if self.config.head_input == "hidden":  # ablation: one scan, one batched projection
-            return variants.propose_hidden_head(self, z, n, temperature, top_p, generator, return_confidence)
+            return variants.propose_hidden_head(self, z, n, temperature, top_p, generator, return_confidence, top_k)
         state = torch.zeros(z.shape[0], self.config.rnn_rank, device=z.device)
         prev = anchor_ids
-        toks, probs, confs = [], [], []
+        toks, probs, confs, ranked = [], [], [], []
         for i in range(n):
             emb = F.embedding(prev, self.embed_weight).to(z.dtype)
             state, y = self.head.step(state, z[:, 1 + i], emb)
             if temperature > 0:
                 prev, p = self.sampled_drafts(y, temperature, top_p, generator)
                 probs.append(p)
+            elif top_k > 0:
+                ids, top = self.ranked_drafts(y, top_k)
+                prev = ids[:, 0]
+                ranked.append((ids, top))
+                confs.append(top[:, 0])
             elif return_confidence:
                 prev, c = self.confident_drafts(y)
                 confs.append(c)
@@ -309,7 +324,9 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
                 prev = self.greedy_drafts(y)
             toks.append(prev)
         return DraftProposal(torch.stack(toks, 1), torch.stack(probs, 1) if probs else None,
-                             confidence=torch.stack(confs, 1) if confs else None)
+                             confidence=torch.stack(confs, 1) if confs else None,
+                             top_tokens=torch.stack([r[0] for r in ranked], 1) if ranked else None,
+                             top_probs=torch.stack([r[1] for r in ranked], 1) if ranked else None)
 
     @torch.no_grad()
     def head_branch(self, z: torch.Tensor, state: torch.Tensor, i: int, prev_token: torch.Tensor, k: int):
@@ -326,9 +343,8 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
             raise DLiteInputError(f"block position {i} outside [0, K={self.config.block_size}).")
         emb = F.embedding(prev_token, self.embed_weight).to(z.dtype)
         state, y = self.head.step(state, z[:, 1 + i], emb)
-        probs = torch.softmax(self.draft_logits(y).float(), -1)
-        top, idx = probs.topk(min(k, probs.shape[-1]), -1)
-        return state, self._draft_ids(idx), top
+        ids, top = self.ranked_drafts(y, k)
+        return state, ids, top
 
 
 def load_checkpoint(path: str):

@@ -90,7 +90,7 @@ def hidden_head(head, z_prev: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
 
 def propose_hidden_head(drafter, z, n: int, temperature: float, top_p: float, generator,
-                        return_confidence: bool) -> DraftProposal:
+                        return_confidence: bool, top_k: int = 0) -> DraftProposal:
     """``DLiteDrafter.propose`` after the backbone (outputs ``z`` [B, K+1, H]), hidden-state head:
     the first ``n`` drafts from one scan and one vocabulary projection over all n positions."""
     with ops.nvtx_range("dlite.head"):
@@ -98,6 +98,9 @@ def propose_hidden_head(drafter, z, n: int, temperature: float, top_p: float, ge
     with ops.nvtx_range("dlite.projection"):
         if temperature > 0:
             return DraftProposal(*drafter.sampled_drafts(y, temperature, top_p, generator))
+        if top_k > 0:
+            ids, top = drafter.ranked_drafts(y, top_k)
+            return DraftProposal(ids[..., 0], None, confidence=top[..., 0], top_tokens=ids, top_probs=top)
         if return_confidence:
             tokens, conf = drafter.confident_drafts(y)
             return DraftProposal(tokens, None, confidence=conf)

@@ -26,3 +26,7 @@ class DraftProposal:
     # a token tree to verify instead of the chain (tree drafters: ``lookup/tree_drafters.py``); then
     # ``tokens`` is [1, N-1], the tree's drafts in node order, and ``probs`` is None (q one-hot)
     tree: Optional[DraftTree] = None
+    # [B, K, k] / [B, K, k]: the k likeliest tokens at each position of the greedy chain and their
+    # probabilities (``DLiteDrafter.propose(top_k=k)``; entry 0 is the chain's own token)
+    top_tokens: Optional[torch.Tensor] = None
+    top_probs: Optional[torch.Tensor] = None

@@ -18,7 +18,7 @@ from .baselines.registry import BASELINE_NAMES, known_drafters_text, make_baseli
 from .drafters import DLiteEngineDrafter, Drafter, load_dlite
 from .errors import DLiteInputError
 from .lookup.drafters import HybridEngineDrafter, SuffixEngineDrafter
-from .lookup.tree_drafters import DEFAULT_TREE_NODES, TreeEngineDrafter
+from .lookup.tree_drafters import BRANCHINGS, DEFAULT_TREE_NODES, TreeEngineDrafter
 from .online import OnlineConfig, OnlineDrafter, OnlineLearner
 
 TREE_NAMES = ("dlite-tree", "hybrid-tree", "suffix-tree")
@@ -62,17 +62,26 @@ def make_online_drafter(spec: str, target) -> OnlineDrafter:
 
 
 def _tree_drafter(name: str, path: str, target) -> TreeEngineDrafter:
-    """``dlite-tree`` / ``hybrid-tree`` / ``suffix-tree``, ``@N``: N tree nodes per round."""
-    name, _, nodes = name.partition("@")
-    if nodes and not nodes.isdigit():
-        raise DLiteInputError(f"--drafter {name}@{nodes}: the node budget after @ must be a positive integer.")
-    n = int(nodes) if nodes else DEFAULT_TREE_NODES
+    """``dlite-tree`` / ``hybrid-tree`` / ``suffix-tree``, ``@N`` or ``@nodes=N,branching=head|chain``:
+    N tree nodes per round; DLite branching at every node (head) or along its greedy chain (chain,
+    what the sglang worker drafts)."""
+    name, _, opts = name.partition("@")
+    n, branching = DEFAULT_TREE_NODES, "head"
+    for opt in filter(None, opts.split(",")):
+        key, eq, value = opt.rpartition("=") if "=" in opt else ("nodes", "=", opt)
+        if key == "nodes" and value.isdigit() and int(value) > 0:
+            n = int(value)
+        elif key == "branching" and value in BRANCHINGS:
+            branching = value
+        else:
+            raise DLiteInputError(f"--drafter {name}@{opts}: {opt!r} is not an option; use @N or "
+                                  f"@nodes=N,branching={'|'.join(BRANCHINGS)} (N a positive integer).")
     if name == "suffix-tree":
         if path:
             raise DLiteInputError("--drafter suffix-tree takes no checkpoint (the lookup has no model).")
         return TreeEngineDrafter(None, lookup=True, num_drafts=n)
     return TreeEngineDrafter(DLiteEngineDrafter(load_dlite(path or None, target)), lookup=name == "hybrid-tree",
-                             num_drafts=n)
+                             num_drafts=n, branching=branching)
 
 
 def _kind_of_folder(path: str) -> str:

@@ -35,12 +35,13 @@ from .suffix import DEFAULT_MAX_MATCH, SuffixIndex
 
 DEFAULT_TREE_NODES = 24  # drafts per tree round (the root not counted)
 DEFAULT_BRANCHES = 4  # children asked of each source per node
+BRANCHINGS = ("head", "chain")  # where DLite branches: every node (head steps) or its greedy chain
 
 
 class _Node:
     """A tree node's drafting state: its token, its block position (depth), DLite's head state
-    after its parent (None past K or without DLite), the lookup's match after its token (None
-    without the lookup), and which source proposed it."""
+    after its parent (None past K, off DLite's reach or without DLite), the lookup's match after its
+    token (None without the lookup), and which source proposed it."""
 
     __slots__ = ("token", "depth", "head", "match", "source")
 
@@ -48,35 +49,67 @@ class _Node:
         self.token, self.depth, self.head, self.match, self.source = token, depth, head, match, source
 
 
+class HeadBranches:
+    """DLite's children of any node: one step of the token-fed head from the node's own state and one
+    vocabulary projection per expanded node (``DLiteDrafter.head_branch``), the backbone outputs
+    ``z`` [1, K+1, H] computed once per round. Exact top-k at every node; a model call per node."""
+
+    def __init__(self, model, z: torch.Tensor, branches: int, block_size: int):
+        self.model, self.z, self.branches, self.block_size = model, z, branches, block_size
+
+    def root_head(self):
+        return torch.zeros(1, self.model.config.rnn_rank, device=self.z.device)
+
+    def children(self, node: _Node):
+        """(top tokens, their probabilities, the head state every child continues from)."""
+        prev = torch.tensor([node.token], device=self.z.device)
+        state, toks, probs = self.model.head_branch(self.z, node.head, node.depth, prev, self.branches)
+        head = state if node.depth + 1 < self.block_size else None
+        return toks[0].tolist(), probs[0].tolist(), lambda token: head
+
+
+class ChainBranches:
+    """DLite's children along its greedy chain only: at block position i of the chain, the k
+    likeliest tokens of the pass that drafted the chain (``DLiteDrafter.propose(top_k=k)``:
+    ``top_tokens`` / ``top_probs`` [n, k] lists of one request). Only the chain's own token
+    continues (its node is on the chain); the others are leaves. No model call while the tree
+    grows: the batched serving worker drafts a whole batch's branches in one pass."""
+
+    def __init__(self, top_tokens: list, top_probs: list):
+        self.top_tokens, self.top_probs = top_tokens, top_probs
+        self.block_size = len(top_tokens)
+
+    def root_head(self):
+        return True if self.block_size else None
+
+    def children(self, node: _Node):
+        i = node.depth
+        toks, probs = self.top_tokens[i], self.top_probs[i]
+        on_chain = i + 1 < self.block_size
+        return toks, probs, lambda token: True if on_chain and token == toks[0] else None
+
+
 class _Round:
     """One round's expansion (``grow_tree``'s ``expand``) over the suffix index and / or DLite's
-    backbone outputs ``z`` [1, K+1, H]."""
+    branches (``HeadBranches`` or ``ChainBranches``)."""
 
-    def __init__(self, index: Optional[SuffixIndex], z: Optional[torch.Tensor], drafter: "TreeEngineDrafter"):
-        self.index, self.z, self.d = index, z, drafter
+    def __init__(self, index: Optional[SuffixIndex], dlite, cal: Calibration, branches: int):
+        self.index, self.dlite, self.cal, self.branches = index, dlite, cal, branches
         self.sources = set()  # who proposed the kept drafts: the round's source
 
     def root(self, anchor: int) -> _Node:
-        state = None if self.z is None else torch.zeros(1, self.d.dlite.model.config.rnn_rank, device=self.z.device)
-        return _Node(anchor, 0, state, None if self.index is None else self.index.match(), "")
-
-    def _dlite(self, node: _Node):
-        """(DLite's head state after the node, its top tokens, their probabilities)."""
-        if node.head is None:
-            return None, [], []
-        prev = torch.tensor([node.token], device=self.z.device)
-        state, toks, probs = self.d.dlite.model.head_branch(self.z, node.head, node.depth, prev, self.d.branches)
-        return state, toks[0].tolist(), probs[0].tolist()
+        head = None if self.dlite is None else self.dlite.root_head()
+        return _Node(anchor, 0, head, None if self.index is None else self.index.match(), "")
 
     def expand(self, node: _Node):
         """The node's children: ``[(token, P(accepted | node reached), child node)]``."""
         if node.source:
             self.sources.add(node.source)
-        cal, d = self.d.cal, node.depth + 1
-        looked = [] if node.match is None else self.index.continuations(*node.match, self.d.branches)
-        state, toks, qs = self._dlite(node)
-        head = state if d < self.d.block_size else None
-        kids = {step.token: [cal.p_lookup(step), _Node(step.token, d, head, match, "suffix")] for step, match in looked}
+        cal, d = self.cal, node.depth + 1
+        looked = [] if node.match is None else self.index.continuations(*node.match, self.branches)
+        toks, qs, head_of = ([], [], lambda token: None) if node.head is None else self.dlite.children(node)
+        kids = {step.token: [cal.p_lookup(step), _Node(step.token, d, head_of(step.token), match, "suffix")]
+                for step, match in looked}
         first = looked[0][0].token if looked else None
         for rank, (t, q) in enumerate(zip(toks, qs)):
             p = cal.p_dlite(q, 0 if first is None else (2 if first == t else 1))
@@ -86,26 +119,42 @@ class _Round:
                 kids[t][1].source = "mixed"
             else:  # the lookup continues DLite's token from the node's match (a mixed branch)
                 match = None if node.match is None else self.index.walk(*node.match, t)
-                kids[t] = [p, _Node(t, d, head, match, "dlite")]
+                kids[t] = [p, _Node(t, d, head_of(t), match, "dlite")]
         return [(t, p, child) for t, (p, child) in kids.items()]
+
+
+def grow_round_tree(anchor: int, index: Optional[SuffixIndex], dlite, cal: Calibration, branches: int,
+                    num_drafts: int, max_depth: Optional[int] = None):
+    """One request's tree of at most ``num_drafts`` drafts from the lookup's ``index`` and / or
+    DLite's branches ``dlite``. Returns (the tree, each node's reach, the round's source: suffix,
+    dlite, mixed or none)."""
+    rnd = _Round(index, dlite, cal, branches)
+    tree, reach = grow_tree(anchor, rnd.root(anchor), rnd.expand, num_drafts, max_depth)
+    kinds = rnd.sources
+    source = "none" if len(tree) == 1 else (next(iter(kinds)) if len(kinds) == 1 else "mixed")
+    return tree, reach, source
 
 
 class TreeEngineDrafter:
     """One token tree per round from the suffix lookup (``lookup=True``) and / or DLite (``dlite``):
     ``suffix-tree`` is the lookup alone, ``dlite-tree`` DLite alone, ``hybrid-tree`` both.
     ``num_drafts``: the tree's nodes, the root not counted (a round verifies num_drafts + 1 rows);
-    ``branches``: the children each source offers a node (the budget decides how many are kept)."""
+    ``branches``: the children each source offers a node (the budget decides how many are kept);
+    ``branching``: DLite's branches at every node (``head``: ``HeadBranches``) or along its greedy
+    chain only (``chain``: ``ChainBranches``, what the sglang worker drafts)."""
 
     def __init__(self, dlite: Optional[DLiteEngineDrafter] = None, lookup: bool = True,
                  num_drafts: int = DEFAULT_TREE_NODES, branches: int = DEFAULT_BRANCHES,
                  max_match: int = DEFAULT_MAX_MATCH, calibration: Optional[Calibration] = None,
-                 max_depth: Optional[int] = None):
+                 max_depth: Optional[int] = None, branching: str = "head"):
         if dlite is None and not lookup:
             raise DLiteInputError("a tree drafter needs DLite, the suffix lookup, or both.")
         if num_drafts < 1 or branches < 1:
             raise DLiteInputError(f"a draft tree needs num_drafts >= 1 and branches >= 1 (got {num_drafts}, "
                                   f"{branches}).")
-        self.dlite, self.lookup = dlite, lookup
+        if branching not in BRANCHINGS:
+            raise DLiteInputError(f"tree branching {branching!r}: use one of {', '.join(BRANCHINGS)}.")
+        self.dlite, self.lookup, self.branching = dlite, lookup, branching
         self.num_drafts, self.branches, self.max_match, self.max_depth = int(num_drafts), int(branches), max_match, max_depth
         self.cal = calibration or default_calibration()
         self.block_size = dlite.num_drafts if dlite is not None else 0
@@ -116,20 +165,25 @@ class TreeEngineDrafter:
         idx = state.get("suffix_index")
         return 0 if idx is None else idx.memory_bytes()
 
-    def _backbone(self, req: DraftRequest) -> Optional[torch.Tensor]:
+    def _dlite_branches(self, req: DraftRequest):
+        """This round's DLite branch source (None without DLite)."""
         if self.dlite is None:
             return None
         ctx, valid, history, offset = self.dlite.context_inputs(req)
         anchor = torch.tensor([req.tokens[-1]], device=req.hidden.device)
+        model = self.dlite.model
         with torch.no_grad():
-            return self.dlite.model.backbone(ctx, valid, anchor, history, offset)
+            if self.branching == "chain":
+                prop = model.propose(ctx, valid, anchor, history=history, round_offset=offset,
+                                     num_drafts=self.block_size, top_k=self.branches)
+                return ChainBranches(prop.top_tokens[0].tolist(), prop.top_probs[0].tolist())
+            return HeadBranches(model, model.backbone(ctx, valid, anchor, history, offset), self.branches,
+                                self.block_size)
 
     def draft(self, req: DraftRequest) -> DraftProposal:
         index = session_index(req, self.max_match) if self.lookup else None
-        rnd = _Round(index, self._backbone(req), self)
-        tree, reach = grow_tree(req.tokens[-1], rnd.root(req.tokens[-1]), rnd.expand, self.num_drafts,
-                                self.max_depth)
-        kinds = rnd.sources
-        source = "none" if len(tree) == 1 else (next(iter(kinds)) if len(kinds) == 1 else "mixed")
+        dlite = self._dlite_branches(req)
+        tree, reach, source = grow_round_tree(req.tokens[-1], index, dlite, self.cal, self.branches,
+                                              self.num_drafts, self.max_depth)
         tokens = torch.tensor([tree.drafts], dtype=torch.int64).view(1, len(tree) - 1)
         return DraftProposal(tokens, None, source=source, score=expected_accepted_tree(reach), tree=tree)

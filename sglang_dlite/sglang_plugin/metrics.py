@@ -159,13 +159,14 @@ class RoundTimer:
         self.pending: deque = deque()
         self.log_path = log_path
 
-    def _record(self, draft_ms: float, verify_ms: float, batch_size: int, rows, width: int, accepted=None) -> None:
+    def _record(self, draft_ms: float, verify_ms: float, batch_size: int, rows, width: int, accepted=None,
+                tree: bool = False) -> None:
         record_round(draft_ms, verify_ms, batch_size, rows)
         if accepted is not None:
             record_acceptance(accepted, width - 1)
         if self.log_path:
             with open(self.log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"bs": batch_size, "width": width, "draft_ms": round(draft_ms, 3),
+                f.write(json.dumps({"bs": batch_size, "width": width, "tree": tree, "draft_ms": round(draft_ms, 3),
                                     "verify_ms": round(verify_ms, 3)}) + "\n")
 
     def _now(self):
@@ -182,10 +183,11 @@ class RoundTimer:
     def mark(self) -> None:
         self.marks.append(self._now())
 
-    def finish(self, batch_size: int, context_valid=None, width: int = 0, accepted=None) -> None:
+    def finish(self, batch_size: int, context_valid=None, width: int = 0, accepted=None, tree: bool = False) -> None:
         """``context_valid``: [B, C] validity of the drafter's context rows (tensor) or None;
         ``width``: tokens verified per request this round; ``accepted``: [n] drafts accepted by each
-        request that drafted (tensor) or None."""
+        request that drafted (tensor) or None; ``tree``: a tree round (tree_round.py: ``width`` rows
+        per request, ``accepted`` counted along the accepted root path)."""
         rows = None
         if context_valid is not None:
             rows = (context_valid > 0.5).sum(dim=-1) if context_valid.dtype != torch.bool else context_valid.sum(-1)
@@ -194,22 +196,22 @@ class RoundTimer:
         if not self.cuda:
             t0, t1, t2 = self.marks[:3]
             self._record((t1 - t0) * 1e3, (t2 - t1) * 1e3, batch_size, None if rows is None else rows.tolist(), width,
-                         None if accepted is None else accepted.tolist())
+                         None if accepted is None else accepted.tolist(), tree)
             return
         if rows is not None:
             rows = rows.to("cpu", non_blocking=True)
         if accepted is not None:
             accepted = accepted.to("cpu", non_blocking=True)
         end = self._now()
-        self.pending.append((self.marks[:3], end, batch_size, rows, width, accepted))
+        self.pending.append((self.marks[:3], end, batch_size, rows, width, accepted, tree))
         self.poll()
 
     def poll(self) -> None:
         """Record the CUDA rounds whose events have completed (never waits)."""
         while self.pending and self.pending[0][1].query():
-            (e0, e1, e2), _, bs, rows, width, acc = self.pending.popleft()
+            (e0, e1, e2), _, bs, rows, width, acc, tree = self.pending.popleft()
             self._record(e0.elapsed_time(e1), e1.elapsed_time(e2), bs, None if rows is None else rows.tolist(), width,
-                         None if acc is None else acc.tolist())
+                         None if acc is None else acc.tolist(), tree)
         while len(self.pending) > 64:  # never grow without bound
             self.pending.popleft()
 

@@ -3,7 +3,8 @@
 Where they go: ``SGLANG_DLITE_CONFIG``, a path to a JSON file or the JSON itself, e.g.
 ``SGLANG_DLITE_CONFIG='{"max_batch_size": 48, "lookup": true}'``. Keys (``SETTINGS``, defaults in
 ``ServingOptions``): ``lookup``, ``verify_width``, ``drafter_dtype``, ``draft_cuda_graph``,
-``round_log``, ``max_batch_size``, ``soft_batch_size``, ``soft_num_drafts``, ``online``
+``round_log``, ``max_batch_size``, ``soft_batch_size``, ``soft_num_drafts``, ``tree_max_batch_size``,
+``tree_branches``, ``online``
 (sglang_plugin/README.md says what each does). An unknown key or a bad value stops the launch with
 a message. The per-setting variables of earlier releases (``SGLANG_DLITE_LOOKUP`` ...) still
 override one key each; debug switches (``SGLANG_DLITE_LOOKUP_TRACE``, ``SGLANG_DLITE_TP_SYNC``,
@@ -36,6 +37,7 @@ ENV_DRAFT_CUDA_GRAPH = "SGLANG_DLITE_DRAFT_CUDA_GRAPH"
 ENV_TP_SYNC = "SGLANG_DLITE_TP_SYNC"
 ENV_TP_CHECK = "SGLANG_DLITE_TP_CHECK"
 ENV_ROUND_LOG = "SGLANG_DLITE_ROUND_LOG"
+TREE_CPU_BATCH_SIZE = 4  # tree rounds up to this batch on a CPU by default (tree_max_batch_size)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,10 @@ class ServingOptions:
     max_batch_size: Optional[int] = None  # hard off-switch: a larger decode batch runs no drafter (load_policy.py)
     soft_batch_size: Optional[int] = None  # soft limit: a larger decode batch verifies at most soft_num_drafts
     soft_num_drafts: int = 2  # drafts per request per round above soft_batch_size
+    # token trees (tree_round.py) for greedy decode batches of at most this many requests; 0: chains
+    # only; null: the default of tree_batch_size below
+    tree_max_batch_size: Optional[int] = None
+    tree_branches: int = 4  # children each drafting source offers a tree node
     online: Optional[str] = None  # online learning (online_serving.py): the OnlineConfig spec, normalized; None: off
     lookup_trace: Optional[str] = None  # debug (SGLANG_DLITE_LOOKUP_TRACE): live indices + sources per round
     tp_sync: bool = True  # debug (SGLANG_DLITE_TP_SYNC=0): no broadcast of rank 0's drafts / accepts under TP
@@ -80,6 +86,14 @@ class ServingOptions:
         return adaptive_width_wanted(str(device), disable_cuda_graph, tp_size,
                                      environ={ENV_VERIFY_WIDTH: self.verify_width})
 
+    def tree_batch_size(self, device) -> int:
+        """Largest decode batch drafted as token trees (0: chains only). Default: TREE_CPU_BATCH_SIZE on
+        a CPU (measured there); chains on other devices, whose tree verify (the prefix + tree mask
+        of sglang's GPU attention backends) has not run in this project."""
+        if self.tree_max_batch_size is not None:
+            return int(self.tree_max_batch_size)
+        return TREE_CPU_BATCH_SIZE if str(device).startswith("cpu") else 0
+
     def describe_drafting(self) -> str:
         return "hybrid (DLite + suffix lookup)" if self.lookup else "DLite alone (lookup: false)"
 
@@ -90,7 +104,8 @@ class ServingOptions:
 
 
 SETTINGS = ("lookup", "verify_width", "drafter_dtype", "draft_cuda_graph", "round_log", "max_batch_size",
-            "soft_batch_size", "soft_num_drafts", "online")
+            "soft_batch_size", "soft_num_drafts", "tree_max_batch_size", "tree_branches",
+            "online")
 
 
 def read_config(text: Optional[str]) -> dict:
@@ -129,11 +144,14 @@ def _checked(o: ServingOptions) -> ServingOptions:
     def count(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
-    for key in ("max_batch_size", "soft_batch_size"):
+    for key in ("max_batch_size", "soft_batch_size", "tree_max_batch_size"):
         if getattr(o, key) is not None and not count(getattr(o, key)):
-            raise bad(key, "must be a batch size >= 0, or null (no limit)")
+            raise bad(key, "must be a batch size >= 0, or null (" + ("the default" if key.startswith("tree") else
+                                                                       "no limit") + ")")
     if not count(o.soft_num_drafts):
         raise bad("soft_num_drafts", "must be an integer >= 0")
+    if not count(o.tree_branches) or o.tree_branches < 1:
+        raise bad("tree_branches", "must be an integer >= 1")
     width = str(o.verify_width).strip().lower()
     if width not in WIDTH_MODES:
         raise bad("verify_width", f"use one of {', '.join(WIDTH_MODES)}")
@@ -157,6 +175,7 @@ def drafter_dtype(target_dtype: torch.dtype, device, options: Optional[ServingOp
         cpu = str(device).startswith("cpu")
         name = "float32" if cpu and target_dtype != torch.float32 and not ops.cpu_has_native_bf16() else "target"
     return target_dtype if name == "target" else _DTYPES[name]
+
 
 # the setting online's defaults where they differ from the reference engine's (OnlineConfig): one
 # adapter for the whole batch (per-session weights cannot batch), each update within a time budget

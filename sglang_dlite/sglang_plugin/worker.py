@@ -23,7 +23,8 @@ Round (decode batch):
               bonus token comes from the target.
   4. carry  : new context = last C rows of [old context, verify rows 0..a] (anchor + accepted;
               ``speculation.context.roll_last_rows``).
-Rejected slots need no cleanup: the next round overwrites them (chain, no KV moves).
+Rejected slots need no cleanup: the next round overwrites them (chain, no KV moves). Greedy batches of
+up to ``tree_max_batch_size`` requests run tree rounds instead (``tree_round.py``: one token tree each).
 The ``SGLANG_DLITE_*`` switches are read once, when the worker starts (``options.ServingOptions``).
 """
 
@@ -54,6 +55,8 @@ from . import verify_logits
 from .cuda_graphs import DrafterCudaGraphs
 from .info import DLiteDraftInput, DLiteVerifyInput, pack_context, unpack_context
 from .load_policy import LoadPolicy
+from .online_serving import OnlineServing
+from .tree_round import TreeRounds
 from .options import ENV_DRAFTER_DTYPE, ServingOptions, drafter_dtype
 from .tensor_parallel import (check_gathered_embedding, drafter_memory, gather_vocab_rows, same_on_all_ranks,
                               target_parts, tp_group)
@@ -81,7 +84,10 @@ class DLiteWorker(BaseSpecWorker):
         self._metrics = dlite_metrics.worker_timer(server_args, self.device, self.C,  # None unless --enable-metrics
                                                    getattr(self.model_runner, "tp_rank", 0), self.options)
         self._init_hybrid()
+        self.online, self.drafter = OnlineServing.attach(self.options, self.drafter, self.lookup)  # on: drafts adapt
         self.load = LoadPolicy(self.options)
+        tree_bs = self.options.tree_batch_size(self.device)
+        self.trees = TreeRounds(self, tree_bs, self.options.tree_branches) if tree_bs else None
         if self.tp_rank == 0:
             logger.info("DLITE settings: %s", self.options.describe())
         logger.info(
@@ -311,6 +317,8 @@ class DLiteWorker(BaseSpecWorker):
         t_round = time.perf_counter()
         # 1) draft (none over the off-switch, where drafting does not pay, or if every request opted out)
         n, opt_out = self._plan_round(batch, bs, t_round)
+        if self.trees is not None and self.trees.wanted(batch, bs, n, opt_out):  # tree_round.py
+            return self.trees.run(batch, state, anchors, prefix_lens, on_publish, rt, t_round)
         drafts = self._draft(state, anchors, batch, n).to(torch.int64)  # [B, W-1], the chain's first W-1
         drafts = self._tp_same(drafts, "drafts")  # TP: every rank verifies the same block
         W = drafts.shape[1] + 1  # tokens verified this round (self.W unless the width policy cut it)
@@ -328,6 +336,8 @@ class DLiteWorker(BaseSpecWorker):
         # 3) accept: penalties / grammar / logit_bias / custom processors on all W rows, then choose
         a, bonus = self._accept_round(batch, block, prefix_lens, logits_output, grammar_tree, grammar_barrier,
                                       opt_out)
+        if self.online is not None:  # the setting online: learn from this round (online_serving.py)
+            self.online.observe(state, anchors, block, logits_output.next_token_logits.view(bs, W, -1), a, opt_out)
         if self.gate is not None:  # a CPU: the draft and the verify have finished
             self._last_round = (bs, n > 0, t_round, 1.0 + float(a.float().mean()))
         out_tokens, commit_lens, new_seq_lens = self._commit(batch, drafts, prefix_lens, a, bonus)
@@ -396,13 +406,15 @@ class DLiteWorker(BaseSpecWorker):
             speculative_num_draft_tokens=self.W, new_seq_lens=empty.new_seq_lens,
         )
 
-    def _verify(self, batch, block: torch.Tensor, prefix_lens: torch.Tensor):
+    def _verify(self, batch, block: torch.Tensor, prefix_lens: torch.Tensor, positions=None, custom_mask=None):
         """One TARGET_VERIFY forward over block [B, W] = [anchor, drafts], written to the W KV slots
-        after each request's prefix, capturing the drafter's target layers."""
+        after each request's prefix, capturing the drafter's target layers. A tree round
+        (``tree_round.py``) passes its nodes' positions and its attention mask."""
         bs, W = block.shape
         device = self.device
-        offsets = torch.arange(W, device=device, dtype=prefix_lens.dtype)
-        positions = (prefix_lens[:, None] + offsets[None, :]).reshape(-1)
+        if positions is None:
+            offsets = torch.arange(W, device=device, dtype=prefix_lens.dtype)
+            positions = (prefix_lens[:, None] + offsets[None, :]).reshape(-1)
         out_cache_loc = assign_extend_cache_locs_func(
             req_pool_indices=batch.req_pool_indices,
             req_to_token=self.model_runner.req_to_token_pool.req_to_token,
@@ -411,7 +423,8 @@ class DLiteWorker(BaseSpecWorker):
         )
         verify_input = DLiteVerifyInput(
             draft_token=block.reshape(-1), positions=positions, draft_token_num=W,
-            custom_mask=None, capture_hidden_mode=CaptureHiddenMode.FULL,
+            custom_mask=custom_mask, topk=1 if custom_mask is None else 2,  # backends read a tree's mask at topk > 1
+            capture_hidden_mode=CaptureHiddenMode.FULL,
         )
         batch.out_cache_loc = out_cache_loc
         seq_lens_cpu_backup, seq_lens_sum_backup = batch.seq_lens_cpu, batch.seq_lens_sum

@@ -1,0 +1,199 @@
+"""Tree rounds for the DLITE worker: one token tree per request, verified in one TARGET_VERIFY pass.
+
+Per request the round grows a tree (``lookup.tree_drafters.grow_round_tree``) from the suffix
+lookup's continuations (ranked by occurrence counts, branching where they split) and DLite's
+top-k along its greedy chain (``ChainBranches``: the batch's one drafter pass with
+``propose(top_k=k)``, no model call while the trees grow), best-first by calibrated reach within
+``N - 1`` drafts, N the round's rows per request (at most the W KV slots the scheduler reserves).
+Every tree is padded to N rows: a padding node is a child of the root that acceptance never
+takes. Then:
+
+  verify : TARGET_VERIFY over the nodes at positions prefix + depth, under the tree's attention
+           mask (a node sees the prefix and its root path; on a CPU the draft-only [N, N] mask that
+           sglang's NGRAM worker passes there, elsewhere the prefix + tree mask of its GPU path);
+  accept : greedy: the longest root path whose every token equals the target's argmax at its
+           parent (``speculation.tree.greedy_tree_accept``), the bonus the argmax at its last node;
+  commit : the path's KV moved to the slots after the prefix (sglang's
+           ``move_accept_tokens_to_target_kvcache``, as NGRAM): the rejected branches' slots are
+           the next round's to overwrite, like a chain's rejected drafts; the lookup takes the path;
+  carry  : the path's captured rows become DLite's context (``worker._carry``).
+
+Which rounds: ``TreeRounds.wanted`` -- all-greedy batches of at most ``tree_max_batch_size``
+requests with nothing that processes verify logits per row (penalties, min_new_tokens,
+logit_bias, grammar, custom processors), no logprobs and no opt-out; every other round is a
+chain (``worker._forward_decode``), so what a tree round does not handle is never served by it.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from sglang.srt.managers.scheduler import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
+
+from ..lookup.chooser import default_calibration
+from ..lookup.tree_drafters import ChainBranches, grow_round_tree
+from ..speculation.tree import DraftTree, greedy_tree_accept
+from . import verify_logits
+from . import metrics as dlite_metrics
+from .info import DLiteDraftInput, unpack_context
+
+
+def tree_arrays(trees: List[DraftTree], rows: int):
+    """Trees padded to ``rows`` nodes each -> (tokens [B, rows], depths [B, rows], ancestry
+    [B, rows, rows] bool: entry (i, j) when node j is on node i's root path). Padding nodes are
+    children of the root carrying the root's token."""
+    B = len(trees)
+    tokens = torch.empty(B, rows, dtype=torch.int64)
+    depths = torch.ones(B, rows, dtype=torch.int64)
+    anc = torch.zeros(B, rows, rows, dtype=torch.bool)
+    for b, tree in enumerate(trees):
+        n = len(tree)
+        tokens[b] = tree.tokens[0]
+        tokens[b, :n] = torch.tensor(tree.tokens)
+        depths[b, 0] = 0
+        depths[b, :n] = torch.tensor(tree.depths)
+        anc[b, :n, :n] = tree.ancestry()
+        anc[b, n:, 0] = True
+        idx = torch.arange(n, rows)
+        anc[b, idx, idx] = True
+    return tokens, depths, anc
+
+
+def verify_mask(anc: torch.Tensor, prefix_lens: List[int], device, draft_only: bool) -> torch.Tensor:
+    """The custom mask of a tree verify, flattened bool: per request its [N, N] ancestry
+    (``draft_only``: what sglang's NGRAM worker passes on a CPU and the CPU verify hook reads) or
+    [N, prefix + N] with the prefix all allowed (NGRAM's full mask elsewhere)."""
+    if draft_only:
+        return anc.reshape(-1).to(device)
+    N = anc.shape[1]
+    parts = [torch.cat([torch.ones(N, int(p), dtype=torch.bool), anc[b]], dim=1).reshape(-1)
+             for b, p in enumerate(prefix_lens)]
+    return torch.cat(parts).to(device)
+
+
+class TreeRounds:
+    """The worker's tree rounds (module docstring); ``worker`` is the ``DLiteWorker``."""
+
+    def __init__(self, worker, max_batch_size: int, branches: int = 4):
+        self.w = worker
+        self.max_batch_size = int(max_batch_size)
+        self.branches = int(branches)
+        self.rows = int(worker.W)  # N: tree nodes + the root, per request (the reserved KV slots)
+        self.cal = worker.lookup.cal if worker.lookup is not None else default_calibration()
+
+    def wanted(self, batch, bs: int, n: int, opt_out) -> bool:
+        """Whether this round is a tree round (module docstring)."""
+        if n == 0 or opt_out is not None or bs > self.max_batch_size or batch.return_logprob:
+            return False
+        if getattr(batch, "has_grammar", False):
+            return False
+        info = batch.sampling_info
+        if not verify_logits.is_all_greedy(info) or any(verify_logits.needs_state(r) for r in batch.reqs):
+            return False
+        return info is None or (getattr(info, "logit_bias", None) is None
+                                and not getattr(info, "has_custom_logit_processor", False))
+
+    def draft(self, batch, state: torch.Tensor, anchors: torch.Tensor) -> List[DraftTree]:
+        """One tree per request: the lookup's continuations + DLite's top-k along its chain."""
+        w = self.w
+        anchor_list = anchors.tolist()
+        idxs = [None] * len(anchor_list)
+        if w.lookup is not None:
+            seq = batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else None
+            idxs, _, _ = w.lookup.begin_round(batch.reqs, anchor_list, seq, lookup=False)
+        ctx, valid = unpack_context(state, w.L, w.H)
+        prop = w.drafter.propose(ctx.contiguous(), valid, anchors, num_drafts=w.dlite_drafts, top_k=self.branches)
+        top_t, top_p = prop.top_tokens.tolist(), prop.top_probs.float().tolist()
+        trees, self._sources = [], []
+        for b, anchor in enumerate(anchor_list):
+            tree, _, source = grow_round_tree(anchor, idxs[b], ChainBranches(top_t[b], top_p[b]), self.cal,
+                                              self.branches, self.rows - 1)
+            trees.append(tree)
+            self._sources.append(source)
+        self._idxs = idxs
+        return trees
+
+    def verify(self, batch, trees: List[DraftTree], prefix_lens: torch.Tensor):
+        """One TARGET_VERIFY forward over every request's padded tree (``worker._verify``)."""
+        w = self.w
+        tokens, depths, anc = tree_arrays(trees, self.rows)
+        device = w.device
+        host_prefix = (batch.seq_lens_cpu if batch.seq_lens_cpu is not None else prefix_lens.cpu()).tolist()
+        positions = (prefix_lens[:, None].to(torch.int64) + depths.to(device)).reshape(-1)
+        mask = verify_mask(anc, host_prefix, device, draft_only=str(device).startswith("cpu"))
+        return w._verify(batch, tokens.to(device), prefix_lens, positions=positions, custom_mask=mask), tokens
+
+    def accept(self, trees: List[DraftTree], logits_output):
+        """Greedy tree acceptance per request -> (accepted drafts a [B], bonus [B], the path's node
+        index per committed token [B, N] (-1 past it), output tokens [B, N])."""
+        B, N = len(trees), self.rows
+        target = logits_output.next_token_logits.view(B, N, -1).argmax(-1).cpu()
+        a, bonus = torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
+        path_idx = torch.full((B, N), -1, dtype=torch.int64)
+        out = torch.zeros(B, N, dtype=torch.int64)
+        self._paths = []
+        for b, tree in enumerate(trees):
+            path, bon = greedy_tree_accept(tree, target[b, :len(tree)])
+            committed = tree.committed(path, bon)
+            a[b], bonus[b] = len(path) - 1, bon
+            path_idx[b, :len(path)] = torch.tensor(path)
+            out[b, :len(committed)] = torch.tensor(committed)
+            self._paths.append(committed[:-1])
+        return a, bonus, path_idx, out
+
+    def commit(self, batch, a: torch.Tensor, path_idx: torch.Tensor) -> None:
+        """The path's KV to the slots after each prefix; the lookup takes the accepted drafts."""
+        w = self.w
+        B, N = path_idx.shape
+        flat = torch.where(path_idx >= 0, path_idx + N * torch.arange(B)[:, None], -1)  # rows of the B*N verify
+        move_accept_tokens_to_target_kvcache(batch, flat.to(torch.int32).to(w.device), a.to(w.device),
+                                             w.model_runner.token_to_kv_pool_allocator)
+        if w.lookup is not None:
+            w.lookup.commit(batch.reqs, self._idxs, self._paths, a.tolist(), self._sources)
+
+    @staticmethod
+    def path_rows(hidden: torch.Tensor, path_idx: torch.Tensor, B: int) -> torch.Tensor:
+        """Captured verify rows [B*N, D] -> the path's rows first, [B, N, D] (what ``_carry`` rolls in)."""
+        hv = hidden.view(B, -1, hidden.shape[-1])
+        idx = path_idx.clamp(min=0).to(hv.device)
+        return hv.gather(1, idx[:, :, None].expand(-1, -1, hv.shape[-1]))
+
+    def run(self, batch, state: torch.Tensor, anchors: torch.Tensor, prefix_lens: torch.Tensor, on_publish, rt,
+            t_round: float) -> GenerationBatchResult:
+        """One tree round (module docstring): draft, verify, accept, commit, carry."""
+        w, bs, N = self.w, len(batch.reqs), self.rows
+        trees = self.draft(batch, state, anchors)
+        if rt is not None:
+            rt.mark()
+        target_out, _ = self.verify(batch, trees, prefix_lens)
+        lo = target_out.logits_output
+        if rt is not None:
+            rt.mark()
+        a, bonus, path_idx, out = self.accept(trees, lo)
+        if w.gate is not None:  # a CPU: the draft and the verify have finished
+            w._last_round = (bs, True, t_round, 1.0 + float(a.float().mean()))
+        self.commit(batch, a, path_idx)
+        if dlite_metrics.enabled():
+            for name in set(self._sources):
+                dlite_metrics.record_source(name, self._sources.count(name))
+        dev = w.device
+        a, bonus, out = a.to(dev), bonus.to(dev), out.to(dev)
+        commit_lens = (a + 1).to(torch.int32)
+        new_seq_lens = prefix_lens + commit_lens.to(prefix_lens.dtype)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        if lo.hidden_states is not None:  # the path's rows first: what the carry rolls in
+            lo.hidden_states = self.path_rows(lo.hidden_states, path_idx, bs).reshape(bs * N, -1)
+        new_state = w._carry(state, lo, a)
+        if rt is not None:
+            rt.finish(bs, state[..., -1], N, a, tree=True)
+        batch.forward_mode = ForwardMode.DECODE
+        return GenerationBatchResult(
+            logits_output=lo, next_token_ids=out.reshape(-1), accept_lens=commit_lens,
+            can_run_cuda_graph=target_out.can_run_cuda_graph,
+            next_draft_input=DLiteDraftInput(bonus_tokens=bonus, hidden_states=new_state, new_seq_lens=new_seq_lens),
+            speculative_num_draft_tokens=N, new_seq_lens=new_seq_lens,
+        )
