@@ -4,7 +4,9 @@ Per request the round grows a tree (``lookup.tree_drafters.grow_round_tree``) fr
 lookup's continuations (ranked by occurrence counts, branching where they split) and DLite's
 top-k along its greedy chain (``ChainBranches``: the batch's one drafter pass with
 ``propose(top_k=k)``, no model call while the trees grow), best-first by calibrated reach within
-``N - 1`` drafts, N the round's rows per request (at most the W KV slots the scheduler reserves).
+``N - 1`` drafts, N the round's rows per request: the W KV slots the scheduler reserves, or on a CPU
+as many as pay by the verify width's cost model (``VerifyWidthPolicy.choose_expected`` on each
+tree's expected accepted drafts by node count: the best-first trees are cut to their first N nodes).
 Every tree is padded to N rows: a padding node is a child of the root that acceptance never
 takes. Then:
 
@@ -26,6 +28,7 @@ chain (``worker._forward_decode``), so what a tree round does not handle is neve
 
 from __future__ import annotations
 
+import itertools
 from typing import List
 
 import torch
@@ -74,6 +77,18 @@ def verify_mask(anc: torch.Tensor, prefix_lens: List[int], device, draft_only: b
     return torch.cat(parts).to(device)
 
 
+def expected_by_rows(reaches: List[List[float]]) -> List[List[float]]:
+    """Per request, the expected accepted drafts when its tree's first n nodes are verified
+    (n = 0 .. nodes): the running sum of the nodes' reach (``grow_tree`` adds them in order of
+    falling reach, so the first n nodes are the best n and a tree). The verify width policy's table."""
+    return [list(itertools.accumulate(r[1:], initial=0.0)) for r in reaches]
+
+
+def first_nodes(tree: DraftTree, n: int) -> DraftTree:
+    """The tree's first ``n`` nodes, the root included (a tree: every parent comes first)."""
+    return tree if len(tree) <= n else DraftTree(tree.tokens[:n], tree.parents[:n])
+
+
 class TreeRounds:
     """The worker's tree rounds (module docstring); ``worker`` is the ``DLiteWorker``."""
 
@@ -81,7 +96,8 @@ class TreeRounds:
         self.w = worker
         self.max_batch_size = int(max_batch_size)
         self.branches = int(branches)
-        self.rows = int(worker.W)  # N: tree nodes + the root, per request (the reserved KV slots)
+        self.rows = int(worker.W)  # tree nodes + the root, per request, at most (the reserved KV slots)
+        self.round_rows = self.rows  # N: this round's
         self.cal = worker.lookup.cal if worker.lookup is not None else default_calibration()
 
     def wanted(self, batch, bs: int, n: int, opt_out) -> bool:
@@ -107,19 +123,25 @@ class TreeRounds:
         ctx, valid = unpack_context(state, w.L, w.H)
         prop = w.drafter.propose(ctx.contiguous(), valid, anchors, num_drafts=w.dlite_drafts, top_k=self.branches)
         top_t, top_p = prop.top_tokens.tolist(), prop.top_probs.float().tolist()
-        trees, self._sources = [], []
+        trees, reaches, self._sources = [], [], []
         for b, anchor in enumerate(anchor_list):
-            tree, _, source = grow_round_tree(anchor, idxs[b], ChainBranches(top_t[b], top_p[b]), self.cal,
-                                              self.branches, self.rows - 1)
+            tree, reach, source = grow_round_tree(anchor, idxs[b], ChainBranches(top_t[b], top_p[b]), self.cal,
+                                                  self.branches, self.rows - 1)
             trees.append(tree)
+            reaches.append(reach)
             self._sources.append(source)
         self._idxs = idxs
+        self.round_rows = self.rows
+        if w.width_policy is not None:  # a CPU: as many rows as pay, from the verify width's cost model
+            self.round_rows = w.width_policy.choose_expected(expected_by_rows(reaches))
+            trees = [first_nodes(t, self.round_rows) for t in trees]
+        self.round_rows = max(len(t) for t in trees)  # no round pads every tree
         return trees
 
     def verify(self, batch, trees: List[DraftTree], prefix_lens: torch.Tensor):
         """One TARGET_VERIFY forward over every request's padded tree (``worker._verify``)."""
         w = self.w
-        tokens, depths, anc = tree_arrays(trees, self.rows)
+        tokens, depths, anc = tree_arrays(trees, self.round_rows)
         device = w.device
         host_prefix = (batch.seq_lens_cpu if batch.seq_lens_cpu is not None else prefix_lens.cpu()).tolist()
         positions = (prefix_lens[:, None].to(torch.int64) + depths.to(device)).reshape(-1)
@@ -129,7 +151,7 @@ class TreeRounds:
     def accept(self, trees: List[DraftTree], logits_output):
         """Greedy tree acceptance per request -> (accepted drafts a [B], bonus [B], the path's node
         index per committed token [B, N] (-1 past it), output tokens [B, N])."""
-        B, N = len(trees), self.rows
+        B, N = len(trees), self.round_rows
         target = logits_output.next_token_logits.view(B, N, -1).argmax(-1).cpu()
         a, bonus = torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
         path_idx = torch.full((B, N), -1, dtype=torch.int64)
@@ -164,8 +186,9 @@ class TreeRounds:
     def run(self, batch, state: torch.Tensor, anchors: torch.Tensor, prefix_lens: torch.Tensor, on_publish, rt,
             t_round: float) -> GenerationBatchResult:
         """One tree round (module docstring): draft, verify, accept, commit, carry."""
-        w, bs, N = self.w, len(batch.reqs), self.rows
+        w, bs = self.w, len(batch.reqs)
         trees = self.draft(batch, state, anchors)
+        N = self.round_rows
         if rt is not None:
             rt.mark()
         target_out, _ = self.verify(batch, trees, prefix_lens)
