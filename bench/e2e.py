@@ -28,7 +28,8 @@ chains' calibrated acceptance and the verify cost it has measured, ``speculation
 ``dlite-only`` turns the
 lookup off (``SGLANG_DLITE_LOOKUP=0``: DLite alone, the previous release's drafting);
 ``dlite-chain`` is the hybrid with chains only (the setting ``tree_max_batch_size: 0``; by default a
-CPU drafts token trees for greedy batches of up to 4 requests, ``sglang_plugin/tree_round.py``). The suffix
+CPU drafts token trees for greedy batches of up to 4 requests, ``sglang_plugin/tree_round.py``);
+``dlite-online`` is ``dlite`` with online learning on (the setting ``online: true``, issue 47). The suffix
 lookup indexes only the request's own tokens (prompt + its output so far): a replayed request
 never sees its own recorded answer, and nothing carries over between requests or levels.
 
@@ -217,12 +218,13 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     base_mode, tp_size, dp_size = parse_parallel(mode, tp_size, dp_size)
     kw.update(tp_size=tp_size, dp_size=dp_size)
     spec, _, w = base_mode.partition(":")
-    if spec not in ("dlite", "hybrid", "hybrid-fixed", "dlite-only", "dlite-chain", "ngram", "eagle3", "nospec"):
+    if spec not in ("dlite", "hybrid", "hybrid-fixed", "dlite-only", "dlite-chain", "dlite-online", "ngram",
+                    "eagle3", "nospec"):
         raise SystemExit(f"unknown mode {mode!r}: dlite[:W], hybrid[:W], hybrid-fixed[:W], dlite-only[:W], "
-                         "dlite-chain[:W], ngram[:W], eagle3[:W] or nospec")
+                         "dlite-chain[:W], dlite-online[:W], ngram[:W], eagle3[:W] or nospec")
     lookup = {"hybrid": "1", "hybrid-fixed": "1", "dlite-only": "0"}.get(spec, os.environ.get("SGLANG_DLITE_LOOKUP", "1"))
     width = "fixed" if spec == "hybrid-fixed" else os.environ.get("SGLANG_DLITE_VERIFY_WIDTH", "auto")
-    is_dlite = spec in ("dlite", "hybrid", "hybrid-fixed", "dlite-only", "dlite-chain")
+    is_dlite = spec in ("dlite", "hybrid", "hybrid-fixed", "dlite-only", "dlite-chain", "dlite-online")
     import tempfile
 
     tmp = tempfile.mkdtemp(prefix="dlite_lookup_")
@@ -242,6 +244,11 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
 
         settings = read_config(os.environ.get("SGLANG_DLITE_CONFIG"))
         os.environ["SGLANG_DLITE_CONFIG"] = json.dumps({**settings, "tree_max_batch_size": 0})
+    if spec == "dlite-online":  # online learning on (the serving setting online, its defaults)
+        from sglang_dlite.sglang_plugin.options import read_config
+
+        os.environ["SGLANG_DLITE_CONFIG"] = json.dumps({**read_config(os.environ.get("SGLANG_DLITE_CONFIG")),
+                                                        "online": True})
     verify_kw = {"speculative_num_draft_tokens": int(w)} if spec != "nospec" and w else {}
     if spec == "ngram":
         verify_kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8, **verify_kw}

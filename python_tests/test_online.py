@@ -74,23 +74,28 @@ def test_update_moves_the_drafter_towards_the_target(tiny_target):
     assert learner.stats["updates"] > 0 and learner.stats["reverts"] == 0
 
 
-def test_watchdog_reverts_a_worse_adapter(tiny_target):
+@pytest.mark.parametrize("every", [1, 0])  # 0: the server scope's default, one round in 8 compared
+def test_watchdog_reverts_a_worse_adapter(tiny_target, every):
     """A shipped drafter that accepts well, an adapter made worse (the final norm negated): the
-    watchdog sees the adapted chain lose on a window of rounds and goes back to the shipped weights."""
+    watchdog sees the adapted chain lose on a window of compared rounds (every round, or one in 8)
+    and goes back to the shipped weights."""
     eng, first = online_engine(tiny_target, shipped(tiny_target), params="head")
     eng.generate(REPETITIVE, 80)  # first.model now drafts the stream well: the "shipped" drafter below
     good = first.model
     eng, learner = online_engine(tiny_target, good, params="norm", scope="server", update_every=10**6,
-                                 watchdog_window=4)
+                                 watchdog_window=4, watchdog_every=every)
+    n = learner.cfg.watch_every
+    assert n == (every or 8)
     st = learner._server
     st.values["final_norm.weight"].mul_(-1)
     st.adapted = True
-    res = eng.generate(REPETITIVE, 60)
+    res = eng.generate(REPETITIVE, 60 if n == 1 else 150)
     assert learner.stats["reverts"] == 1
+    assert learner.stats["watched"] == 4  # the window's 4 compared rounds (one in n), none after the revert
     assert torch.equal(st.values["final_norm.weight"], good.final_norm.weight)
     assert torch.equal(learner.model.final_norm.weight, good.final_norm.weight)
     assert not st.adapted
-    late = res.rounds[8:]
+    late = res.rounds[4 * n + 4:]
     assert sum(r.accepted for r in late) / len(late) > 1.0  # drafting well again after the revert
 
 

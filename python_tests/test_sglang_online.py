@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 
 import pytest
@@ -19,9 +20,9 @@ from sglang_dlite.errors import DLiteConfigError
 from sglang_dlite.model import DLiteDrafter
 from sglang_dlite.online import OnlineConfig
 from sglang_dlite.ops import cpu_linear
-from sglang_dlite.sglang_plugin.info import pack_context
+from sglang_dlite.sglang_plugin.info import pack_context, unpack_context
 from sglang_dlite.sglang_plugin.online_serving import OnlineServing, _as_probs
-from sglang_dlite.sglang_plugin.options import SETTINGS, ServingOptions
+from sglang_dlite.sglang_plugin.options import ServingOptions
 
 NEXT = {5: 9, 9: 13, 13: 5}  # the planted stream: the target continues 5 -> 9 -> 13 -> 5 ...
 
@@ -98,6 +99,67 @@ def test_the_budget_never_blocks(tiny_target):
     s = srv.summary()
     assert s["updates"] == 6 and s["steps"] == 6 and s["budget_cut"] == 6
     assert ServingOptions.from_env({"SGLANG_DLITE_CONFIG": '{"online": true}'}).online == "scope=server,max_update_ms=50.0"
+
+
+def test_updates_are_paced_to_their_budget(tiny_target):
+    """A positive max_update_ms at server scope: an update past its budget delays the next one so
+    that updates average at most the budget per update_every rounds (0 ms: no pacing, above)."""
+    srv = serving(drafter(tiny_target), params="head", update_every=2, watchdog_window=0, max_update_ms=1e-3)
+    gen = torch.Generator().manual_seed(5)
+    srv.observe(*planted_round(srv, gen=gen))
+    srv.observe(*planted_round(srv, gen=gen))
+    s = srv.summary()
+    assert s["updates"] == 1
+    assert srv.state.update_period == math.ceil(2 * s["update_ms"] / 1e-3) > 100
+    for _ in range(20):
+        srv.observe(*planted_round(srv, gen=gen))
+    assert srv.learner.stats["updates"] == 1 and srv.enabled
+    fast = serving(drafter(tiny_target), params="head", update_every=2, watchdog_window=0, max_update_ms=1e6)
+    for _ in range(6):
+        fast.observe(*planted_round(fast, gen=gen))
+    assert fast.learner.stats["updates"] == 3 and fast.state.update_period == 2  # within budget: every 2
+
+
+def test_tree_round_pairs_are_the_accepted_paths(tiny_target):
+    """observe_tree: a tree round's pair is the chain round's over its accepted root path -- the
+    path's drafts as the head's feedback, the target's argmax at the path's nodes as the labels up
+    to the first rejection (-1 after) -- and the sampled watchdog scores chains on the path only."""
+    srv = serving(drafter(tiny_target), drafts_are_model=True, params="norm", update_every=10**6,
+                  watchdog_window=64, watchdog_every=1)
+    cfg = srv.model.config
+    K, V, N, B = cfg.block_size, cfg.vocab_size, 6, 2
+    gen = torch.Generator().manual_seed(6)
+    state, anchors, _, _, _ = planted_round(srv, B=B, gen=gen)
+    # request 0: path = nodes 0 -> 2 -> 5 (two drafts accepted); request 1: nothing accepted
+    nodes = torch.randint(3, V, (B, N), generator=gen)
+    path_idx = torch.tensor([[0, 2, 5, -1, -1, -1], [0, -1, -1, -1, -1, -1]])
+    a = torch.tensor([2, 0])
+    logits = torch.randn(B, N, V + 64, generator=gen)  # sglang pads the vocabulary
+    bonus = logits[:, :, :V].argmax(-1)
+    out = torch.zeros(B, N, dtype=torch.int64)
+    out[0, :3] = torch.stack([nodes[0, 2], nodes[0, 5], bonus[0, 5]])
+    out[1, 0] = bonus[1, 0]
+    for b, node in ((0, 0), (0, 2)):  # the path's drafts are what the target predicted at their parents
+        logits[b, node, nodes[b, {0: 2, 2: 5}[node]]] = 50.0
+    out[0, :2] = torch.stack([nodes[0, 2], nodes[0, 5]])
+    srv.state.adapted = True  # the watchdog compares from the first round
+    srv.observe_tree(state, anchors, out, path_idx, a, logits)
+    assert srv.enabled and srv.learner.stats["rounds"] == 1 and srv.learner.stats["watched"] == 1
+    p0, p1 = list(srv.state.buffer)
+    assert p0.anchor == int(anchors[0]) and p1.anchor == int(anchors[1])
+    assert p0.feedback[:2].tolist() == [int(nodes[0, 2]), int(nodes[0, 5])]
+    target0 = logits[0, [0, 2, 5], :V].argmax(-1)
+    assert p0.labels[:3].tolist() == target0.tolist() and (p0.labels[3:] == -1).all()
+    assert p1.labels[0] == logits[1, 0, :V].argmax() and (p1.labels[1:] == -1).all()
+    assert torch.allclose(p0.top_p[2], torch.softmax(logits[0, 5, :V], -1).topk(p0.top_p.shape[-1]).values)
+    assert len(p0.labels) == K
+    # the watchdog's scores: chains judged on the path's drafts and the path's target rows only
+    from sglang_dlite.online import chain_accepted
+    ctx, valid = unpack_context(state, cfg.num_capture_layers, cfg.target_hidden_size)
+    with torch.no_grad():
+        chains = srv.learner.shipped.propose(ctx.contiguous(), valid, anchors).tokens.tolist()
+    path_d, path_t = [[int(nodes[0, 2]), int(nodes[0, 5])], []], [target0.tolist(), [int(p1.labels[0])]]
+    assert list(srv.state.window) == [(chain_accepted(c, d, t),) * 2 for c, d, t in zip(chains, path_d, path_t)]
 
 
 def test_errors_disable_learning_instead_of_raising(tiny_target, monkeypatch, caplog):
@@ -192,10 +254,12 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 3
 MAX_NEW = [40, 24, 40]
 
 
-def test_sglang_greedy_output_with_online_learning_is_the_targets(tmp_path, monkeypatch, capfd):
+@pytest.mark.parametrize("trees", [False, True])
+def test_sglang_greedy_output_with_online_learning_is_the_targets(tmp_path, monkeypatch, capfd, trees):
     """A real engine (CPU, tiny sticky Llama, a random token-fed DLite, DLite alone so the watchdog's
-    drafts-are-the-model path runs, one request opted out): greedy output == the target's own greedy
-    output, the learner updated (its first-update log line) and never failed."""
+    drafts-are-the-model path runs): greedy output == the target's own greedy output, the learner
+    updated (its first-update log line) and never failed. Chains (one request opted out) or token
+    trees (every round a tree round: the learner learns from the accepted paths only)."""
     import sglang_fixtures as F
     from transformers import AutoModelForCausalLM
 
@@ -205,12 +269,12 @@ def test_sglang_greedy_output_with_online_learning_is_the_targets(tmp_path, monk
     ref = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
                        attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
            for p, n in zip(PROMPTS, MAX_NEW)]
-    settings = {"lookup": False, "online": "params=last,update_every=1,min_pairs=1,steps=1,watchdog_window=4"}
-    if "tree_max_batch_size" in SETTINGS:  # token-tree rounds do not feed the learner: chain rounds here
-        settings["tree_max_batch_size"] = 0
+    settings = {"lookup": False, "tree_max_batch_size": 4 if trees else 0,
+                "online": "params=last,update_every=1,min_pairs=1,steps=1,watchdog_window=4,watchdog_every=2"}
     monkeypatch.setenv("SGLANG_DLITE_CONFIG", json.dumps(settings))
     sps = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in MAX_NEW]
-    sps[1]["custom_params"] = {"dlite_speculate": False}
+    if not trees:  # an opted-out request: its batches are chain rounds
+        sps[1]["custom_params"] = {"dlite_speculate": False}
     root = logging.getLogger()
     saved = root.level, list(root.handlers)
     try:  # log_level info (the learner's first-update line); sglang re-configures this process's root logger

@@ -24,8 +24,10 @@ weights after every update; the sglang worker's setting ``online``, ``sglang_plu
 feeds it whole batches through ``learn_round``). Rails: the shipped model is never written (a deep copy is trained;
 the target's frozen tensors are shared, not copied); a watchdog compares, on the same rounds, the
 adapted chain's acceptance with the shipped drafter's and reverts to the shipped weights when a
-window of rounds says the adapted one is worse; the buffer is bounded; a seed makes every update
-deterministic (``max_update_ms`` is then the one source of run-to-run variation: off by default).
+window of compared rounds says the adapted one is worse (at server scope one round in 8 is
+compared: ``watchdog_every``); the buffer is bounded; a seed makes every update
+deterministic (``max_update_ms`` is then the one source of run-to-run variation: off by default; at
+server scope it also paces the updates, an update past it delaying the next).
 
 Measured (reference engine, SmolLM2-135M + the shipped drafter, greedy, CPU; ``bench/acceptance.py``,
 first 2 conversations at 128 new tokens; tau static -> adaptive): agent-stdlib 1.535 -> 1.912 with
@@ -39,6 +41,7 @@ round on this CPU (updates + the watchdog's shadow draft); all runs lossless.
 from __future__ import annotations
 
 import copy
+import math
 import time
 import weakref
 from collections import deque
@@ -80,7 +83,8 @@ class OnlineConfig:
     decay: float = 0.02  # server scope: after each update, delta *= 1 - decay
     watchdog_window: int = 64  # rounds per watchdog verdict (0: no watchdog)
     watchdog_margin: float = 0.0  # revert when adapted mean accepted < shipped's - margin
-    max_update_ms: Optional[float] = None  # an update stops stepping past this (breaks determinism)
+    watchdog_every: int = 0  # compare on one round in this many (0: every round per session, 1 in 8 at server scope)
+    max_update_ms: Optional[float] = None  # an update stops stepping past this (breaks determinism); server: paced
     seed: int = 0
 
     def __post_init__(self):
@@ -89,10 +93,14 @@ class OnlineConfig:
         if self.scope not in SCOPES:
             raise DLiteConfigError(f"online scope={self.scope!r}: pick one of {', '.join(SCOPES)}.")
         ints = ("update_every", "steps", "batch_size", "buffer_size", "min_pairs", "tv_topk")
-        bad = [n for n in ints if int(getattr(self, n)) < 1]
+        bad = [n for n in ints if int(getattr(self, n)) < 1] + (["watchdog_every"] if self.watchdog_every < 0 else [])
         if bad or self.lr <= 0 or not 0 <= self.decay < 1 or self.watchdog_window < 0 or self.recent < 0:
             raise DLiteConfigError(f"online settings out of range ({', '.join(bad) or 'lr/decay/watchdog/recent'}): "
                                    "counts >= 1, lr > 0, 0 <= decay < 1, watchdog_window >= 0, recent >= 0.")
+
+    @property
+    def watch_every(self) -> int:  # rounds per watchdog comparison (watchdog_every; 0: the scope's default)
+        return self.watchdog_every or (8 if self.scope == "server" else 1)
 
     @classmethod
     def parse(cls, text: str) -> "OnlineConfig":
@@ -176,7 +184,8 @@ class _State:
         self.optim = torch.optim.Adam(learner.masters, lr=learner.cfg.lr)
         self.buffer: deque = deque(maxlen=learner.cfg.buffer_size)
         self.window: deque = deque(maxlen=max(1, learner.cfg.watchdog_window))  # (adapted, shipped) accepted
-        self.rounds_since_update = 0
+        self.rounds = self.rounds_since_update = 0  # rounds learned from (the watchdog: one in watch_every)
+        self.update_period = learner.cfg.update_every  # rounds until the next update (paced: more)
         self.adapted = False  # values differ from the shipped ones
 
 
@@ -240,7 +249,7 @@ class OnlineLearner:
         self._pending = None  # (context, valid, anchor) of the round being verified
         self.drafts_are_model = False  # the verified drafts are the working model's greedy chain (DLite alone)
         self.stats = {"rounds": 0, "updates": 0, "steps": 0, "reverts": 0, "budget_cut": 0,
-                      "observe_ms": 0.0, "update_ms": 0.0, "shadow_ms": 0.0, "sessions": 0}
+                      "observe_ms": 0.0, "update_ms": 0.0, "shadow_ms": 0.0, "sessions": 0, "watched": 0}
 
     # ------------------------------------------------------------------ bookkeeping
     def _build_vocab_index(self) -> torch.Tensor:
@@ -326,56 +335,63 @@ class OnlineLearner:
         self._pending = None
         self.stats["observe_ms"] += (time.perf_counter() - t0) * 1e3
 
-    def learn_round(self, st: _State, ctx, valid, anchors, drafts, probs, accepted: list) -> None:
+    def learn_round(self, st: _State, ctx, valid, anchors, drafts, probs, accepted, path: bool = False) -> None:
         """One verify round of B requests into ``st``: its pairs into the buffer, the watchdog's
-        comparison (once adapted), an update when one is due. ``ctx`` [B, L, C, H] and ``valid`` [B, C]
-        the rows the drafter read, ``anchors`` [B], ``drafts`` [B, n] the verified chain, ``probs``
-        [B, n + 1, V] the target's distribution at every verified row, ``accepted`` [B] ints."""
+        comparison (once adapted, one round in ``watch_every``), an update when one is due. ``ctx``
+        [B, L, C, H] / ``valid`` [B, C] the rows the drafter read, ``anchors`` [B], ``drafts`` [B, n]
+        the verified chain, ``probs`` [B, n + 1, V] the target's distribution per verified row,
+        ``accepted`` [B]. ``path``: a tree round's accepted root path (the watchdog cuts row b at
+        ``accepted[b]``: the rest was not verified as a chain; never the working model's chain)."""
+        accepted = torch.as_tensor(accepted, dtype=torch.int64).cpu()
         st.buffer.extend(self.make_pairs(ctx, valid, anchors, drafts, probs, accepted))
-        if st.adapted and self.cfg.watchdog_window and drafts.shape[1]:
-            self._watch(st, ctx, valid, anchors, drafts.tolist(), probs.argmax(-1).tolist())
+        st.rounds += 1
+        if (st.adapted and self.cfg.watchdog_window and drafts.shape[1]
+                and st.rounds % self.cfg.watch_every == 0):
+            d, t, a = drafts.tolist(), probs.argmax(-1).tolist(), accepted.tolist()
+            d, t = ([r[:n] for r, n in zip(d, a)], [r[:n + 1] for r, n in zip(t, a)]) if path else (d, t)
+            self._watch(st, ctx, valid, anchors, d, t, model_drafts=self.drafts_are_model and not path)
         self.stats["rounds"] += 1
         st.rounds_since_update += 1
-        if st.rounds_since_update >= self.cfg.update_every and len(st.buffer) >= self.cfg.min_pairs:
+        if st.rounds_since_update >= st.update_period and len(st.buffer) >= self.cfg.min_pairs:
             self.update(st)
 
     @torch.no_grad()
-    def make_pairs(self, ctx, valid, anchors, drafts, probs, accepted: list) -> list:
-        """One ``Pair`` per request of a verify round (``learn_round``'s arguments)."""
-        K, k = self.model.config.block_size, self.cfg.tv_topk
-        B, n = drafts.shape
+    def make_pairs(self, ctx, valid, anchors, drafts, probs, accepted) -> list:
+        """One ``Pair`` per request of a verify round (``learn_round``'s arguments), built batched."""
+        (B, n), K, vi = drafts.shape, self.model.config.block_size, self._vocab_index
         rows = min(n + 1, K)  # verified rows the drafter has a position for
-        vi = self._vocab_index
         p = probs[:, :rows].float()
-        top_p, top_i = (t.cpu() for t in p.topk(min(k, p.shape[-1]), -1))
-        best = vi[p.argmax(-1).cpu()]  # [B, rows]
+        top_p, top_i = (t.cpu() for t in p.topk(min(self.cfg.tv_topk, p.shape[-1]), -1))
+        kk = top_i.shape[-1]
         fb = torch.zeros(B, K, dtype=torch.int64)
         fb[:, :min(n, K)] = drafts[:, :K].cpu()
-        out = []
-        for b in range(B):
-            n_valid = min(int(accepted[b]) + 1, rows)
-            labels = torch.full((K,), -1, dtype=torch.int64)
-            labels[:n_valid] = best[b, :n_valid]
-            top_idx = torch.full((K, top_i.shape[-1]), -1, dtype=torch.int64)
-            top_idx[:rows] = vi[top_i[b]]
-            tp = torch.zeros(K, top_i.shape[-1])
-            tp[:rows] = top_p[b]
-            out.append(Pair(ctx[b].detach().clone(), valid[b].clone(), int(anchors[b]), fb[b], labels, top_idx, tp))
-        return out
+        n_valid = (torch.as_tensor(accepted, dtype=torch.int64).cpu() + 1).clamp_max(rows)
+        labels = torch.full((B, K), -1, dtype=torch.int64)
+        labels[:, :rows] = torch.where(torch.arange(rows)[None] < n_valid[:, None], vi[top_i[..., 0]], -1)
+        top_idx = torch.full((B, K, kk), -1, dtype=torch.int64)
+        top_idx[:, :rows] = vi[top_i]
+        tp = torch.zeros(B, K, kk)
+        tp[:, :rows] = top_p
+        ctx, valid = ctx.detach().clone(), valid.clone()  # the round's tensors are not kept
+        return [Pair(ctx[b], valid[b], a, fb[b], labels[b], top_idx[b], tp[b])
+                for b, a in enumerate(anchors.tolist())]
 
     @torch.no_grad()
-    def _watch(self, st: _State, ctx, valid, anchors, drafts: list, target_tokens: list) -> None:
-        """Score the adapted and the shipped chains on this round's requests; revert on a losing
-        window. Where the verified drafts are the adapted chain, the shipped one is cut to their length."""
+    def _watch(self, st: _State, ctx, valid, anchors, drafts: list, target_tokens: list,
+               model_drafts: Optional[bool] = None) -> None:
+        """Score the adapted and the shipped chains on this round's requests; revert on a losing window.
+        Where the verified drafts are the adapted chain (``model_drafts``), the shipped one is cut to their length."""
         t0 = time.perf_counter()
+        model_drafts = self.drafts_are_model if model_drafts is None else model_drafts
         ctx, anchors = ctx.contiguous(), anchors.to(ctx.device, torch.int64)
         self.shipped.to(ctx.device)
         shipped = self.shipped.propose(ctx, valid, anchors).tokens.tolist()
-        adapted = drafts if self.drafts_are_model else self.model.propose(ctx, valid, anchors).tokens.tolist()
+        adapted = drafts if model_drafts else self.model.propose(ctx, valid, anchors).tokens.tolist()
         for b, (d, t) in enumerate(zip(drafts, target_tokens)):
-            s_chain = shipped[b][:len(d)] if self.drafts_are_model else shipped[b]
+            s_chain = shipped[b][:len(d)] if model_drafts else shipped[b]
             st.window.append((chain_accepted(adapted[b], d, t), chain_accepted(s_chain, d, t)))
         self.stats["shadow_ms"] += (time.perf_counter() - t0) * 1e3
+        self.stats["watched"] += 1
         if len(st.window) >= st.window.maxlen:
             a = sum(x for x, _ in st.window) / len(st.window)
             s = sum(y for _, y in st.window) / len(st.window)
@@ -441,7 +457,10 @@ class OnlineLearner:
         self._save(st)
         st.adapted = True
         self.stats["updates"] += 1
-        self.stats["update_ms"] += (time.perf_counter() - t0) * 1e3
+        ms, budget = (time.perf_counter() - t0) * 1e3, self.cfg.max_update_ms
+        self.stats["update_ms"] += ms
+        if self.cfg.scope == "server" and budget:  # paced: an update past its budget delays the next one
+            st.update_period = max(self.cfg.update_every, math.ceil(self.cfg.update_every * ms / budget))
 
     def summary(self) -> dict:
         s = dict(self.stats)

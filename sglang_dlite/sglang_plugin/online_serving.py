@@ -6,11 +6,14 @@ working copy of the drafter for the whole batch (per-session weights cannot batc
 towards the shipped weights after every update. The worker drafts with that copy (``attach``
 hands it over in place of the shipped drafter, so the drafter's CUDA graphs and tree rounds use it
 too: updates write its parameters in place) and, after each chain verify round, passes the round
-to ``observe``: per request the rows the drafter read (the carried ``state``), the anchor, the
+to ``observe`` (a tree round: its accepted root path, a chain, to ``observe_tree``): per request the rows the drafter read (the carried ``state``), the anchor, the
 verified block [anchor, drafts], the target's verify logits after sglang's logit processing and
 the accepted count; opted-out rows are skipped. Every ``update_every`` rounds an update takes up to
 ``steps`` optimizer steps, stopping once past ``max_update_ms`` (the serving default
-``options.ONLINE_DEFAULTS``; one step always runs).
+``options.ONLINE_DEFAULTS``; one step always runs); an update past the budget delays the next one
+(``OnlineLearner.update``: updates average at most the budget per ``update_every`` rounds), and the
+watchdog compares on one round in ``watchdog_every`` (8 at server scope): learning has to cost less
+than the acceptance it buys at concurrency 1.
 
 Rails: output stays lossless (verification is unchanged, only drafts move); the shipped drafter is
 never written; a watchdog reverts to the shipped weights when the adapted chain loses; a
@@ -103,7 +106,29 @@ class OnlineServing:
             self.disable(exc)
         self.learner.stats["observe_ms"] += (time.perf_counter() - t0) * 1e3
 
-    def _observe(self, state, anchors, block, logits, accepted, skip) -> None:
+    def observe_tree(self, state: torch.Tensor, anchors: torch.Tensor, out: torch.Tensor, path_idx: torch.Tensor,
+                     accepted: torch.Tensor, logits: torch.Tensor) -> None:
+        """One tree round (``tree_round.TreeRounds.run``): the accepted root path is the chain, so
+        the pair is a chain round's over it: ``out`` [B, N] the committed tokens (the path's drafts,
+        then the bonus), ``path_idx`` [B, N] the path's node per committed token (-1 past it),
+        ``accepted`` [B] the path's drafts, ``logits`` [B, N, V'] the verify logits per node: the
+        rows of the path's nodes are the target's at every step of that chain. Never raises."""
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                a = accepted.cpu().to(torch.int64)
+                m = int(a.max()) + 1  # rows up to the longest path's last node
+                idx = path_idx[:, :m].clamp(min=0).to(logits.device)
+                rows = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
+                block = torch.cat([anchors.reshape(-1, 1).to(out.device), out[:, :m - 1]], 1)
+                self._observe(state, anchors, block, rows, a, None, path=True)
+        except Exception as exc:  # noqa: BLE001  (the serving loop must go on: log, disable)
+            self.disable(exc)
+        self.learner.stats["observe_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def _observe(self, state, anchors, block, logits, accepted, skip, path: bool = False) -> None:
         if skip is not None:
             keep = (~skip.to(torch.bool)).nonzero().flatten()
             if keep.numel() == 0:
@@ -115,7 +140,7 @@ class OnlineServing:
         stats = self.learner.stats
         before = (stats["updates"], stats["reverts"])
         self.learner.learn_round(self.state, ctx, valid, anchors.to(torch.int64), block[:, 1:].to(torch.int64),
-                                 probs, accepted.tolist())
+                                 probs, accepted, path=path)
         if (stats["updates"], stats["reverts"]) != before:
             self._after_write()
         if stats["rounds"] % LOG_EVERY == 0 or (stats["updates"] == 1 and before[0] == 0):  # and the first update

@@ -196,6 +196,8 @@ class TreeRounds:
         if rt is not None:
             rt.mark()
         a, bonus, path_idx, out = self.accept(trees, lo)
+        if w.online is not None:  # the setting online: learn from the accepted path (online_serving.py)
+            w.online.observe_tree(state, anchors, out, path_idx, a, lo.next_token_logits.view(bs, N, -1))
         if w.gate is not None:  # a CPU: the draft and the verify have finished
             w._last_round = (bs, True, t_round, 1.0 + float(a.float().mean()))
         self.commit(batch, a, path_idx)
