@@ -130,5 +130,6 @@ def test_e2e_round_stats_reads_the_round_log_after_an_offset(tmp_path):
     mark = log.stat().st_size
     with open(log, "a") as f:
         f.write('{"bs": 4, "draft_ms": 10.0, "verify_ms": 100.0}\n{"bs": 4, "draft_ms": 20.0, "verify_ms": 300.0}\n{"bs": 4, "dr')
-    assert e2e._round_stats(str(log), mark) == {"decode_rounds": 2, "draft_ms_per_round": 15.0, "verify_ms_per_round": 200.0}
+    assert e2e._round_stats(str(log), mark) == {"decode_rounds": 2, "draft_ms_per_round": 15.0, "verify_ms_per_round": 200.0,
+                                                "tree_round_share": 0.0}
     assert e2e._round_stats(str(tmp_path / "none.jsonl"), 0) == {}

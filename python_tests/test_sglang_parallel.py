@@ -65,6 +65,8 @@ def _parallel_env(monkeypatch):
     monkeypatch.setenv("SGLANG_DLITE_LOOKUP", "0")
     monkeypatch.setenv("SGLANG_DLITE_VERIFY_WIDTH", "fixed")  # dp2 on a CPU: every round W wide, as the reference
     monkeypatch.setenv("SGLANG_DLITE_TP_CHECK", "1")
+    # chains, as the reference rounds (under tp the worker never drafts trees; dp ranks would)
+    monkeypatch.setenv("SGLANG_DLITE_CONFIG", '{"tree_max_batch_size": 0}')
 
 
 @pytest.mark.parametrize("parallel", [{"tp_size": 2}, {"dp_size": 2}], ids=["tp2", "dp2"])

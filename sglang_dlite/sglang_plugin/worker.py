@@ -86,7 +86,7 @@ class DLiteWorker(BaseSpecWorker):
         self._init_hybrid()
         self.online, self.drafter = OnlineServing.attach(self.options, self.drafter, self.lookup)  # on: drafts adapt
         self.load = LoadPolicy(self.options)
-        tree_bs = self.options.tree_batch_size(self.device)
+        tree_bs = self.options.tree_batch_size(self.device) if self._tp is None else 0  # TP: chains
         self.trees = TreeRounds(self, tree_bs, self.options.tree_branches) if tree_bs else None
         if self.tp_rank == 0:
             logger.info("DLITE settings: %s", self.options.describe())

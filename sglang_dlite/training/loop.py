@@ -301,7 +301,7 @@ class _StageRun:
             if main:
                 log_metrics(self.out_dir, {"stage": spec.name, "step": step, "loss": loss_mean, "lr": self.lr,
                                            "grad_norm": float(self.gn), "anchors_per_s": round(self.n_anchor / max(el, 1e-9), 1),
-                                           "wall_s": round(self.wall_used, 1), **epochs})
+                                           "wall_s": round(self.wall_used, 3), **epochs})
             self.loss_acc, self.n_acc, self.n_anchor, self.t_last = 0.0, 0, 0, time.time()
         if self.budget is not None and step % 5 == 0 and step < self.total:
             # wall-time cap: re-plan the number of steps from the measured step time, so the
@@ -344,7 +344,7 @@ class _StageRun:
             spec = self.spec
             self.model.save_pretrained(os.path.join(self.sdir, "model"))
             with open(os.path.join(self.sdir, "DONE.json"), "w") as f:
-                json.dump({"steps": self.step, "wall_s": round(self.wall_used, 1), "loss": spec.loss, "lr": spec.lr,
+                json.dump({"steps": self.step, "wall_s": round(self.wall_used, 3), "loss": spec.loss, "lr": spec.lr,
                            "history": self.cfg.history, "processes": self.world, "device": self.dev.type,
                            "requested": spec.steps}, f)
             if getattr(self.data, "data_dir", None):  # training.json beside the model's config.json
