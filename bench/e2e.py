@@ -28,7 +28,7 @@ chains' calibrated acceptance and the verify cost it has measured, ``speculation
 ``dlite-only`` turns the
 lookup off (``SGLANG_DLITE_LOOKUP=0``: DLite alone, the previous release's drafting);
 ``dlite-chain`` is the hybrid with chains only (the setting ``tree_max_batch_size: 0``; by default a
-CPU drafts token trees for greedy batches of up to 4 requests, ``sglang_plugin/tree_round.py``);
+CPU drafts token trees for greedy batches of up to 16 requests, ``sglang_plugin/tree_round.py``);
 ``dlite-online`` is ``dlite`` with online learning on (the setting ``online: true``, issue 47). The suffix
 lookup indexes only the request's own tokens (prompt + its output so far): a replayed request
 never sees its own recorded answer, and nothing carries over between requests or levels.

@@ -37,7 +37,7 @@ ENV_DRAFT_CUDA_GRAPH = "SGLANG_DLITE_DRAFT_CUDA_GRAPH"
 ENV_TP_SYNC = "SGLANG_DLITE_TP_SYNC"
 ENV_TP_CHECK = "SGLANG_DLITE_TP_CHECK"
 ENV_ROUND_LOG = "SGLANG_DLITE_ROUND_LOG"
-TREE_CPU_BATCH_SIZE = 4  # tree rounds up to this batch on a CPU by default (tree_max_batch_size)
+TREE_CPU_BATCH_SIZE = 16  # tree rounds up to this batch on a CPU by default (tree_max_batch_size; docs/results.md)
 
 
 @dataclass(frozen=True)
