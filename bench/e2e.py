@@ -211,6 +211,11 @@ def eagle3_kwargs(w, src, target, dtype):
             "speculative_num_steps": n - 1, "speculative_num_draft_tokens": n}
 
 
+# DLITE modes that are the default plus serving settings (SGLANG_DLITE_CONFIG keys)
+MODE_SETTINGS = {"dlite-chain": {"tree_max_batch_size": 0},  # chains only
+                 "dlite-online": {"online": True}}  # online learning, its serving defaults
+
+
 def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_size=1, dp_size=1, eagle3_draft=None):
     from sglang_dlite.cpu_launch import start_engine
 
@@ -239,16 +244,11 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     os.environ["SGLANG_DLITE_LOOKUP_TRACE"] = trace
     os.environ["SGLANG_DLITE_ROUND_LOG"] = round_log  # the worker's draft / verify ms per decode round
     os.environ["SGLANG_DLITE_VERIFY_WIDTH"] = width  # per-round verify width: auto (CPU: adaptive) or fixed
-    if spec == "dlite-chain":  # chains only (the serving setting); other modes keep the caller's settings
-        from sglang_dlite.sglang_plugin.options import read_config
-
-        settings = read_config(os.environ.get("SGLANG_DLITE_CONFIG"))
-        os.environ["SGLANG_DLITE_CONFIG"] = json.dumps({**settings, "tree_max_batch_size": 0})
-    if spec == "dlite-online":  # online learning on (the serving setting online, its defaults)
+    if spec in MODE_SETTINGS:  # the mode's serving settings over the caller's; other modes keep the caller's
         from sglang_dlite.sglang_plugin.options import read_config
 
         os.environ["SGLANG_DLITE_CONFIG"] = json.dumps({**read_config(os.environ.get("SGLANG_DLITE_CONFIG")),
-                                                        "online": True})
+                                                        **MODE_SETTINGS[spec]})
     verify_kw = {"speculative_num_draft_tokens": int(w)} if spec != "nospec" and w else {}
     if spec == "ngram":
         verify_kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8, **verify_kw}

@@ -117,6 +117,12 @@ def record_source(name: str, n: int = 1) -> None:
     _claimed[name] = _claimed.get(name, 0) + int(n)
 
 
+def record_sources(sources) -> None:
+    """``record_source`` for each source name of a round's requests (one name per request)."""
+    for name in set(sources):
+        record_source(name, sources.count(name))
+
+
 def record_acceptance(accepted, num_drafts: int) -> None:
     """One round's acceptance: ``accepted`` drafts of each request that verified ``num_drafts``."""
     if _M is None or num_drafts <= 0 or not accepted:

@@ -146,7 +146,7 @@ class TreeRounds:
         host_prefix = (batch.seq_lens_cpu if batch.seq_lens_cpu is not None else prefix_lens.cpu()).tolist()
         positions = (prefix_lens[:, None].to(torch.int64) + depths.to(device)).reshape(-1)
         mask = verify_mask(anc, host_prefix, device, draft_only=str(device).startswith("cpu"))
-        return w._verify(batch, tokens.to(device), prefix_lens, positions=positions, custom_mask=mask), tokens
+        return w._verify(batch, tokens.to(device), prefix_lens, positions=positions, custom_mask=mask)
 
     def accept(self, trees: List[DraftTree], logits_output):
         """Greedy tree acceptance per request -> (accepted drafts a [B], bonus [B], the path's node
@@ -191,7 +191,7 @@ class TreeRounds:
         N = self.round_rows
         if rt is not None:
             rt.mark()
-        target_out, _ = self.verify(batch, trees, prefix_lens)
+        target_out = self.verify(batch, trees, prefix_lens)
         lo = target_out.logits_output
         if rt is not None:
             rt.mark()
@@ -201,9 +201,7 @@ class TreeRounds:
         if w.gate is not None:  # a CPU: the draft and the verify have finished
             w._last_round = (bs, True, t_round, 1.0 + float(a.float().mean()))
         self.commit(batch, a, path_idx)
-        if dlite_metrics.enabled():
-            for name in set(self._sources):
-                dlite_metrics.record_source(name, self._sources.count(name))
+        dlite_metrics.record_sources(self._sources)
         dev = w.device
         a, bonus, out = a.to(dev), bonus.to(dev), out.to(dev)
         commit_lens = (a + 1).to(torch.int32)

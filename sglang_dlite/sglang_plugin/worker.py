@@ -250,9 +250,8 @@ class DLiteWorker(BaseSpecWorker):
 
     def _lookup_commit(self, batch, accepted: torch.Tensor) -> None:
         sources = None if self.lookup is None else self.lookup.commit_round(batch.reqs, accepted.tolist())
-        if sources is not None and dlite_metrics.enabled():  # /metrics: rounds drafted by each source
-            for name in set(sources):
-                dlite_metrics.record_source(name, sources.count(name))
+        if sources is not None:  # /metrics: rounds drafted by each source
+            dlite_metrics.record_sources(sources)
 
     def _draft_dlite(self, state: torch.Tensor, anchors: torch.Tensor, with_confidence: bool = False):
         ctx, valid = unpack_context(state, self.L, self.H)
