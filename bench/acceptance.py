@@ -32,8 +32,9 @@ def parse_args(argv=None):
     p.add_argument("--engine", default="reference", choices=["reference"],
                    help="reference: the HF speculative engine (sglang_dlite.engine).")
     p.add_argument("--drafter", default="dlite",
-                   help="dlite[:PATH] (shipped default / random), hybrid[:PATH] (DLite + suffix lookup, chosen "
-                        "per round), suffix (the lookup alone), a baseline name (ngram, eagle3[:PATH], ...), or a "
+                   help="dlite[:PATH] (shipped default / random), hybrid[:PATH] (DLite + suffix lookup, one "
+                        "token tree per round: what DLITE serves), hybrid-chain[:PATH] (one chain per round), "
+                        "hybrid-tree / dlite-tree / suffix-tree[@N], suffix (the lookup alone), a baseline name (ngram, eagle3[:PATH], ...), or a "
                         "checkpoint folder (its config.json's model_type picks the drafter).")
     p.add_argument("--target", default="default", help="target checkpoint folder, or 'default' (SmolLM2-135M-Instruct).")
     p.add_argument("--workload", required=True, help=f"one of {', '.join(BUILTIN_WORKLOADS)}, or a .jsonl file.")

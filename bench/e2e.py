@@ -370,17 +370,18 @@ def run_reference(mode, target, draft, reqs, max_new):
     model, tok = load_target(str(target))
     d = DLiteDrafter.from_pretrained(draft).bind_hf_target(model)
     drafter = DLiteEngineDrafter(d)
-    if mode.split(":")[0] in ("dlite", "hybrid", "hybrid-fixed"):  # DLITE's default drafting: hybrid
-        from sglang_dlite.lookup.drafters import HybridEngineDrafter
+    if mode.split(":")[0] in ("dlite", "hybrid", "hybrid-fixed", "dlite-chain"):  # DLITE's default drafting: hybrid
+        from sglang_dlite.registry import served_hybrid
 
-        drafter = HybridEngineDrafter(drafter)
+        drafter = served_hybrid(drafter, chain=mode.split(":")[0] == "dlite-chain")
     eng = ReferenceEngine(model, drafter, eos_token_ids=[tok.eos_token_id])
     outs, lat, metas = [], [], []
     t0 = time.perf_counter()
     with torch.no_grad():
         for r in reqs:
             t1 = time.perf_counter()
-            g = eng.generate(r, max_new, speculative=mode.split(":")[0] in ("dlite", "hybrid", "hybrid-fixed", "dlite-only"))
+            g = eng.generate(r, max_new, speculative=mode.split(":")[0] in ("dlite", "hybrid", "hybrid-fixed", "dlite-only",
+                                                                              "dlite-chain"))
             lat.append(time.perf_counter() - t1)
             outs.append(g.output_ids)
             metas.append(reference_meta(g))

@@ -359,6 +359,28 @@ def test_sampled_engine_rounds_with_trees_run(tiny_target):
     assert res.rounds and all(0 <= t < V for t in res.output_ids)
 
 
+def test_registry_hybrid_is_the_served_tree_and_hybrid_chain_the_chain(tiny_target, tmp_path):
+    """``--drafter hybrid`` drafts what the DLITE worker serves (the lookup + DLite's top-k along its
+    chain, SERVED_TREE_NODES drafts), ``hybrid-chain`` today's chain hybrid; both lossless."""
+    from sglang_dlite.lookup.drafters import HybridEngineDrafter
+    from sglang_dlite.lookup.tree_drafters import SERVED_TREE_NODES
+    from sglang_dlite.registry import make_engine_drafter
+
+    torch.manual_seed(0)
+    DLiteDrafter(tiny_dlite_config(tiny_target, head_input="token")).save_pretrained(str(tmp_path / "d"))
+    tree = make_engine_drafter(f"hybrid:{tmp_path / 'd'}", tiny_target)
+    chain = make_engine_drafter(f"hybrid-chain:{tmp_path / 'd'}", tiny_target)
+    assert isinstance(tree, TreeEngineDrafter) and tree.lookup and tree.branching == "chain"
+    assert tree.num_drafts == SERVED_TREE_NODES == 15
+    assert isinstance(chain, HybridEngineDrafter)
+    V = tiny_target.config.vocab_size
+    prompt = prompt_of(random.Random(3), V)
+    for d in (tree, chain):
+        assert ReferenceEngine(tiny_target, d, [EOS]).generate(prompt, 24).output_ids == _greedy(tiny_target, prompt, 24)
+    with pytest.raises(DLiteInputError, match="hybrid-chain"):
+        make_engine_drafter("hybrid-tres", tiny_target)
+
+
 def test_lookup_continuations_count_every_earlier_continuation():
     """``SuffixIndex.continuations`` at the match: the continuations of the matched suffix and
     their counts, as a brute-force scan of the tokens finds them, most frequent first."""

@@ -1,9 +1,11 @@
 """The one drafter registry: every ``--drafter`` spec the reference engine and the benchmarks take.
 
-``dlite[:PATH]``, ``hybrid[:PATH]`` (DLite + suffix lookup, chosen per round), ``suffix[:K]`` (the
-lookup alone), their token-tree versions ``dlite-tree`` / ``hybrid-tree`` / ``suffix-tree`` (``@N``: N tree
-nodes per round, ``lookup/tree_drafters.py``), ``dlite-online[:PATH][@OPTS]`` / ``hybrid-online[:PATH][@OPTS]``
-(learning online from verify results, ``online.py``; OPTS: ``key=value,...`` of ``OnlineConfig``), or a baseline / ablation name (``baselines/registry.py``: EAGLE-3-, DFlash-,
+``dlite[:PATH]``, ``hybrid[:PATH]`` (DLite + suffix lookup in one token tree per round: the tree the
+DLITE worker serves, ``served_hybrid``), ``hybrid-chain[:PATH]`` (the same two sources, one chain per
+round, chosen per round), ``suffix[:K]`` (the lookup alone), token trees ``dlite-tree`` / ``hybrid-tree`` /
+``suffix-tree`` (``@N`` or ``@nodes=N,branching=head|chain``: ``lookup/tree_drafters.py``),
+``dlite-online[:PATH][@OPTS]`` / ``hybrid-online[:PATH][@OPTS]`` (chains learning online from verify
+results, ``online.py``; OPTS: ``key=value,...`` of ``OnlineConfig``), or a baseline / ablation name (``baselines/registry.py``: EAGLE-3-, DFlash-,
 DSpark-style, n-gram, DLite teacher and windows). Sits above ``drafters.py`` (the interface and
 the DLite adapter), ``lookup/`` and ``baselines/``, so none of those imports another's registry.
 """
@@ -18,7 +20,7 @@ from .baselines.registry import BASELINE_NAMES, known_drafters_text, make_baseli
 from .drafters import DLiteEngineDrafter, Drafter, load_dlite
 from .errors import DLiteInputError
 from .lookup.drafters import HybridEngineDrafter, SuffixEngineDrafter
-from .lookup.tree_drafters import BRANCHINGS, DEFAULT_TREE_NODES, TreeEngineDrafter
+from .lookup.tree_drafters import BRANCHINGS, DEFAULT_TREE_NODES, SERVED_TREE_NODES, TreeEngineDrafter
 from .online import OnlineConfig, OnlineDrafter, OnlineLearner
 
 TREE_NAMES = ("dlite-tree", "hybrid-tree", "suffix-tree")
@@ -26,27 +28,38 @@ ONLINE_NAMES = ("dlite-online", "hybrid-online")
 
 
 def make_engine_drafter(spec: str, target) -> Drafter:
-    """``--drafter`` specs: ``dlite[:PATH]``, ``hybrid[:PATH]`` (DLite + suffix lookup, chosen per
-    round), ``suffix`` (the lookup alone), a baseline/ablation name (``baselines/registry.py``), or a
-    bare checkpoint folder (its config.json's ``model_type`` names the drafter)."""
+    """``--drafter`` specs: ``dlite[:PATH]``, ``hybrid[:PATH]`` (DLite + suffix lookup, a token tree per
+    round), ``hybrid-chain[:PATH]`` (a chain per round), ``suffix`` (the lookup alone), a
+    baseline/ablation name (``baselines/registry.py``), or a bare checkpoint folder (its config.json's ``model_type`` names the drafter)."""
     name, _, path = spec.partition(":")
     if name.partition("@")[0] in TREE_NAMES:
         return _tree_drafter(name, path, target)
     if name.partition("@")[0] in ONLINE_NAMES:
         return make_online_drafter(spec, target)
-    if name not in ("dlite", "hybrid", "suffix") + BASELINE_NAMES and os.path.isdir(spec):
+    if name not in ("dlite", "hybrid", "hybrid-chain", "suffix") + BASELINE_NAMES and os.path.isdir(spec):
         name, path = _kind_of_folder(spec), spec  # a bare checkpoint folder: its config.json says which drafter
     if name == "dlite":
         return DLiteEngineDrafter(load_dlite(path or None, target))
-    if name == "hybrid":
-        return HybridEngineDrafter(DLiteEngineDrafter(load_dlite(path or None, target)))
+    if name in ("hybrid", "hybrid-chain"):
+        return served_hybrid(DLiteEngineDrafter(load_dlite(path or None, target)), chain=name == "hybrid-chain")
     if name == "suffix":
         return SuffixEngineDrafter(num_drafts=int(path) if path else 7)
     if name in BASELINE_NAMES:
         return make_baseline_drafter(name, path or None, target)
-    raise DLiteInputError(f"unknown drafter {spec!r}; known: dlite[:PATH], hybrid[:PATH], suffix[:K], "
-                          f"dlite-tree[@N][:PATH], hybrid-tree[@N][:PATH], suffix-tree[@N], "
+    raise DLiteInputError(f"unknown drafter {spec!r}; known: dlite[:PATH], hybrid[:PATH], hybrid-chain[:PATH], "
+                          f"suffix[:K], dlite-tree[@N][:PATH], hybrid-tree[@N][:PATH], suffix-tree[@N], "
                           f"dlite-online[:PATH][@OPTS], hybrid-online[:PATH][@OPTS], {known_drafters_text()}.")
+
+
+def served_hybrid(dlite: DLiteEngineDrafter, chain: bool = False):
+    """DLITE's default drafting in the reference engine: the token tree the sglang worker drafts
+    (the lookup's continuations + DLite's top-k along its greedy chain, ``SERVED_TREE_NODES`` drafts;
+    the worker cuts each tree to the rows its cost model pays for), or with ``chain`` the chain
+    hybrid (one chain per round from DLite, the lookup or both, ``lookup/chooser.py``: what the worker
+    serves where trees are off -- ``tree_max_batch_size`` 0, larger batches, GPUs)."""
+    if chain:
+        return HybridEngineDrafter(dlite)
+    return TreeEngineDrafter(dlite, lookup=True, num_drafts=SERVED_TREE_NODES, branching="chain")
 
 
 def make_online_drafter(spec: str, target) -> OnlineDrafter:
@@ -93,7 +106,7 @@ def _kind_of_folder(path: str) -> str:
             model_type = json.load(f).get("model_type")
     except (OSError, ValueError, AttributeError) as exc:
         raise DLiteInputError(f"--drafter {path!r}: a folder, but not a drafter checkpoint ({cfg}: {exc}); pass a "
-                              f"folder written by `sglang-dlite train`, or a name: dlite[:PATH], hybrid[:PATH], "
+                              f"folder written by `sglang-dlite train`, or a name: dlite[:PATH], hybrid[:PATH], hybrid-chain[:PATH], "
                               f"suffix[:K], {known_drafters_text()}.") from None
     name = "dlite" if model_type == "dlite" else str(model_type).removeprefix("dlite-")
     if name == "dlite" or name in BASELINE_NAMES:

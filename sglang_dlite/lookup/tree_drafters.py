@@ -34,6 +34,7 @@ from .drafters import session_index
 from .suffix import DEFAULT_MAX_MATCH, SuffixIndex
 
 DEFAULT_TREE_NODES = 24  # drafts per tree round (the root not counted)
+SERVED_TREE_NODES = 15  # drafts per tree round of ``--drafter hybrid``: the DLITE worker's rows (W = 16) less the root
 DEFAULT_BRANCHES = 4  # children asked of each source per node
 BRANCHINGS = ("head", "chain")  # where DLite branches: every node (head steps) or its greedy chain
 
