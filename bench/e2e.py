@@ -115,6 +115,9 @@ def parse_args(argv=None):
                         "nospec,dlite,dlite@tp2 compares DLITE at tp 2 with no speculation and DLITE at tp 1)")
     p.add_argument("--dp-size", type=int, default=1,
                    help="sglang --dp-size (replicas) for every mode without its own @dpN suffix")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (> 0: outputs are random, so no divergence scoring: "
+                        "speed and tau only; losslessness of sampling is tested, not benchmarked)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -216,7 +219,8 @@ MODE_SETTINGS = {"dlite-chain": {"tree_max_batch_size": 0},  # chains only
                  "dlite-online": {"online": True}}  # online learning, its serving defaults
 
 
-def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_size=1, dp_size=1, eagle3_draft=None):
+def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_size=1, dp_size=1, eagle3_draft=None,
+               temperature=0.0):
     from sglang_dlite.cpu_launch import start_engine
 
     kw = dict(dtype=dtype, max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
@@ -271,7 +275,7 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
         else:
             os.environ[k] = v
     start_s = time.perf_counter() - t0
-    sp = {"temperature": 0.0, "max_new_tokens": max_new}
+    sp = {"temperature": temperature, "max_new_tokens": max_new}
     rows, outputs = [], {}
     try:
         e.generate(input_ids=reqs[0][:32], sampling_params={"temperature": 0.0, "max_new_tokens": 4})  # warm-up
@@ -456,12 +460,14 @@ def main(argv=None) -> int:
                 r, o = [], {}
                 for c in levels:
                     rc, oc = run_sglang(mode, target, draft, reqs, [c], args.max_new_tokens, device, args.dtype,
-                                        args.tp_size, args.dp_size, args.eagle3_draft)
+                                        args.tp_size, args.dp_size, args.eagle3_draft, args.temperature)
                     r, o = r + rc, {**o, **oc}
             elif args.engine == "sglang":
                 r, o = run_sglang(mode, target, draft, reqs, levels, args.max_new_tokens, device, args.dtype,
-                                  args.tp_size, args.dp_size, args.eagle3_draft)
+                                  args.tp_size, args.dp_size, args.eagle3_draft, args.temperature)
             else:
+                if args.temperature > 0:
+                    raise SystemExit("--temperature > 0 is for --engine sglang")
                 r, o = run_reference(mode, target, draft, reqs, args.max_new_tokens)
             runs[mode].append(r)
             outs.setdefault(mode, o)  # outputs of the first repeat
@@ -469,7 +475,7 @@ def main(argv=None) -> int:
     result = {
         "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),
         "engine": args.engine, "device": device, "workload": args.workload, "target": str(target),
-        "drafter": str(draft), "note": note, "max_new_tokens": args.max_new_tokens,
+        "drafter": str(draft), "note": note, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "dtype": args.dtype if args.engine == "sglang" else "float32", "repeats": args.repeats,
         "tie_margin": args.tie_margin, "tau_definition": TAU_DEFINITION,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
@@ -479,29 +485,31 @@ def main(argv=None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({**result, "table": None, "divergences": "not scored yet"}, indent=2))
 
-    score = Fp32LogitGap(target)
-    noise = score.bf16_noise if args.engine == "sglang" and args.dtype == "bfloat16" else None
+    score = Fp32LogitGap(target) if args.temperature == 0 else None  # sampled outputs differ by design
+    noise = score.bf16_noise if score is not None and args.engine == "sglang" and args.dtype == "bfloat16" else None
     table, divergences = [], {}
     by = {(r["mode"], r["concurrency"]): r for r in rows}
     spec_modes = [m for m in modes if m.partition("@")[0] != "nospec"]
     base = outs.get("nospec", {})
     for c in sorted({r["concurrency"] for r in rows}):
-        if c != levels[0] and levels[0] in base and c in base:  # the no-speculation floor
+        if score is not None and c != levels[0] and levels[0] in base and c in base:  # the no-speculation floor
             divergences[f"nospec@{c} vs nospec@{levels[0]}"] = classify_divergences(
                 reqs, base[c], base[levels[0]], score, args.tie_margin, noise=noise)
         for m in spec_modes:
             d, b = by.get((m, c)), by.get(("nospec", c))
             if not (d and b):
                 continue
-            div = classify_divergences(reqs, outs[m][c], base[c], score, args.tie_margin, noise=noise)
-            divergences[f"{m}@{c} vs nospec@{c}"] = div
+            div = [] if score is None else classify_divergences(reqs, outs[m][c], base[c], score, args.tie_margin,
+                                                                 noise=noise)
+            if score is not None:
+                divergences[f"{m}@{c} vs nospec@{c}"] = div
             table.append({"mode": m, "concurrency": c, "spec_tok_s": d["tokens_per_s"], "nospec_tok_s": b["tokens_per_s"],
                           "speedup": round(d["tokens_per_s"] / b["tokens_per_s"], 3), "tau": d["tau"],
                           "spec_latency_s": d["mean_latency_s"], "nospec_latency_s": b["mean_latency_s"],
-                          "identical": len(reqs) - len(div), "requests": len(reqs),
+                          "identical": None if score is None else len(reqs) - len(div), "requests": len(reqs),
                           "ties": sum(x["tie"] for x in div), "baseline_off": sum(x["baseline_off"] for x in div),
                           "mismatches": sum(is_mismatch(x) for x in div),
-                          "identical_outputs": not div,
+                          "identical_outputs": None if score is None else not div,
                           **{f"{side}_{k}": r.get(k) for side, r in (("spec", d), ("nospec", b))
                              for k in ("ttft_p50_s", "itl_p50_ms", "itl_p99_ms")}})
     print("\n| mode | concurrency | spec tok/s | no-spec tok/s | speed-up | tau | TTFT p50 s spec / no-spec "

@@ -40,19 +40,20 @@ def _tree():
 
 def test_padded_tree_layout_matches_the_tree():
     small, chain = _tree(), DraftTree.chain(3, [1, 2])
-    tokens, depths, anc = tree_arrays([small, chain], 6)
+    tokens, depths, anc, parents = tree_arrays([small, chain], 6)
     assert tokens[0].tolist() == list(small.tokens)
     assert tokens[1].tolist() == [3, 1, 2, 3, 3, 3]  # padding nodes carry the root's token
     assert depths[0].tolist() == small.depths and depths[1].tolist() == [0, 1, 2, 1, 1, 1]
     assert torch.equal(anc[0], small.ancestry())
     assert torch.equal(anc[1, :3, :3], chain.ancestry())
+    assert parents[0].tolist() == list(small.parents) and parents[1].tolist() == [-1, 0, 1, 0, 0, 0]
     for i in (3, 4, 5):  # a padding node sees the root and itself, nothing sees it
         assert anc[1, i].nonzero().flatten().tolist() == [0, i]
         assert anc[1, :, i].sum() == 1
 
 
 def test_verify_mask_draft_only_and_with_the_prefix():
-    tokens, depths, anc = tree_arrays([_tree()], 6)
+    tokens, depths, anc, _ = tree_arrays([_tree()], 6)
     assert torch.equal(verify_mask(anc, [4], "cpu", draft_only=True), anc.reshape(-1))
     full = verify_mask(anc, [4], "cpu", draft_only=False).view(6, 4 + 6)
     assert full[:, :4].all()  # every node sees the committed prefix
@@ -108,11 +109,12 @@ def test_which_rounds_are_tree_rounds():
     assert not tr.wanted(_batch(3), 3, 7, None)  # over tree_max_batch_size: a chain
     assert not tr.wanted(_batch(2), 2, 0, None)  # the load policy / draft gate said no drafts
     assert not tr.wanted(_batch(2), 2, 7, torch.tensor([False, True]))  # an opted-out request
-    assert not tr.wanted(_batch(2, greedy=False), 2, 7, None)  # sampled: the chain's sglang sampler
-    assert not tr.wanted(_batch(2, logprob=True), 2, 7, None)
-    assert not tr.wanted(_batch(2, grammar=True), 2, 7, None)
-    assert not tr.wanted(_batch(2, bias=torch.zeros(2, 5)), 2, 7, None)
-    assert not tr.wanted(_batch(2, penalty=0.5), 2, 7, None)
+    assert not tr.wanted(_batch(2, logprob=True), 2, 7, None)  # logprobs: chains
+    # sampled, grammar, logit_bias, penalties: per node in the tree round (verify_logits)
+    assert tr.wanted(_batch(2, greedy=False), 2, 7, None)
+    assert tr.wanted(_batch(2, grammar=True), 2, 7, None)
+    assert tr.wanted(_batch(2, bias=torch.zeros(2, 5)), 2, 7, None)
+    assert tr.wanted(_batch(2, penalty=0.5), 2, 7, None)
 
 
 def test_tree_settings():

@@ -1,8 +1,9 @@
 """Issue 14: DLITE serves every request sglang accepts exactly as no speculation does.
 
-Two real HTTP servers on 127.0.0.1 (bundled SmolLM2-135M-Instruct target, float32, CPU), one
-without speculation (non-overlap scheduler: exact penalties, see ``_start``) and one with
-``--speculative-algorithm DLITE`` (the shipped drafter, overlap scheduling on): every greedy case below must give the same tokens on both, through the HTTP
+Real HTTP servers on 127.0.0.1 (bundled SmolLM2-135M-Instruct target, float32, CPU), one
+without speculation (non-overlap scheduler: exact penalties, see ``_start``) and ones with
+``--speculative-algorithm DLITE`` (the shipped drafter, overlap scheduling on; tp 1 drafting a token
+tree every round, issue 46, tp 2 chains): every greedy case below must give the same tokens on all, through the HTTP
 API, sent concurrently so that greedy, sampled, penalized and grammar requests share verify
 batches; sampled cases (no seeds on this stack, see below) must be valid. Then the refusals:
 requests (return_hidden_states: 400 with a message) and launch-time configurations (pipeline
@@ -84,6 +85,9 @@ def _start(target, draft, tmp, tp_size=1):
     if draft:
         cmd += ["--speculative-algorithm", "DLITE", "--speculative-draft-model-path", draft,
                 "--enable-return-hidden-states"]  # so that the request reaches DLITE's refusal
+        if tp_size == 1:  # every round a token tree (all the batches here: <= 32 requests); TP: chains
+            env["SGLANG_DLITE_CONFIG"] = json.dumps({"tree_max_batch_size": 32,
+                                                     "round_log": str(tmp / "rounds_tp1.jsonl")})
     else:
         # The reference: sglang's overlap scheduler feeds its penalizers one token late (it
         # prepares step n+1 before step n's token is processed), so without speculation the
@@ -146,7 +150,17 @@ def results(tmp_path_factory):
         finally:
             srv.stop()
     out["tokenizer"] = target
+    out["rounds_tp1"] = [json.loads(x) for x in (tmp / "rounds_tp1.jsonl").read_text().splitlines()]
     return out
+
+
+def test_tp1_rounds_are_token_trees(results):
+    """Issue 46: at tp 1 every decode round with drafts was a tree round, so every case above
+    (penalties, min_new_tokens, logit_bias, grammars, custom processors, sampling, tool calls) was
+    verified and accepted per tree node."""
+    drafted = [r for r in results["rounds_tp1"] if r["width"] > 1]
+    assert drafted and all(r["tree"] for r in drafted), sum(not r["tree"] for r in drafted)
+    assert max(r["bs"] for r in drafted) > 8  # the mixed batches, not only the stragglers
 
 
 def _text(res, key):
@@ -154,7 +168,7 @@ def _text(res, key):
     return body["choices"][0]["message"] if "choices" in body else body["text"]
 
 
-DLITE_MODES = ("dlite", "dlite_tp2")  # tp 1 and --tp-size 2 (issue 15)
+DLITE_MODES = ("dlite", "dlite_tp2")  # tp 1 (token trees) and --tp-size 2 (chains; issue 15)
 
 
 @pytest.mark.parametrize("mode", DLITE_MODES)

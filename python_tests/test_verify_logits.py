@@ -245,3 +245,154 @@ def test_seeded_rows_draw_what_no_speculation_draws():
         n = min(n_right, W - 1)
         assert a.tolist() == [n, n]
         assert bonus.tolist() == [ref[0][n], ref[1][n]]
+
+
+# ---------------------------------------------------------------------- token trees (tree_round.py)
+#          0 (anchor)
+#        /    \
+#     1 (0)   2 (1)
+#      |      /   \
+#    3 (1)  4 (0)  5 (2)
+TREE_PARENTS = [-1, 0, 0, 1, 2, 2]
+TREE_DRAFTS = [0, 1, 1, 0, 2]
+
+
+def _root_path(parents, i):
+    path = []
+    while i > 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+def test_tree_rows_get_the_penalties_of_their_root_path_bit_for_bit():
+    """Node i's row = sglang's decode row after [committed..., the drafts on i's root path]: the
+    chain rule applied to each root path, min_new_tokens at the node's depth; padding rows (children
+    of the root) harmless."""
+    torch.manual_seed(1)
+    Vt = 9
+    parents = [-1, 0, 0, 1, 1, 3, 2, 0]  # the last node: padding (a child of the root)
+    reqs = [_req(freq=0.3, pres=0.7, rep=1.3), _req(freq=0.1, min_new=4, stop=(2,), eos=(3,)), _req()]
+    history = [[1, 4, 4], [6, 6], [5]]
+    prompt = [10, 3, 7]
+    nodes = torch.tensor([[4, 4, 0, 1, 4, 2, 4], [2, 6, 2, 8, 6, 3, 6], [1, 2, 3, 4, 5, 6, 5]])
+    block = torch.cat([torch.tensor([h[-1] for h in history])[:, None], nodes], 1)
+    VL.on_extend(reqs, torch.tensor([h[0] for h in history]), prompt, Vt)
+    for r, h in zip(reqs, history):
+        if len(h) > 1:
+            VL.commit([r], torch.tensor([h[1:] + [0] * 6]), torch.tensor([len(h) - 2]))
+    prefix_lens = torch.tensor([p + len(h) - 1 for p, h in zip(prompt, history)])
+    logits = torch.randn(3, len(parents), Vt) * 3
+    out = logits.clone()
+    par = torch.tensor([parents] * 3)
+    VL.apply_penalties(out, reqs, block, prefix_lens, parents=par)
+    assert VL.tree_depths(par)[0].tolist() == [0, 1, 1, 2, 2, 3, 2, 1]
+    for b, r in enumerate(reqs):
+        sp = r.sampling_params
+        stop = sorted(set(sp.stop_token_ids) | r.eos_token_ids)
+        for i in range(len(parents)):
+            path = [int(block[b, j]) for j in _root_path(parents, i)]
+            want = _sglang_penalized(logits[b, i], history[b] + path, sp.frequency_penalty, sp.presence_penalty,
+                                     sp.repetition_penalty, sp.min_new_tokens, stop)
+            assert torch.equal(out[b, i], want), (b, i)
+    # min_new_tokens: request 1 has 2 outputs; nodes at depth <= 1 (outputs 3, 4) ban the stop tokens
+    assert torch.isinf(out[1, [0, 1, 2, 7], 2]).all() and torch.isfinite(out[1, [3, 4, 5, 6]]).all()
+    # the chain as a tree (parent j - 1) gives the chain rows
+    chain = logits.clone()
+    VL.apply_penalties(chain, reqs, block, prefix_lens)
+    as_tree = logits.clone()
+    VL.apply_penalties(as_tree, reqs, block, prefix_lens, parents=torch.arange(-1, len(parents) - 1).expand(3, -1))
+    assert torch.equal(chain, as_tree)
+
+
+def test_tree_links_walk_the_tree_and_leave_padding_out():
+    first, sibling = VL.tree_links(torch.tensor([TREE_PARENTS + [0, 0]]), [len(TREE_PARENTS)])
+    assert first[0].tolist() == [1, 3, 4, -1, -1, -1, -1, -1]
+    assert sibling[0].tolist() == [-1, 2, -1, -1, 5, -1, -1, -1]
+
+
+def _simulate_tree(count_tree=True, n=3, seed=0):
+    """As ``_simulate`` with one token tree per round (TREE_*): node rows at BASE[depth], penalized
+    over their root path (``parents``), one draw per node, the longest root path whose every token
+    equals its parent's draw accepted, the bonus the draw at its end."""
+    from sglang_dlite.speculation.tree import DraftTree, greedy_tree_accept
+
+    g = torch.Generator().manual_seed(seed)
+    sample = lambda rows: torch.multinomial(torch.softmax(rows / T, -1), 1, generator=g).view(-1)  # noqa: E731
+    reqs = [_req(**PEN) for _ in range(N)]
+    first = sample(BASE[0].expand(N, V).clone())
+    VL.on_extend(reqs, first, [5] * N, V)
+    R = len(TREE_PARENTS)
+    par = torch.tensor(TREE_PARENTS)
+    depth = VL.tree_depths(par[None])[0]
+    outs = torch.zeros(N, n + R, dtype=torch.int64)
+    outs[:, 0] = first
+    L = torch.ones(N, dtype=torch.int64)
+    while bool((L < n).any()):
+        act = (L < n).nonzero().view(-1)
+        t0 = L[act]
+        B = len(act)
+        logits = BASE[(t0[:, None] + depth).clamp(max=len(BASE) - 1)].clone()  # [B, R, V]
+        block = torch.cat([outs[act, t0 - 1][:, None], torch.tensor(TREE_DRAFTS).expand(B, -1)], 1)
+        sub = [reqs[i] for i in act.tolist()]
+        VL.apply_penalties(logits, sub, block, 5 + t0 - 1, parents=par.expand(B, R) if count_tree else None)
+        choice = sample(logits.reshape(B * R, V)).view(B, R)
+        out_tok = torch.zeros(B, R, dtype=torch.int64)
+        a = torch.zeros(B, dtype=torch.int64)
+        for k in range(B):
+            tree = DraftTree(block[k].tolist(), TREE_PARENTS)
+            path, bon = greedy_tree_accept(tree, choice[k])
+            committed = tree.committed(path, bon)
+            out_tok[k, :len(committed)] = torch.tensor(committed)
+            a[k] = len(path) - 1
+        VL.commit(sub, out_tok, a)
+        for k, i in enumerate(act.tolist()):
+            m = int(a[k]) + 1
+            outs[i, int(t0[k]):int(t0[k]) + m] = out_tok[k, :m]
+        L[act] = t0 + a + 1
+    return outs[:, :n]
+
+
+def test_sampled_tree_rounds_with_penalties_keep_the_target_law():
+    """Sampled tree rounds with frequency / presence / repetition penalties: the joint law of the
+    first three tokens equals the penalized target's. Penalizing the rows as if the nodes were one
+    chain (no ``parents``) moves it past the tolerance: the test can fail."""
+    law = _law_exact(4)
+    ok = _simulate_tree(True, n=4)
+    tv = [_tv(ok, law, [0, 1, 2]), _tv(ok, law, [2]), _tv(ok, law, [3])]
+    print("tree TV (joint of 3, 3rd token, 4th token):", tv)
+    assert tv[0] < 0.03 and tv[1] < 0.015 and tv[2] < 0.015, tv
+    bug = _simulate_tree(False, n=4, seed=1)
+    assert max(_tv(bug, law, [0, 1, 2]), _tv(bug, law, [2])) > 0.03
+
+
+def test_seeded_tree_rows_draw_at_prefix_plus_depth():
+    """A tree round's rows are drawn at position prefix_len + depth with the request's seed: with the
+    no-speculation tokens on one branch and a wrong sibling before it, the committed tokens are the
+    no-speculation tokens."""
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    from sglang_dlite.speculation.tree import DraftTree, greedy_tree_accept
+
+    torch.manual_seed(0)
+    Vt, P = 7, 9
+    table = torch.randn(20, Vt) * 2
+    info1 = types.SimpleNamespace(temperatures=torch.tensor([[0.8]]), sampling_seed=torch.tensor([5]))
+    ref = []
+    for q in range(P, P + 3):
+        ref.append(int(_SeededSampler()(types.SimpleNamespace(next_token_logits=table[q:q + 1].clone()), info1,
+                                        False, None, None, torch.tensor([q]))))
+    wrong = [(t + 1) % Vt for t in ref]
+    # root -> wrong[0] (a leaf), ref[0] -> {wrong[1], ref[1]}
+    tree = DraftTree((3, wrong[0], ref[0], wrong[1], ref[1]), (-1, 0, 0, 2, 2))
+    depths = torch.tensor([tree.depths])
+    info = SamplingBatchInfo(temperatures=torch.tensor([[0.8]]), top_ps=torch.ones(1), top_ks=torch.full((1,), Vt),
+                             min_ps=torch.zeros(1), is_all_greedy=False, is_any_greedy=False,
+                             need_top_p_sampling=False, need_top_k_sampling=False, need_min_p_sampling=False,
+                             vocab_size=Vt, sampling_seed=torch.tensor([5]), device="cpu")
+    logits = table[P + depths[0]].clone()  # context-free rows: the row of a node at depth d is table[P + d]
+    sampler = _SeededSampler()
+    choice = VL.sglang_row_sampler(sampler, info, len(tree), torch.tensor([P]), depths=depths)(logits)
+    assert sampler.calls[0][1].tolist() == [P + d for d in tree.depths]
+    path, bonus = greedy_tree_accept(tree, choice)
+    assert tree.committed(path, bonus) == ref

@@ -13,17 +13,21 @@ takes. Then:
   verify : TARGET_VERIFY over the nodes at positions prefix + depth, under the tree's attention
            mask (a node sees the prefix and its root path; on a CPU the draft-only [N, N] mask that
            sglang's NGRAM worker passes there, elsewhere the prefix + tree mask of its GPU path);
-  accept : greedy: the longest root path whose every token equals the target's argmax at its
-           parent (``speculation.tree.greedy_tree_accept``), the bonus the argmax at its last node;
+  accept : every logits adjustment sglang makes, per node (``verify_logits.process`` with the
+           tree's parents: penalties over the node's root path, min_new_tokens at its depth, the
+           grammar mask over the tree, logit_bias, custom processors), then one choice per node
+           (argmax, or sglang's own sampler at position prefix + depth) and the longest root path
+           whose every token equals the choice at its parent (``speculation.tree.greedy_tree_accept``),
+           the bonus the choice at its last node: the target's law, see ``verify_logits``;
   commit : the path's KV moved to the slots after the prefix (sglang's
            ``move_accept_tokens_to_target_kvcache``, as NGRAM): the rejected branches' slots are
            the next round's to overwrite, like a chain's rejected drafts; the lookup takes the path;
   carry  : the path's captured rows become DLite's context (``worker._carry``).
 
-Which rounds: ``TreeRounds.wanted`` -- all-greedy batches of at most ``tree_max_batch_size``
-requests with nothing that processes verify logits per row (penalties, min_new_tokens,
-logit_bias, grammar, custom processors), no logprobs and no opt-out; every other round is a
-chain (``worker._forward_decode``), so what a tree round does not handle is never served by it.
+Which rounds: ``TreeRounds.wanted`` -- batches of at most ``tree_max_batch_size`` requests with
+drafts, no logprobs and no opt-out, greedy or sampled, with any penalty, grammar, logit_bias or
+custom processor; every other round is a chain (``worker._forward_decode``), so what a tree round
+does not handle is never served by it.
 """
 
 from __future__ import annotations
@@ -46,11 +50,12 @@ from .info import DLiteDraftInput, unpack_context
 
 def tree_arrays(trees: List[DraftTree], rows: int):
     """Trees padded to ``rows`` nodes each -> (tokens [B, rows], depths [B, rows], ancestry
-    [B, rows, rows] bool: entry (i, j) when node j is on node i's root path). Padding nodes are
-    children of the root carrying the root's token."""
+    [B, rows, rows] bool: entry (i, j) when node j is on node i's root path, parents [B, rows]).
+    Padding nodes are children of the root carrying the root's token."""
     B = len(trees)
     tokens = torch.empty(B, rows, dtype=torch.int64)
     depths = torch.ones(B, rows, dtype=torch.int64)
+    parents = torch.zeros(B, rows, dtype=torch.int64)
     anc = torch.zeros(B, rows, rows, dtype=torch.bool)
     for b, tree in enumerate(trees):
         n = len(tree)
@@ -58,11 +63,12 @@ def tree_arrays(trees: List[DraftTree], rows: int):
         tokens[b, :n] = torch.tensor(tree.tokens)
         depths[b, 0] = 0
         depths[b, :n] = torch.tensor(tree.depths)
+        parents[b, :n] = torch.tensor(tree.parents)
         anc[b, :n, :n] = tree.ancestry()
         anc[b, n:, 0] = True
         idx = torch.arange(n, rows)
         anc[b, idx, idx] = True
-    return tokens, depths, anc
+    return tokens, depths, anc, parents
 
 
 def verify_mask(anc: torch.Tensor, prefix_lens: List[int], device, draft_only: bool) -> torch.Tensor:
@@ -102,15 +108,7 @@ class TreeRounds:
 
     def wanted(self, batch, bs: int, n: int, opt_out) -> bool:
         """Whether this round is a tree round (module docstring)."""
-        if n == 0 or opt_out is not None or bs > self.max_batch_size or batch.return_logprob:
-            return False
-        if getattr(batch, "has_grammar", False):
-            return False
-        info = batch.sampling_info
-        if not verify_logits.is_all_greedy(info) or any(verify_logits.needs_state(r) for r in batch.reqs):
-            return False
-        return info is None or (getattr(info, "logit_bias", None) is None
-                                and not getattr(info, "has_custom_logit_processor", False))
+        return n > 0 and opt_out is None and bs <= self.max_batch_size and not batch.return_logprob
 
     def draft(self, batch, state: torch.Tensor, anchors: torch.Tensor) -> List[DraftTree]:
         """One tree per request: the lookup's continuations + DLite's top-k along its chain."""
@@ -139,20 +137,39 @@ class TreeRounds:
         return trees
 
     def verify(self, batch, trees: List[DraftTree], prefix_lens: torch.Tensor):
-        """One TARGET_VERIFY forward over every request's padded tree (``worker._verify``)."""
+        """One TARGET_VERIFY forward over every request's padded tree (``worker._verify``); keeps the
+        tree's layout for ``accept`` and starts the grammar tree (host) before the launch."""
         w = self.w
-        tokens, depths, anc = tree_arrays(trees, self.round_rows)
+        tokens, depths, anc, parents = tree_arrays(trees, self.round_rows)
         device = w.device
+        self._layout = (tokens.to(device), depths.to(device), parents.to(device))
+        self._grammar = verify_logits.grammar_tree(batch, tokens, parents, [len(t) for t in trees])
         host_prefix = (batch.seq_lens_cpu if batch.seq_lens_cpu is not None else prefix_lens.cpu()).tolist()
-        positions = (prefix_lens[:, None].to(torch.int64) + depths.to(device)).reshape(-1)
+        positions = (prefix_lens[:, None].to(torch.int64) + self._layout[1]).reshape(-1)
         mask = verify_mask(anc, host_prefix, device, draft_only=str(device).startswith("cpu"))
-        return w._verify(batch, tokens.to(device), prefix_lens, positions=positions, custom_mask=mask)
+        return w._verify(batch, self._layout[0], prefix_lens, positions=positions, custom_mask=mask)
 
-    def accept(self, trees: List[DraftTree], logits_output):
-        """Greedy tree acceptance per request -> (accepted drafts a [B], bonus [B], the path's node
-        index per committed token [B, N] (-1 past it), output tokens [B, N])."""
+    def choices(self, batch, prefix_lens: torch.Tensor, logits_output, grammar_barrier=None) -> torch.Tensor:
+        """Every sglang logits adjustment on every node's row, in place, then the target's choice
+        per node [B, N] (host): argmax, or sglang's sampler at position prefix + depth."""
+        w = self.w
+        logits = logits_output.next_token_logits
+        tokens, depths, parents = self._layout
+        gmask = verify_logits.grammar_mask(batch, self._grammar, logits.device, grammar_barrier)
+        N = tokens.shape[1]
+        verify_logits.process(logits, N, batch, tokens, prefix_lens, gmask, parents=parents)
+        info = batch.sampling_info
+        if verify_logits.is_all_greedy(info):
+            return logits.view(-1, N, logits.shape[-1]).argmax(-1).cpu()
+        sample = verify_logits.sglang_row_sampler(w.model_runner.sampler, info, N, prefix_lens,
+                                                  inplace=w.online is None, depths=depths)  # online reads logits
+        return sample(logits).view(-1, N).cpu()
+
+    def accept(self, trees: List[DraftTree], target: torch.Tensor):
+        """Tree acceptance per request against the target's choice per node ``target`` [B, N] ->
+        (accepted drafts a [B], bonus [B], the path's node index per committed token [B, N] (-1
+        past it), output tokens [B, N])."""
         B, N = len(trees), self.round_rows
-        target = logits_output.next_token_logits.view(B, N, -1).argmax(-1).cpu()
         a, bonus = torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
         path_idx = torch.full((B, N), -1, dtype=torch.int64)
         out = torch.zeros(B, N, dtype=torch.int64)
@@ -184,7 +201,7 @@ class TreeRounds:
         return hv.gather(1, idx[:, :, None].expand(-1, -1, hv.shape[-1]))
 
     def run(self, batch, state: torch.Tensor, anchors: torch.Tensor, prefix_lens: torch.Tensor, on_publish, rt,
-            t_round: float) -> GenerationBatchResult:
+            t_round: float, grammar_barrier=None) -> GenerationBatchResult:
         """One tree round (module docstring): draft, verify, accept, commit, carry."""
         w, bs = self.w, len(batch.reqs)
         trees = self.draft(batch, state, anchors)
@@ -195,7 +212,7 @@ class TreeRounds:
         lo = target_out.logits_output
         if rt is not None:
             rt.mark()
-        a, bonus, path_idx, out = self.accept(trees, lo)
+        a, bonus, path_idx, out = self.accept(trees, self.choices(batch, prefix_lens, lo, grammar_barrier))
         if w.online is not None:  # the setting online: learn from the accepted path (online_serving.py)
             w.online.observe_tree(state, anchors, out, path_idx, a, lo.next_token_logits.view(bs, N, -1))
         if w.gate is not None:  # a CPU: the draft and the verify have finished
@@ -204,6 +221,7 @@ class TreeRounds:
         dlite_metrics.record_sources(self._sources)
         dev = w.device
         a, bonus, out = a.to(dev), bonus.to(dev), out.to(dev)
+        verify_logits.commit(batch.reqs, out, a)  # the penalty state takes the committed tokens
         commit_lens = (a + 1).to(torch.int32)
         new_seq_lens = prefix_lens + commit_lens.to(prefix_lens.dtype)
         if on_publish is not None:

@@ -33,6 +33,14 @@ p(d); on rejection the draw is p conditioned on != d) and it reuses every sampli
 target unchanged. Acceptance therefore stops at the first draft the grammar rejects (its logit
 is -inf in the row before it).
 
+Token trees (``tree_round.py``) go through the same steps with one row per node: penalties count
+the drafts on the node's root path (``parents``), the grammar mask is built over the tree
+(``tree_links``), rows are sampled at position prefix_len + depth, and the longest root path whose
+every token equals the choice at its parent is accepted. At most one child of a node equals that
+node's draw (siblings differ), so each committed token is the target's own draw given the tokens
+before it: the target's law (and a seeded request's very tokens), with the acceptance probability
+of recursive rejection over one-hot siblings.
+
 Pure torch except ``process``'s custom processors, ``grammar_tree`` / ``grammar_mask`` and
 ``sglang_row_sampler``: sglang is imported there only, so the rest runs (and is tested) without it.
 """
@@ -109,11 +117,23 @@ def apply_scaling_penalties(logits: torch.Tensor, scale: torch.Tensor) -> None:
     logits.copy_(torch.where(logits < 0, logits * scale, logits / scale))
 
 
-def apply_penalties(logits3: torch.Tensor, reqs: Sequence, block: torch.Tensor, prefix_lens: torch.Tensor) -> None:
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """parents [B, W] (node j's parent row, -1 at the root; parents before children) -> depths [B, W]."""
+    depth = torch.zeros_like(parents)
+    for j in range(1, parents.shape[1]):
+        depth[:, j] = depth.gather(1, parents[:, j:j + 1].clamp(min=0))[:, 0] + 1
+    return depth
+
+
+def apply_penalties(logits3: torch.Tensor, reqs: Sequence, block: torch.Tensor, prefix_lens: torch.Tensor,
+                    parents: Optional[torch.Tensor] = None) -> None:
     """Penalties on every verify row, in place. logits3 [B, W, V]; block [B, W] = [anchor, drafts].
 
     Row j sees the outputs committed so far (state, anchor included) plus d_1..d_j; for
-    min_new_tokens it samples output number n_out + j with n_out = prefix_len - base_len + 1."""
+    min_new_tokens it samples output number n_out + j with n_out = prefix_len - base_len + 1.
+    A tree round passes ``parents`` [B, W] (row j's parent row, -1 at the root: block holds the
+    tree's node tokens): row j then sees the drafts on its root path, at its depth in place of j,
+    each node's accumulators its parent's plus its own token (bit-identical to the chain of that path)."""
     rows = _penalty_rows(reqs)
     if not rows:
         return
@@ -127,14 +147,16 @@ def apply_penalties(logits3: torch.Tensor, reqs: Sequence, block: torch.Tensor, 
     pres = torch.tensor([p[1] for p in params], dtype=torch.float32, device=device).view(n, 1)
     rep = torch.tensor([p[2] for p in params], dtype=torch.float32, device=device).view(n, 1)
     drafts = block.index_select(0, idx).to(torch.int64)  # [n, W]: anchor, d_1..d_K
+    par = None if parents is None else parents.index_select(0, idx).to(torch.int64)
     banned = None
     min_new = [p[3] for p in params]
     if any(m > 0 for m in min_new):
         base = torch.tensor([s.base_len for s in states], dtype=prefix_lens.dtype, device=device)
         n_out = prefix_lens.index_select(0, idx) - base + 1  # outputs committed (anchor included)
-        j = torch.arange(W, device=device, dtype=n_out.dtype)
+        j = torch.arange(W, device=device, dtype=n_out.dtype)[None, :]
+        j = j if par is None else tree_depths(par).to(n_out.dtype)
         mnt = torch.tensor(min_new, dtype=n_out.dtype, device=device)
-        banned = (n_out[:, None] + j[None, :]) < mnt[:, None]  # [n, W]
+        banned = (n_out[:, None] + j) < mnt[:, None]  # [n, W]
         stop = torch.zeros((n, V), dtype=torch.bool, device=device)
         for k, i in enumerate(rows):
             if min_new[k] > 0:
@@ -148,10 +170,17 @@ def apply_penalties(logits3: torch.Tensor, reqs: Sequence, block: torch.Tensor, 
     cf = torch.stack([s.cf for s in states])
     cnt = torch.stack([s.cnt for s in states])
     ones = torch.ones((n, 1), dtype=torch.float32, device=device)
+    if par is not None:  # a tree: every node's accumulators kept for its children ([W, n, V] each)
+        ar = torch.arange(n, device=device)
+        cf_at, cnt_at = cf.new_empty((W, n, V)), cnt.new_empty((W, n, V))
     for j in range(W):
         if j > 0:
+            if par is not None:
+                cf, cnt = cf_at[par[:, j], ar], cnt_at[par[:, j], ar]  # the parent's (copies)
             cf.scatter_add_(1, drafts[:, j:j + 1], freq)
             cnt.scatter_add_(1, drafts[:, j:j + 1], ones)
+        if par is not None:
+            cf_at[j], cnt_at[j] = cf, cnt
         seen = cnt > 0
         additive = torch.zeros((n, V), dtype=torch.float32, device=device)
         additive.sub_(cf)
@@ -185,13 +214,14 @@ def commit(reqs: Sequence, out_tokens: torch.Tensor, accept_drafts: torch.Tensor
 
 # ---------------------------------------------------------------------- the whole verify step
 def process(logits: torch.Tensor, W: int, batch, block: torch.Tensor, prefix_lens: torch.Tensor,
-            grammar_mask=None) -> None:
+            grammar_mask=None, parents: Optional[torch.Tensor] = None) -> None:
     """Every logits adjustment sglang's sampler makes, on all B*W verify rows, in place.
-    logits: [B*W, V] (``logits_output.next_token_logits``)."""
+    logits: [B*W, V] (``logits_output.next_token_logits``); ``parents``: a tree round's
+    (``apply_penalties``; the grammar mask was built over the same tree, ``grammar_tree``)."""
     info = batch.sampling_info
     B = logits.shape[0] // W
     logits3 = logits.view(B, W, -1)
-    apply_penalties(logits3, batch.reqs, block, prefix_lens)
+    apply_penalties(logits3, batch.reqs, block, prefix_lens, parents)
     if grammar_mask is not None:
         grammar_mask.apply(logits)
     if info is None:
@@ -244,10 +274,12 @@ def expand_sampling_info(info, W: int):
     )
 
 
-def sglang_row_sampler(sampler, info, W: int, prefix_lens: torch.Tensor, inplace: bool = False):
+def sglang_row_sampler(sampler, info, W: int, prefix_lens: torch.Tensor, inplace: bool = False,
+                       depths: Optional[torch.Tensor] = None):
     """sample_rows for ``accept``: sglang's own Sampler on the W rows of each request, at the
-    positions a non-speculative decode would use (prefix_len + j: the input token's position),
-    so a per-request sampling_seed gives the same draws as without speculation.
+    positions a non-speculative decode would use (prefix_len + j: the input token's position;
+    a tree round's rows at prefix_len + their ``depths`` [B, W]), so a per-request sampling_seed
+    gives the same draws as without speculation.
 
     The sampler scales and softmaxes its input in place: ``inplace=True`` lets it work on the
     verify logits themselves (fine unless logprobs are read from them afterwards), otherwise
@@ -255,8 +287,8 @@ def sglang_row_sampler(sampler, info, W: int, prefix_lens: torch.Tensor, inplace
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput  # sglang only here (module docstring)
 
     exp = expand_sampling_info(info, W)
-    positions = (prefix_lens.to(torch.int64)[:, None]
-                 + torch.arange(W, device=prefix_lens.device, dtype=torch.int64)[None, :]).reshape(-1)
+    offsets = torch.arange(W, device=prefix_lens.device, dtype=torch.int64)[None, :] if depths is None else depths
+    positions = (prefix_lens.to(torch.int64)[:, None] + offsets.to(prefix_lens.device, torch.int64)).reshape(-1)
 
     def sample_rows(rows: torch.Tensor) -> torch.Tensor:
         out = LogitsProcessorOutput(next_token_logits=rows if inplace else rows.clone())
@@ -265,13 +297,34 @@ def sglang_row_sampler(sampler, info, W: int, prefix_lens: torch.Tensor, inplace
     return sample_rows
 
 
-def grammar_tree(batch, block: torch.Tensor):
-    """The linear-chain grammar tree over [anchor, d_1..d_K] (before the verify launch)."""
+def tree_links(parents: torch.Tensor, sizes: Sequence[int]):
+    """parents [B, W] (host) and each tree's real node count -> (first child, next sibling) [B, W],
+    -1 where none: the links sglang's grammar traversal walks. Rows past a tree's size (padding)
+    are left out of it (never visited: acceptance never takes them)."""
+    B, W = parents.shape
+    first, sibling = torch.full((B, W), -1, dtype=torch.int64), torch.full((B, W), -1, dtype=torch.int64)
+    for b in range(B):
+        last = {}
+        for i in range(1, int(sizes[b])):
+            p = int(parents[b, i])
+            if p in last:
+                sibling[b, last[p]] = i
+            else:
+                first[b, p] = i
+            last[p] = i
+    return first, sibling
+
+
+def grammar_tree(batch, block: torch.Tensor, parents: Optional[torch.Tensor] = None, sizes=None):
+    """The grammar tree over the verify rows (before the verify launch): the linear chain
+    [anchor, d_1..d_K], or a tree round's nodes (``parents`` [B, W] and ``sizes`` on the host)."""
     if not getattr(batch, "has_grammar", False):
         return None
     from sglang.srt.speculative.spec_utils import GrammarTree  # sglang only here (module docstring)
 
-    return GrammarTree.from_linear_chain(block)
+    if parents is None:
+        return GrammarTree.from_linear_chain(block)
+    return GrammarTree.from_host(*tree_links(parents, sizes), block.cpu())
 
 
 def grammar_mask(batch, tree, device, barrier=None):

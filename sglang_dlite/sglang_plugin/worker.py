@@ -317,7 +317,7 @@ class DLiteWorker(BaseSpecWorker):
         # 1) draft (none over the off-switch, where drafting does not pay, or if every request opted out)
         n, opt_out = self._plan_round(batch, bs, t_round)
         if self.trees is not None and self.trees.wanted(batch, bs, n, opt_out):  # tree_round.py
-            return self.trees.run(batch, state, anchors, prefix_lens, on_publish, rt, t_round)
+            return self.trees.run(batch, state, anchors, prefix_lens, on_publish, rt, t_round, grammar_barrier)
         drafts = self._draft(state, anchors, batch, n).to(torch.int64)  # [B, W-1], the chain's first W-1
         drafts = self._tp_same(drafts, "drafts")  # TP: every rank verifies the same block
         W = drafts.shape[1] + 1  # tokens verified this round (self.W unless the width policy cut it)
@@ -460,8 +460,8 @@ class DLiteWorker(BaseSpecWorker):
         info = batch.sampling_info
         sample_rows = None
         if not verify_logits.is_all_greedy(info):
-            sample_rows = verify_logits.sglang_row_sampler(self.model_runner.sampler, info, W, prefix_lens,
-                                                           inplace=not batch.return_logprob)
+            sample_rows = verify_logits.sglang_row_sampler(self.model_runner.sampler, info, W, prefix_lens,  # online
+                                                           inplace=not batch.return_logprob and self.online is None)
         drafts = block[:, 1:] if opt_out is None else block[:, 1:].masked_fill(opt_out[:, None], -1)
         a, bonus = verify_logits.accept(drafts, logits, sample_rows)
         if self._tp is not None:  # TP: the same accept lengths and bonus tokens on every rank
