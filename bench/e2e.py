@@ -518,7 +518,7 @@ def main(argv=None) -> int:
     for t in table:
         print(f"| {t['mode']} | {t['concurrency']} | {t['spec_tok_s']} | {t['nospec_tok_s']} | {t['speedup']}x | {t['tau']} | "
               f"{t['spec_ttft_p50_s']} / {t['nospec_ttft_p50_s']} | {t['spec_itl_p50_ms']} / {t['spec_itl_p99_ms']} | "
-              f"{t['nospec_itl_p50_ms']} / {t['nospec_itl_p99_ms']} | {t['identical']}/{t['requests']} | {t['ties']} | "
+              f"{t['nospec_itl_p50_ms']} / {t['nospec_itl_p99_ms']} | {'sampled' if t['identical'] is None else t['identical']}/{t['requests']} | {t['ties']} | "
               f"{t['baseline_off']} | {t['mismatches']} |")
     for k, div in divergences.items():
         if k.startswith("nospec@"):
