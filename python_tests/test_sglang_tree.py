@@ -64,6 +64,33 @@ def test_verify_mask_draft_only_and_with_the_prefix():
         assert full[i, 4:].nonzero().flatten().tolist() == sorted(t.path(i))
 
 
+def test_the_tree_layout_is_what_sglangs_tree_contract_reads():
+    """sglang's NGRAM verify derives positions and the tree's links from the same [N, N] mask
+    (``reconstruct_indices_from_tree_mask``; its contract, ported in the CPU stand-ins): from the
+    mask a tree round passes, it gets the round's positions (prefix + depth) and the first-child /
+    next-sibling links the tree round's grammar traversal walks (``verify_logits.tree_links``)."""
+    import random
+
+    from sglang_dlite.cpu_support.sglang_cpu.sgl_kernel.speculative import reconstruct_indices_from_tree_mask
+    from sglang_dlite.sglang_plugin.verify_logits import tree_links
+
+    rng = random.Random(0)
+    trees = [_tree(), DraftTree.chain(3, [1, 2, 4, 5, 6])]
+    for _ in range(4):  # random trees of 6 nodes (siblings distinct)
+        par = [-1] + [rng.randrange(i) for i in range(1, 6)]
+        trees.append(DraftTree((9, *range(10, 15)), par))
+    tokens, depths, anc, parents = tree_arrays(trees, 6)
+    B, N = len(trees), 6
+    prefix = torch.tensor([4, 7, 1, 30, 2, 5])
+    pos, ridx = torch.zeros(B * N, dtype=torch.int64), torch.zeros(B * N, dtype=torch.int64)
+    nxt, sib = torch.zeros(B * N, dtype=torch.int64), torch.zeros(B * N, dtype=torch.int64)
+    reconstruct_indices_from_tree_mask(verify_mask(anc, prefix.tolist(), "cpu", draft_only=True), prefix, pos, ridx,
+                                       nxt, sib, B, N)
+    assert torch.equal(pos.view(B, N), prefix[:, None] + depths)
+    first, sibling = tree_links(parents, [len(t) for t in trees])
+    assert torch.equal(nxt.view(B, N), first) and torch.equal(sib.view(B, N), sibling)
+
+
 def test_padding_rows_are_never_accepted():
     """A round accepts along the real tree only: the target's argmax at the padding rows is not read."""
     t = _tree()
