@@ -48,6 +48,8 @@ class Drafter(Protocol):
 
     # Optional: ``observe(req, drafts, target_logits, accepted)``, called by the reference engine
     # after each chain's verify (target_logits [len(drafts) + 1, V]); online.py learns from it.
+    # Optional: ``finish_request(state, tokens)``, called by the reference engine when a speculative
+    # ``generate`` ends (tokens: the session's prompt + output); lookup/corpus.py's corpus learns from it.
 
 
 class DLiteEngineDrafter:

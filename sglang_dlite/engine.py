@@ -301,6 +301,9 @@ class ReferenceEngine:
         if len(sess.tokens) > len(prompt) + len(res.output_ids):  # keep the session consistent with the output
             sess.tokens = sess.tokens[:len(prompt) + len(res.output_ids)]
             sess.truncate(len(sess.tokens) - 1)
+        finish = getattr(self.drafter, "finish_request", None) if use_spec else None
+        if finish is not None:  # a drafter keeping what requests end with (a cross-request corpus)
+            finish(sess.drafter_state, list(sess.tokens))
         return res
 
     def generate_batch(self, prompts: Sequence[list], max_new_tokens: int, **kw) -> list:

@@ -3,7 +3,9 @@
 ``dlite[:PATH]``, ``hybrid[:PATH]`` (DLite + suffix lookup in one token tree per round: the tree the
 DLITE worker serves, ``served_hybrid``), ``hybrid-chain[:PATH]`` (the same two sources, one chain per
 round, chosen per round), ``suffix[:K]`` (the lookup alone), token trees ``dlite-tree`` / ``hybrid-tree`` /
-``suffix-tree`` (``@N`` or ``@nodes=N,branching=head|chain``: ``lookup/tree_drafters.py``),
+``suffix-tree`` (``@N`` or ``@nodes=N,branching=head|chain``: ``lookup/tree_drafters.py``), with an opt-in
+cross-request corpus of earlier requests (``hybrid@corpus=TOKENS``, ``hybrid-tree@...,corpus=TOKENS``,
+``suffix-tree@corpus=TOKENS``: ``lookup/corpus.py``; off by default),
 ``dlite-online[:PATH][@OPTS]`` / ``hybrid-online[:PATH][@OPTS]`` (chains learning online from verify
 results, ``online.py``; OPTS: ``key=value,...`` of ``OnlineConfig``), or a baseline / ablation name (``baselines/registry.py``: EAGLE-3-, DFlash-,
 DSpark-style, n-gram, DLite teacher and windows). Sits above ``drafters.py`` (the interface and
@@ -15,11 +17,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Optional
 
 from .baselines.registry import BASELINE_NAMES, known_drafters_text, make_baseline_drafter
 from .drafters import DLiteEngineDrafter, Drafter, load_dlite
 from .errors import DLiteInputError
 from .lookup.drafters import HybridEngineDrafter, SuffixEngineDrafter
+from .lookup.corpus import SharedCorpus
 from .lookup.tree_drafters import BRANCHINGS, DEFAULT_TREE_NODES, SERVED_TREE_NODES, TreeEngineDrafter
 from .online import OnlineConfig, OnlineDrafter, OnlineLearner
 
@@ -42,16 +46,19 @@ def make_engine_drafter(spec: str, target) -> Drafter:
         return DLiteEngineDrafter(load_dlite(path or None, target))
     if name in ("hybrid", "hybrid-chain"):
         return served_hybrid(DLiteEngineDrafter(load_dlite(path or None, target)), chain=name == "hybrid-chain")
+    if name.startswith("hybrid@"):  # the served tree with options: only corpus=TOKENS
+        corpus = _tree_options(name, allowed=("corpus",))[2]
+        return served_hybrid(DLiteEngineDrafter(load_dlite(path or None, target)), corpus=corpus)
     if name == "suffix":
         return SuffixEngineDrafter(num_drafts=int(path) if path else 7)
     if name in BASELINE_NAMES:
         return make_baseline_drafter(name, path or None, target)
-    raise DLiteInputError(f"unknown drafter {spec!r}; known: dlite[:PATH], hybrid[:PATH], hybrid-chain[:PATH], "
+    raise DLiteInputError(f"unknown drafter {spec!r}; known: dlite[:PATH], hybrid[@corpus=TOKENS][:PATH], hybrid-chain[:PATH], "
                           f"suffix[:K], dlite-tree[@N][:PATH], hybrid-tree[@N][:PATH], suffix-tree[@N], "
                           f"dlite-online[:PATH][@OPTS], hybrid-online[:PATH][@OPTS], {known_drafters_text()}.")
 
 
-def served_hybrid(dlite: DLiteEngineDrafter, chain: bool = False):
+def served_hybrid(dlite: DLiteEngineDrafter, chain: bool = False, corpus: Optional[SharedCorpus] = None):
     """DLITE's default drafting in the reference engine: the token tree the sglang worker drafts
     (the lookup's continuations + DLite's top-k along its greedy chain, ``SERVED_TREE_NODES`` drafts;
     the worker cuts each tree to the rows its cost model pays for), or with ``chain`` the chain
@@ -59,7 +66,7 @@ def served_hybrid(dlite: DLiteEngineDrafter, chain: bool = False):
     serves where trees are off -- ``tree_max_batch_size`` 0, larger batches, GPUs)."""
     if chain:
         return HybridEngineDrafter(dlite)
-    return TreeEngineDrafter(dlite, lookup=True, num_drafts=SERVED_TREE_NODES, branching="chain")
+    return TreeEngineDrafter(dlite, lookup=True, num_drafts=SERVED_TREE_NODES, branching="chain", corpus=corpus)
 
 
 def make_online_drafter(spec: str, target) -> OnlineDrafter:
@@ -78,23 +85,39 @@ def _tree_drafter(name: str, path: str, target) -> TreeEngineDrafter:
     """``dlite-tree`` / ``hybrid-tree`` / ``suffix-tree``, ``@N`` or ``@nodes=N,branching=head|chain``:
     N tree nodes per round; DLite branching at every node (head) or along its greedy chain (chain,
     what the sglang worker drafts)."""
-    name, _, opts = name.partition("@")
-    n, branching = DEFAULT_TREE_NODES, "head"
-    for opt in filter(None, opts.split(",")):
-        key, eq, value = opt.rpartition("=") if "=" in opt else ("nodes", "=", opt)
-        if key == "nodes" and value.isdigit() and int(value) > 0:
-            n = int(value)
-        elif key == "branching" and value in BRANCHINGS:
-            branching = value
-        else:
-            raise DLiteInputError(f"--drafter {name}@{opts}: {opt!r} is not an option; use @N or "
-                                  f"@nodes=N,branching={'|'.join(BRANCHINGS)} (N a positive integer).")
+    n, branching, corpus = _tree_options(name)
+    name = name.partition("@")[0]
     if name == "suffix-tree":
         if path:
             raise DLiteInputError("--drafter suffix-tree takes no checkpoint (the lookup has no model).")
-        return TreeEngineDrafter(None, lookup=True, num_drafts=n)
+        return TreeEngineDrafter(None, lookup=True, num_drafts=n, corpus=corpus)
+    if corpus is not None and name != "hybrid-tree":
+        raise DLiteInputError(f"--drafter {name}@corpus=...: the corpus branches the suffix lookup's nodes; "
+                              "use hybrid-tree or suffix-tree.")
     return TreeEngineDrafter(DLiteEngineDrafter(load_dlite(path or None, target)), lookup=name == "hybrid-tree",
-                             num_drafts=n, branching=branching)
+                             num_drafts=n, branching=branching, corpus=corpus)
+
+
+def _tree_options(spec: str, allowed=("nodes", "branching", "corpus")):
+    """``NAME@N`` or ``NAME@nodes=N,branching=head|chain,corpus=TOKENS`` -> (N, branching, the
+    cross-request corpus: a ``SharedCorpus`` of TOKENS tokens, or None: off, the default)."""
+    name, _, opts = spec.partition("@")
+    n, branching, corpus = DEFAULT_TREE_NODES, "head", None
+    for opt in filter(None, opts.split(",")):
+        key, eq, value = opt.rpartition("=") if "=" in opt else ("nodes", "=", opt)
+        if key in allowed and key == "nodes" and value.isdigit() and int(value) > 0:
+            n = int(value)
+        elif key in allowed and key == "branching" and value in BRANCHINGS:
+            branching = value
+        elif key in allowed and key == "corpus" and value.isdigit():
+            corpus = SharedCorpus(int(value)) if int(value) > 0 else None
+        else:
+            want = ", ".join({"nodes": "@N or nodes=N (N a positive integer)",
+                              "branching": f"branching={'|'.join(BRANCHINGS)}",
+                              "corpus": "corpus=TOKENS (the cross-request corpus's token budget; 0: off)"}[k]
+                             for k in allowed)
+            raise DLiteInputError(f"--drafter {name}@{opts}: {opt!r} is not an option; use {want}.")
+    return n, branching, corpus
 
 
 def _kind_of_folder(path: str) -> str:

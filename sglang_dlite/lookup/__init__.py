@@ -2,7 +2,9 @@
 
 * ``suffix.SuffixIndex``: an incremental suffix automaton over one request's tokens with
   occurrence counts; ``propose(K)`` follows the most frequent continuation of the longest
-  earlier-occurring suffix (SuffixDecoding-style, per request, no global corpus).
+  earlier-occurring suffix (SuffixDecoding-style, per request).
+* ``corpus``: the opt-in cross-request corpus (off by default): earlier requests' tokens per
+  tenant within a token budget, an extra source of tree branches (``CorpusView``).
 * ``chooser``: calibrated acceptance probabilities for lookup steps and DLite's drafts, the
   per-request choice (lookup / DLite / DLite's prefix continued by the lookup) by expected
   accepted tokens, and the calibration constants fitted on training data.

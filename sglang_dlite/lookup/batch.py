@@ -9,6 +9,13 @@ so the overlap scheduler's delayed ``req.output_ids`` never matter; filter/merge
 (the state follows ``batch.reqs``). A decode batch is the whole running batch, so every index
 whose request is not in it (finished, aborted, retracted) is freed at that round; a request
 that comes back (retraction) is re-indexed from its tokens at its next prefill.
+
+Optional cross-request corpus (``corpus_tokens`` > 0; off by default: the DLITE setting
+``corpus_tokens``): a request's indexed tokens join a ``corpus.SharedCorpus`` when its index is
+freed (finished or aborted; a retracted request's part, continued when it finishes, without
+duplicates), under its tenant key (``req.sampling_params.custom_params["dlite_tenant"]`` if set,
+else the default tenant), and the tree rounds' indices (``begin_round(lookup=False)``) are
+``corpus.CorpusView`` s: the corpus's continuations beside the request's own. Chain rounds are unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import os
 from typing import Callable, List, Optional, Sequence
 
 from .chooser import Calibration, Candidate, best_chain, candidates, default_calibration, lookup_only, needs_dlite, pick
+from .corpus import SharedCorpus
 from .suffix import DEFAULT_MAX_MATCH, SuffixIndex
 
 ENV_LOOKUP = "SGLANG_DLITE_LOOKUP"  # "0" / "off" / "false": DLite alone (no lookup)
@@ -36,10 +44,19 @@ def _req_tokens(req) -> list:
     return list(getattr(req, "origin_input_ids", ())) + list(getattr(req, "output_ids", ()))
 
 
+TENANT_PARAM = "dlite_tenant"  # the custom param naming a request's corpus tenant
+
+
+def req_tenant(req):
+    """The request's corpus tenant key (``custom_params["dlite_tenant"]``), None: the default tenant."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return params.get(TENANT_PARAM) if isinstance(params, dict) else None
+
+
 class BatchLookup:
     def __init__(self, num_drafts: int, calibration: Optional[Calibration] = None,
                  max_match: int = DEFAULT_MAX_MATCH, trace_path: Optional[str] = None,
-                 dlite_drafts: Optional[int] = None):
+                 dlite_drafts: Optional[int] = None, corpus_tokens: int = 0):
         self.num_drafts = int(num_drafts)
         # chooser.needs_dlite: the lookup is scored over at most the drafts DLite makes (its K)
         self.skip_horizon = self.num_drafts if dlite_drafts is None else min(self.num_drafts, int(dlite_drafts))
@@ -49,6 +66,10 @@ class BatchLookup:
         self.trace_path = trace_path
         self.source_rounds: dict = {}
         self._round = None  # (indices, drafts, sources) of the round draft_round drafted
+        on = corpus_tokens is not None and int(corpus_tokens) > 0
+        self.corpus = SharedCorpus(int(corpus_tokens), max_match=max_match) if on else None
+        self.tenants: dict = {}  # rid -> corpus tenant (with the corpus only)
+        self.cursors: dict = {}  # rid -> the request's corpus matches (CorpusView's cursor)
 
     def __len__(self) -> int:
         return len(self.states)
@@ -71,18 +92,26 @@ class BatchLookup:
                 self.states[req.rid] = SuffixIndex(toks, self.max_match)
             else:
                 idx.sync(toks)
+            if self.corpus is not None:
+                self.tenants[req.rid] = req_tenant(req)
         self._trace({"event": "extend", "rids": [r.rid for r in reqs], "live": sorted(self.states)})
 
     def retain(self, rids: Sequence) -> None:
+        """Free the indices of requests not in ``rids``; with the corpus, their tokens join it."""
         keep = set(rids)
         for rid in [r for r in self.states if r not in keep]:
-            del self.states[rid]
+            idx = self.states.pop(rid)
+            if self.corpus is not None:
+                self.corpus.add(idx.tokens, self.tenants.pop(rid, None))
+                self.cursors.pop(rid, None)
 
     # ------------------------------------------------------------------ a round
     def begin_round(self, reqs: Sequence, anchors: Sequence[int], seq_lens: Optional[Sequence[int]] = None,
                     lookup: bool = True):
         """A decode round starts: free the indices of requests not in it, append the anchors,
-        and (``lookup``) run the lookup. Returns (indices, lookups, whether DLite is needed at all)."""
+        and (``lookup``) run the lookup. Returns (indices, lookups, whether DLite is needed at all).
+        Without ``lookup`` (tree and skipped rounds) and with the corpus, the indices are
+        ``CorpusView`` s (their upkeep goes to the request's own index)."""
         self.retain([r.rid for r in reqs])
         idxs, lookups, need_dlite = [], [], False
         for i, req in enumerate(reqs):
@@ -93,6 +122,9 @@ class BatchLookup:
                     toks = toks[: int(seq_lens[i])]
                 idx = self.states[req.rid] = SuffixIndex(toks, self.max_match)
             idx.append(int(anchors[i]))
+            if self.corpus is not None and not lookup:
+                tenant = self.tenants.setdefault(req.rid, req_tenant(req))
+                idx = self.corpus.view(idx, tenant, self.cursors.setdefault(req.rid, {}))
             idxs.append(idx)
             if lookup:
                 lk = lookup_only(idx, self.num_drafts, self.cal)

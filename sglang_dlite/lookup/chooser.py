@@ -37,6 +37,12 @@ CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cal
 MATCH_EDGES = (1, 2, 4, 8, 16, 32)  # match-length buckets: <=1, <=2, <=4, ..., >32
 N_CONF_BINS = 10
 SOURCES = ("suffix", "mixed", "dlite")
+# A cross-request corpus step (corpus.py) without a fitted ``corpus`` table: what the request's own
+# lookup table gives the same (match, frequency) cell where the request's own tokens have no
+# continuation (the same kind of evidence), this share of it where they continue otherwise
+# ("contested": this request's own history is evidence against it). Not fitted: priors; an offline
+# check on agent-stdlib conversations (issue 46 item 5) read contested corpus steps right less often.
+CORPUS_CONTESTED_SCALE = 0.5
 
 
 def match_bucket(m: int) -> int:
@@ -70,11 +76,20 @@ def dlite_key(q: float, agree: int) -> str:
 class Calibration:
     lookup: dict = field(default_factory=dict)  # lookup_key -> P(accepted | reached)
     dlite: dict = field(default_factory=dict)  # dlite_key -> P(accepted | reached)
+    corpus: dict = field(default_factory=dict)  # lookup_key -> P(accepted | reached) of corpus steps
     margin: float = 0.0  # a lookup-involving chain is taken when its score >= DLite's + margin
     skip_dlite_at: Optional[float] = None  # lookup score at which DLite is not run at all
     source: str = "prior"  # where the numbers come from
 
     def p_lookup(self, step: LookupStep) -> float:
+        if step.corpus:  # the cross-request corpus: its own table, else the lookup's (a share if contested)
+            v = self.corpus.get(lookup_key(step))
+            if v is None:
+                v = self._p_own(step) * (CORPUS_CONTESTED_SCALE if step.contested else 1.0)
+            return v
+        return self._p_own(step)
+
+    def _p_own(self, step: LookupStep) -> float:
         v = self.lookup.get(lookup_key(step))
         if v is not None:
             return v
@@ -93,13 +108,14 @@ class Calibration:
             return cls()
         with open(path, encoding="utf-8") as f:
             d = json.load(f)
-        return cls(lookup=dict(d.get("lookup", {})), dlite=dict(d.get("dlite", {})),
+        return cls(lookup=dict(d.get("lookup", {})), dlite=dict(d.get("dlite", {})), corpus=dict(d.get("corpus", {})),
                    margin=float(d.get("margin", 0.0)), skip_dlite_at=d.get("skip_dlite_at"),
                    source=str(d.get("source", path)))
 
     def to_dict(self) -> dict:
-        return {"lookup": self.lookup, "dlite": self.dlite, "margin": self.margin,
-                "skip_dlite_at": self.skip_dlite_at, "source": self.source}
+        d = {"lookup": self.lookup, "dlite": self.dlite, "margin": self.margin,
+             "skip_dlite_at": self.skip_dlite_at, "source": self.source}
+        return {**d, "corpus": self.corpus} if self.corpus else d
 
 
 _DEFAULT: Optional[Calibration] = None

@@ -37,6 +37,8 @@ class LookupStep:
     count: int  # earlier occurrences of (context suffix + chain + token)
     total: int  # earlier occurrences of (context suffix + chain) that have a continuation
     match_len: int  # length of the matched suffix this step continues
+    corpus: bool = False  # from the cross-request corpus (corpus.py), not the request's own tokens
+    contested: bool = False  # a corpus step where the request's own tokens continue otherwise
 
 
 @dataclass

@@ -6,6 +6,9 @@ node is reached, within ``num_drafts`` nodes) whose nodes' children come from tw
 - the suffix lookup: the most frequent continuations of the node's match
   (``SuffixIndex.continuations``, ranked by occurrence counts: a branch wherever the earlier
   continuations split), each scored by the calibrated lookup table (``Calibration.p_lookup``);
+- optionally (``corpus``, off by default) a cross-request corpus of earlier requests' tokens
+  (``corpus.CorpusView``): its continuations of the same context that differ from the request's own,
+  scored by the calibration's corpus rule;
 - DLite: the top-k tokens of its low-rank head at the node's block position
   (``DLiteDrafter.head_branch``: one head step + one vocabulary projection per expanded node, the
   backbone run once per round), each scored by the calibrated DLite table (its softmax probability,
@@ -31,7 +34,8 @@ from ..proposal import DraftProposal
 from ..speculation.tree import expected_accepted_tree, grow_tree
 from .chooser import Calibration, default_calibration
 from .drafters import session_index
-from .suffix import DEFAULT_MAX_MATCH, SuffixIndex
+from .corpus import SharedCorpus
+from .suffix import DEFAULT_MAX_MATCH
 
 DEFAULT_TREE_NODES = 24  # drafts per tree round (the root not counted)
 SERVED_TREE_NODES = 15  # drafts per tree round of ``--drafter hybrid``: the DLITE worker's rows (W = 16) less the root
@@ -94,7 +98,7 @@ class _Round:
     """One round's expansion (``grow_tree``'s ``expand``) over the suffix index and / or DLite's
     branches (``HeadBranches`` or ``ChainBranches``)."""
 
-    def __init__(self, index: Optional[SuffixIndex], dlite, cal: Calibration, branches: int):
+    def __init__(self, index, dlite, cal: Calibration, branches: int):
         self.index, self.dlite, self.cal, self.branches = index, dlite, cal, branches
         self.sources = set()  # who proposed the kept drafts: the round's source
 
@@ -109,7 +113,8 @@ class _Round:
         cal, d = self.cal, node.depth + 1
         looked = [] if node.match is None else self.index.continuations(*node.match, self.branches)
         toks, qs, head_of = ([], [], lambda token: None) if node.head is None else self.dlite.children(node)
-        kids = {step.token: [cal.p_lookup(step), _Node(step.token, d, head_of(step.token), match, "suffix")]
+        kids = {step.token: [cal.p_lookup(step), _Node(step.token, d, head_of(step.token), match,
+                                                       "corpus" if step.corpus else "suffix")]
                 for step, match in looked}
         first = looked[0][0].token if looked else None
         for rank, (t, q) in enumerate(zip(toks, qs)):
@@ -124,11 +129,12 @@ class _Round:
         return [(t, p, child) for t, (p, child) in kids.items()]
 
 
-def grow_round_tree(anchor: int, index: Optional[SuffixIndex], dlite, cal: Calibration, branches: int,
+def grow_round_tree(anchor: int, index, dlite, cal: Calibration, branches: int,
                     num_drafts: int, max_depth: Optional[int] = None):
-    """One request's tree of at most ``num_drafts`` drafts from the lookup's ``index`` and / or
+    """One request's tree of at most ``num_drafts`` drafts from the lookup's ``index`` (a
+    ``SuffixIndex``, or a ``corpus.CorpusView`` adding the cross-request corpus's branches) and / or
     DLite's branches ``dlite``. Returns (the tree, each node's reach, the round's source: suffix,
-    dlite, mixed or none)."""
+    dlite, corpus, mixed or none)."""
     rnd = _Round(index, dlite, cal, branches)
     tree, reach = grow_tree(anchor, rnd.root(anchor), rnd.expand, num_drafts, max_depth)
     kinds = rnd.sources
@@ -142,20 +148,24 @@ class TreeEngineDrafter:
     ``num_drafts``: the tree's nodes, the root not counted (a round verifies num_drafts + 1 rows);
     ``branches``: the children each source offers a node (the budget decides how many are kept);
     ``branching``: DLite's branches at every node (``head``: ``HeadBranches``) or along its greedy
-    chain only (``chain``: ``ChainBranches``, what the sglang worker drafts)."""
+    chain only (``chain``: ``ChainBranches``, what the sglang worker drafts); ``corpus``: a
+    ``corpus.SharedCorpus`` (off: None) whose earlier requests branch the lookup's nodes too, fed by
+    ``finish_request`` (the reference engine calls it after each speculative ``generate``)."""
 
     def __init__(self, dlite: Optional[DLiteEngineDrafter] = None, lookup: bool = True,
                  num_drafts: int = DEFAULT_TREE_NODES, branches: int = DEFAULT_BRANCHES,
                  max_match: int = DEFAULT_MAX_MATCH, calibration: Optional[Calibration] = None,
-                 max_depth: Optional[int] = None, branching: str = "head"):
+                 max_depth: Optional[int] = None, branching: str = "head", corpus: Optional[SharedCorpus] = None):
         if dlite is None and not lookup:
             raise DLiteInputError("a tree drafter needs DLite, the suffix lookup, or both.")
+        if corpus is not None and not lookup:
+            raise DLiteInputError("the cross-request corpus branches the suffix lookup's nodes: it needs the lookup.")
         if num_drafts < 1 or branches < 1:
             raise DLiteInputError(f"a draft tree needs num_drafts >= 1 and branches >= 1 (got {num_drafts}, "
                                   f"{branches}).")
         if branching not in BRANCHINGS:
             raise DLiteInputError(f"tree branching {branching!r}: use one of {', '.join(BRANCHINGS)}.")
-        self.dlite, self.lookup, self.branching = dlite, lookup, branching
+        self.dlite, self.lookup, self.branching, self.corpus = dlite, lookup, branching, corpus
         self.num_drafts, self.branches, self.max_match, self.max_depth = int(num_drafts), int(branches), max_match, max_depth
         self.cal = calibration or default_calibration()
         self.block_size = dlite.num_drafts if dlite is not None else 0
@@ -181,8 +191,15 @@ class TreeEngineDrafter:
             return HeadBranches(model, model.backbone(ctx, valid, anchor, history, offset), self.branches,
                                 self.block_size)
 
+    def finish_request(self, state: dict, tokens: list) -> None:
+        """A request ended with ``tokens`` (prompt + output): the corpus (if on) takes them."""
+        if self.corpus is not None:
+            self.corpus.add(tokens)
+
     def draft(self, req: DraftRequest) -> DraftProposal:
         index = session_index(req, self.max_match) if self.lookup else None
+        if self.corpus is not None:
+            index = self.corpus.view(index, cursor=req.state.setdefault("corpus_cursor", {}))
         dlite = self._dlite_branches(req)
         tree, reach, source = grow_round_tree(req.tokens[-1], index, dlite, self.cal, self.branches,
                                               self.num_drafts, self.max_depth)

@@ -4,7 +4,7 @@ Where they go: ``SGLANG_DLITE_CONFIG``, a path to a JSON file or the JSON itself
 ``SGLANG_DLITE_CONFIG='{"max_batch_size": 48, "lookup": true}'``. Keys (``SETTINGS``, defaults in
 ``ServingOptions``): ``lookup``, ``verify_width``, ``drafter_dtype``, ``draft_cuda_graph``,
 ``round_log``, ``max_batch_size``, ``soft_batch_size``, ``soft_num_drafts``, ``tree_max_batch_size``,
-``tree_branches``, ``online``
+``tree_branches``, ``online``, ``corpus_tokens``
 (sglang_plugin/README.md says what each does). An unknown key or a bad value stops the launch with
 a message. The per-setting variables of earlier releases (``SGLANG_DLITE_LOOKUP`` ...) still
 override one key each; debug switches (``SGLANG_DLITE_LOOKUP_TRACE``, ``SGLANG_DLITE_TP_SYNC``,
@@ -55,6 +55,7 @@ class ServingOptions:
     tree_max_batch_size: Optional[int] = None
     tree_branches: int = 4  # children each drafting source offers a tree node
     online: Optional[str] = None  # online learning (online_serving.py): the OnlineConfig spec, normalized; None: off
+    corpus_tokens: int = 0  # cross-request corpus of finished requests' tokens for tree branches (lookup/corpus.py); 0: off
     lookup_trace: Optional[str] = None  # debug (SGLANG_DLITE_LOOKUP_TRACE): live indices + sources per round
     tp_sync: bool = True  # debug (SGLANG_DLITE_TP_SYNC=0): no broadcast of rank 0's drafts / accepts under TP
     tp_check: bool = False  # debug (SGLANG_DLITE_TP_CHECK=1): all-gather and compare them every round
@@ -98,14 +99,16 @@ class ServingOptions:
         return "hybrid (DLite + suffix lookup)" if self.lookup else "DLite alone (lookup: false)"
 
     def describe(self) -> str:
-        """The effective user settings, one line (logged once at start-up; ``online`` only when on)."""
-        return json.dumps({k: v for k, v in asdict(self).items()
-                           if k in SETTINGS and (k != "online" or v is not None)}, sort_keys=True)
+        """The effective user settings, one line (logged once at start-up; ``online`` and
+        ``corpus_tokens`` only when on)."""
+        return json.dumps({k: v for k, v in asdict(self).items() if k in SETTINGS and (k not in _OPT_IN or v)},
+                          sort_keys=True)
 
 
 SETTINGS = ("lookup", "verify_width", "drafter_dtype", "draft_cuda_graph", "round_log", "max_batch_size",
             "soft_batch_size", "soft_num_drafts", "tree_max_batch_size", "tree_branches",
-            "online")
+            "online", "corpus_tokens")
+_OPT_IN = ("online", "corpus_tokens")  # off by default: in ``describe`` only when on
 
 
 def read_config(text: Optional[str]) -> dict:
@@ -150,6 +153,10 @@ def _checked(o: ServingOptions) -> ServingOptions:
                                                                        "no limit") + ")")
     if not count(o.soft_num_drafts):
         raise bad("soft_num_drafts", "must be an integer >= 0")
+    if not count(o.corpus_tokens):
+        raise bad("corpus_tokens", "must be a token budget >= 0 (0: no cross-request corpus)")
+    if o.corpus_tokens and not o.lookup:
+        raise bad("corpus_tokens", "needs the suffix lookup (lookup: true): the corpus branches its tree nodes")
     if not count(o.tree_branches) or o.tree_branches < 1:
         raise bad("tree_branches", "must be an integer >= 1")
     width = str(o.verify_width).strip().lower()
