@@ -187,3 +187,24 @@ def test_hybrid_tree_rounds_equal_the_reference_and_leak_no_kv(llama, monkeypatc
     assert any(r["tree"] for r in rounds) and any(r["bs"] == 3 and r["width"] > 1 for r in rounds)  # chains at 3
     accepted = sum(sum(i * c for i, c in enumerate(o["meta_info"]["spec_correct_drafts_histogram"])) for o in singles)
     assert accepted > 0
+
+
+def test_the_cross_request_corpus_branches_a_later_request(llama, monkeypatch, tmp_path):
+    """The setting ``corpus_tokens`` (issue 46 item 5): a request that continues as an earlier one did
+    accepts more drafts once the earlier request sits in the corpus (its own index has never seen the
+    continuation); without the corpus, the second run accepts what the first did. Output identical.
+    A fixed verify width (every tree W rows): the timed width policy would make acceptance vary."""
+    target, drafter, _ = llama
+    prompt, n = PROMPTS[1], 80
+    ref = F.reference_greedy(target, drafter, [prompt], n)[0]
+    accepted = {}
+    for corpus in (0, 20000):
+        monkeypatch.setenv("SGLANG_DLITE_CONFIG", json.dumps({"tree_max_batch_size": 4, "corpus_tokens": corpus,
+                                                             "verify_width": "fixed"}))
+        with F.engine(target, dlite=drafter, skip_tokenizer_init=True) as e:
+            runs = [e.generate(input_ids=prompt, sampling_params=_sp(n)) for _ in range(2)]
+        assert all(r["output_ids"] == ref for r in runs)
+        accepted[corpus] = [sum(i * c for i, c in enumerate(r["meta_info"]["spec_correct_drafts_histogram"]))
+                            for r in runs]
+    assert accepted[0][0] == accepted[0][1] == accepted[20000][0], accepted
+    assert accepted[20000][1] > accepted[20000][0], accepted

@@ -164,7 +164,7 @@ class DLiteWorker(BaseSpecWorker):
         self.lookup: Optional[BatchLookup] = None
         if self.options.lookup:
             self.lookup = BatchLookup(self.num_drafts, trace_path=self.options.lookup_trace,
-                                      dlite_drafts=self.dlite_drafts)
+                                      dlite_drafts=self.dlite_drafts, corpus_tokens=self.options.corpus_tokens)
         adaptive = self.options.adaptive_width(self.device, bool(getattr(self.server_args, "disable_cuda_graph", False)),
                                                1 if self._tp is None else 2)
         self.width_policy = VerifyWidthPolicy(self.W) if adaptive and self.lookup is not None else None
