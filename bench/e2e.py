@@ -141,9 +141,9 @@ def build_requests(tok, workload, max_convs, max_requests, max_new):
     reqs = []
     for conv in load_workload(workload, max_convs=max_convs):
         for t in render_turns(tok, conv, max_new_tokens=max_new):
-            if t.placeholder:
-                break
             reqs.append(list(t.prompt_ids))
+            if t.placeholder:  # a generated reply: later turns would need it (bfcl-multiturn: the first turn only)
+                break
     return reqs[:max_requests]
 
 
