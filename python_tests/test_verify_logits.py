@@ -172,12 +172,16 @@ def _tv(outs, law, cols):
     return 0.5 * float((emp - exact).abs().sum())
 
 
+def _assert_keeps_law(outs, law, what):
+    """The first three tokens' joint law and the 3rd and 4th tokens' laws within tolerance of ``law``."""
+    tv = [_tv(outs, law, [0, 1, 2]), _tv(outs, law, [2]), _tv(outs, law, [3])]
+    print(f"{what} TV (joint of 3, 3rd token, 4th token):", tv)
+    assert tv[0] < 0.03 and tv[1] < 0.015 and tv[2] < 0.015, tv
+
+
 def test_sampled_penalties_keep_the_target_law():
     law = _law_exact(4)
-    ok = _simulate(True, n=4)
-    tv = [_tv(ok, law, [0, 1, 2]), _tv(ok, law, [2]), _tv(ok, law, [3])]
-    print("TV (joint of 3, 3rd token, 4th token):", tv)
-    assert tv[0] < 0.03 and tv[1] < 0.015 and tv[2] < 0.015, tv
+    _assert_keeps_law(_simulate(True, n=4), law, "chain")
     # The test can fail: rows that do not count the drafts before them (sglang's relaxed
     # speculative penalties) move the third token's law well past the tolerance.
     bug = _simulate(False, n=4, seed=1)
@@ -358,10 +362,7 @@ def test_sampled_tree_rounds_with_penalties_keep_the_target_law():
     first three tokens equals the penalized target's. Penalizing the rows as if the nodes were one
     chain (no ``parents``) moves it past the tolerance: the test can fail."""
     law = _law_exact(4)
-    ok = _simulate_tree(True, n=4)
-    tv = [_tv(ok, law, [0, 1, 2]), _tv(ok, law, [2]), _tv(ok, law, [3])]
-    print("tree TV (joint of 3, 3rd token, 4th token):", tv)
-    assert tv[0] < 0.03 and tv[1] < 0.015 and tv[2] < 0.015, tv
+    _assert_keeps_law(_simulate_tree(True, n=4), law, "tree")
     bug = _simulate_tree(False, n=4, seed=1)
     assert max(_tv(bug, law, [0, 1, 2]), _tv(bug, law, [2])) > 0.03
 
