@@ -29,7 +29,8 @@ chains' calibrated acceptance and the verify cost it has measured, ``speculation
 lookup off (``SGLANG_DLITE_LOOKUP=0``: DLite alone, the previous release's drafting);
 ``dlite-chain`` is the hybrid with chains only (the setting ``tree_max_batch_size: 0``; by default a
 CPU drafts token trees for greedy batches of up to 16 requests, ``sglang_plugin/tree_round.py``);
-``dlite-online`` is ``dlite`` with online learning on (the setting ``online: true``, issue 47). The suffix
+``dlite-online`` is ``dlite`` with online learning on (the setting ``online: true``, issue 47); any DLITE
+mode takes serving settings after ``+`` (``dlite+tree_max_batch_size=64+soft_batch_size=32``). The suffix
 lookup indexes only the request's own tokens (prompt + its output so far): a replayed request
 never sees its own recorded answer, and nothing carries over between requests or levels.
 
@@ -98,7 +99,8 @@ def parse_args(argv=None):
                         "SGLANG_DLITE_VERIFY_WIDTH=fixed; the default picks the width per round on a CPU), "
                         "dlite-only[:W] (lookup off: DLite alone), ngram[:W] (sglang's NGRAM, default "
                         "W=8), eagle3[:W] (sglang's EAGLE3 worker on the project's EAGLE-3-style baseline "
-                        "exported to its format, a chain of W-1 drafts, default W=8), nospec")
+                        "exported to its format, a chain of W-1 drafts, default W=8), nospec; a DLITE mode takes serving "
+                        "settings after + (dlite+tree_max_batch_size=64)")
     p.add_argument("--eagle3-draft", default=None,
                    help="the EAGLE-3-style baseline checkpoint the eagle3 mode exports for sglang (default: the "
                         "shipped one)")
@@ -132,6 +134,22 @@ def parse_parallel(mode, tp_size=1, dp_size=1):
     if par and not re.fullmatch(r"((tp|dp)\d+)+", par):
         raise SystemExit(f"mode {mode!r}: the suffix after @ is tpN and/or dpN (e.g. dlite@tp2, nospec@dp2)")
     return base, tp_size, dp_size
+
+
+def parse_settings(mode):
+    """'dlite+tree_max_batch_size=64+corpus_tokens=0' -> ('dlite', {'tree_max_batch_size': 64, 'corpus_tokens': 0}):
+    DLITE serving settings (SGLANG_DLITE_CONFIG keys) for one mode, a JSON value each (a bare word: a string)."""
+    base, *pairs = mode.split("+")
+    settings = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not (key and eq):
+            raise SystemExit(f"mode {mode!r}: a setting after + is key=value (e.g. dlite+tree_max_batch_size=64)")
+        try:
+            settings[key] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key] = value
+    return base, settings
 
 
 def build_requests(tok, workload, max_convs, max_requests, max_new):
@@ -220,12 +238,16 @@ MODE_SETTINGS = {"dlite-chain": {"tree_max_batch_size": 0},  # chains only
 
 
 def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_size=1, dp_size=1, eagle3_draft=None,
-               temperature=0.0):
+               temperature=0.0, requests_at=None, on_level=None):
+    """One engine for ``mode``, every level of ``levels`` on it (flushed between levels): (rows, outputs
+    per level). ``requests_at(c)``: how many of ``reqs`` level c runs (default all); ``on_level(row,
+    outputs)`` is called as each level finishes (``bench/load_matrix.py`` checkpoints there)."""
     from sglang_dlite.cpu_launch import start_engine
 
     kw = dict(dtype=dtype, max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
     base_mode, tp_size, dp_size = parse_parallel(mode, tp_size, dp_size)
     kw.update(tp_size=tp_size, dp_size=dp_size)
+    base_mode, settings = parse_settings(base_mode)
     spec, _, w = base_mode.partition(":")
     if spec not in ("dlite", "hybrid", "hybrid-fixed", "dlite-only", "dlite-chain", "dlite-online", "ngram",
                     "eagle3", "nospec"):
@@ -248,11 +270,13 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     os.environ["SGLANG_DLITE_LOOKUP_TRACE"] = trace
     os.environ["SGLANG_DLITE_ROUND_LOG"] = round_log  # the worker's draft / verify ms per decode round
     os.environ["SGLANG_DLITE_VERIFY_WIDTH"] = width  # per-round verify width: auto (CPU: adaptive) or fixed
-    if spec in MODE_SETTINGS:  # the mode's serving settings over the caller's; other modes keep the caller's
+    if spec in MODE_SETTINGS or settings:  # the mode's serving settings over the caller's; other modes keep theirs
         from sglang_dlite.sglang_plugin.options import read_config
 
+        if settings and not is_dlite:
+            raise SystemExit(f"mode {mode!r}: +key=value serving settings are DLITE's (dlite... modes only)")
         os.environ["SGLANG_DLITE_CONFIG"] = json.dumps({**read_config(os.environ.get("SGLANG_DLITE_CONFIG")),
-                                                        **MODE_SETTINGS[spec]})
+                                                        **MODE_SETTINGS.get(spec, {}), **settings})
     verify_kw = {"speculative_num_draft_tokens": int(w)} if spec != "nospec" and w else {}
     if spec == "ngram":
         verify_kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8, **verify_kw}
@@ -283,7 +307,8 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
             flush_until_done(e)  # every level starts cold: same prefix-cache behaviour for every mode
             mark = os.path.getsize(trace) if os.path.exists(trace) else 0
             rmark = os.path.getsize(round_log) if os.path.exists(round_log) else 0
-            outs, lat, wall, ttft, itl = e.loop.run_until_complete(_run_level(e, reqs, c, sp))
+            level_reqs = reqs[:requests_at(c)] if requests_at else reqs
+            outs, lat, wall, ttft, itl = e.loop.run_until_complete(_run_level(e, level_reqs, c, sp))
             shares, width = _trace_stats(trace, mark)
             round_ms = _round_stats(round_log, rmark)
             rows.append(level_row(mode, c, [o["meta_info"] for o in outs], wall, lat, ttft, itl))
@@ -296,6 +321,8 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
                 rows[-1].update(round_ms)
             outputs[c] = [list(o["output_ids"]) for o in outs]
             print(json.dumps(rows[-1]), flush=True)
+            if on_level is not None:
+                on_level(rows[-1], outputs[c])
     finally:
         e.shutdown()
     return rows, outputs
@@ -329,16 +356,40 @@ def _trace_stats(trace, offset):
             round(sum(widths) / len(widths), 2) if widths else None)
 
 
+POSITION_BUCKET = 32  # output tokens per bucket of tau by output position
+
+
 def _round_stats(path, offset):
-    """Mean draft / verify ms per decode round and the rounds, from the worker's round log
-    (``SGLANG_DLITE_ROUND_LOG``) after ``offset``; {} when there is none (no speculation)."""
+    """Mean draft / verify ms per decode round, the rounds, and acceptance by output position, from the
+    worker's round log (``SGLANG_DLITE_ROUND_LOG``) after ``offset``; {} when there is none (no
+    speculation). ``rounds_by_position``: {bucket start: [request-rounds, tokens committed]} for the
+    request-rounds whose output length before the round falls in [start, start + POSITION_BUCKET):
+    tau at that depth of the answer = committed / request-rounds (``tau_by_position``)."""
     recs = list(_jsonl_after(path, offset))
     if not recs:
         return {}
     n = len(recs)
+    by_pos = {}
+    for r in recs:
+        for p, a in zip(r.get("pos") or (), r.get("acc") or ()):
+            cell = by_pos.setdefault(int(p) // POSITION_BUCKET * POSITION_BUCKET, [0, 0])
+            cell[0] += 1
+            cell[1] += int(a) + 1
     return {"decode_rounds": n, "draft_ms_per_round": round(sum(float(r["draft_ms"]) for r in recs) / n, 2),
             "verify_ms_per_round": round(sum(float(r["verify_ms"]) for r in recs) / n, 2),
-            "tree_round_share": round(sum(1 for r in recs if r.get("tree")) / n, 3)}
+            "tree_round_share": round(sum(1 for r in recs if r.get("tree")) / n, 3),
+            **({"rounds_by_position": {str(k): v for k, v in sorted(by_pos.items())}} if by_pos else {})}
+
+
+def tau_by_position(rows) -> dict:
+    """{bucket start: tau} pooled over ``rows`` (their ``rounds_by_position``)."""
+    pooled = {}
+    for row in rows:
+        for k, (n, committed) in (row.get("rounds_by_position") or {}).items():
+            cell = pooled.setdefault(int(k), [0, 0])
+            cell[0] += n
+            cell[1] += committed
+    return {k: round(c / n, 3) for k, (n, c) in sorted(pooled.items()) if n}
 
 
 def level_row(mode, concurrency, metas, wall, lat, ttft=(), itl=()) -> dict:

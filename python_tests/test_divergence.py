@@ -4,6 +4,7 @@ median-of-repeats aggregation."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -133,3 +134,69 @@ def test_e2e_round_stats_reads_the_round_log_after_an_offset(tmp_path):
     assert e2e._round_stats(str(log), mark) == {"decode_rounds": 2, "draft_ms_per_round": 15.0, "verify_ms_per_round": 200.0,
                                                 "tree_round_share": 0.0}
     assert e2e._round_stats(str(tmp_path / "none.jsonl"), 0) == {}
+
+
+def _bench(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_e2e_tau_by_output_position_from_the_round_log(tmp_path):
+    """The round log's per-request output position and accepted drafts give tau per 32-token bucket
+    of the answer: committed tokens (accepted + 1) over request-rounds, pooled over levels."""
+    e2e = _bench("e2e")
+    log = tmp_path / "rounds.jsonl"
+    log.write_text('{"bs": 2, "draft_ms": 1, "verify_ms": 2, "pos": [1, 40], "acc": [3, 0]}\n'
+                   '{"bs": 2, "draft_ms": 1, "verify_ms": 2, "pos": [5, 41], "acc": [1, 2]}\n'
+                   '{"bs": 1, "draft_ms": 1, "verify_ms": 2}\n')  # a round logged without positions
+    stats = e2e._round_stats(str(log), 0)
+    assert stats["rounds_by_position"] == {"0": [2, 6], "32": [2, 4]}
+    assert e2e.tau_by_position([stats]) == {0: 3.0, 32: 2.0}
+    assert e2e.tau_by_position([stats, {"rounds_by_position": {"32": [2, 8]}}]) == {0: 3.0, 32: 3.0}
+    assert e2e.tau_by_position([{}]) == {}
+
+
+def test_e2e_mode_settings_parse_and_refuse_a_bad_pair():
+    e2e = _bench("e2e")
+    assert e2e.parse_settings("dlite:8+tree_max_batch_size=64+online=true+drafter_dtype=bfloat16") == (
+        "dlite:8", {"tree_max_batch_size": 64, "online": True, "drafter_dtype": "bfloat16"})
+    assert e2e.parse_settings("nospec") == ("nospec", {})
+    with pytest.raises(SystemExit, match="key=value"):
+        e2e.parse_settings("dlite+tree_max_batch_size")
+
+
+def test_load_matrix_resumes_and_reports_medians_over_repeats(tmp_path, monkeypatch):
+    """bench/load_matrix.py: a level already in runs.jsonl is not run again; the report takes the
+    median over repeats per (cell, mode, level) and the speed-up over no speculation's median there;
+    level c runs max(min_requests, 2c) requests."""
+    lm = _bench("load_matrix")
+    args = lm.parse_args(["--concurrency", "1,4", "--modes", "nospec,dlite", "--repeats", "3", "--out-dir",
+                          str(tmp_path), "--no-score", "--min-requests", "4", "--requests", "6"])
+    assert [lm.requests_at(args, 6)(c) for c in (1, 2, 3, 4)] == [4, 4, 6, 6]
+
+    def rec(mode, rep, c, tps, tau=None):
+        return {"workload": "agent-stdlib", "max_new_tokens": 128, "dtype": "bfloat16", "mode": mode, "repeat": rep,
+                "concurrency": c, "outputs": [[1, 2]],
+                "row": {"mode": mode, "concurrency": c, "requests": 1, "tokens_per_s": tps, "ttft_p50_s": 1.0,
+                        "itl_p50_ms": 10.0, "itl_p99_ms": 20.0, "tau": tau,
+                        **({"rounds_by_position": {"0": [2, 5]}} if tau else {})}}
+
+    recs = [rec("nospec", r, c, 10.0 + r) for r in range(3) for c in (1, 4)]
+    recs += [rec("dlite", r, c, 20.0 + 4 * r, 2.5) for r in range(3) for c in (1,)]  # dlite at 4 never ran
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    ran = []
+    monkeypatch.setattr(lm.e2e, "build_requests", lambda *a: [[0]] * 6)
+    monkeypatch.setattr(lm.e2e, "run_sglang", lambda mode, *a, **kw: ran.append((mode, tuple(a[3]))))
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    lm.measure(args, tmp_path)
+    assert sorted(ran) == [("dlite", (4,))] * 3  # each repeat runs only its missing level
+    out = lm.report(args, tmp_path)
+    by = {(r["mode"], r["concurrency"]): r for r in out["rows"]}
+    assert by[("nospec", 1)]["tokens_per_s"] == 11.0 and by[("dlite", 1)]["tokens_per_s"] == 24.0
+    assert by[("dlite", 1)]["speedup"] == round(24.0 / 11.0, 3) and by[("nospec", 1)]["speedup"] is None
+    assert by[("dlite", 1)]["tau_by_position"] == {0: 2.5}
+    assert (tmp_path / "speedup_vs_concurrency.png").exists() and (tmp_path / "tau_by_position.png").exists()

@@ -187,6 +187,12 @@ def test_hybrid_tree_rounds_equal_the_reference_and_leak_no_kv(llama, monkeypatc
     assert any(r["tree"] for r in rounds) and any(r["bs"] == 3 and r["width"] > 1 for r in rounds)  # chains at 3
     accepted = sum(sum(i * c for i, c in enumerate(o["meta_info"]["spec_correct_drafts_histogram"])) for o in singles)
     assert accepted > 0
+    # the log's acceptance by output position (bench/e2e.py's tau by position) adds up to sglang's own counts
+    every = sum(sum(i * c for i, c in enumerate(o["meta_info"]["spec_correct_drafts_histogram"]))
+                for o in outs + singles + [again])
+    assert all(len(r["pos"]) == len(r["acc"]) == r["bs"] for r in rounds)
+    assert sum(sum(r["acc"]) for r in rounds) == every
+    assert all(0 < p < max(MAX_NEW) for r in rounds for p in r["pos"])  # after the prefill's token, before the end
 
 
 def test_the_cross_request_corpus_branches_a_later_request(llama, monkeypatch, tmp_path):

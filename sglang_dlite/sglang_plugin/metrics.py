@@ -24,8 +24,10 @@ API for drafting code (e.g. a hybrid suffix-lookup / DLite drafter), safe to cal
     metrics.record_source("suffix", n)     # n requests of this round were drafted by "suffix"
 
 ``SGLANG_DLITE_ROUND_LOG=PATH`` (no ``--enable-metrics`` needed) appends one JSON line per decode
-round to PATH: ``{"bs", "width", "draft_ms", "verify_ms"}`` (TP rank 0; width: tokens verified per request), e.g. for ``bench/e2e.py``'s
-per-mode draft / verify split, or an offline engine that has no ``/metrics``.
+round to PATH: ``{"bs", "width", "tree", "draft_ms", "verify_ms", "pos", "acc"}`` (TP rank 0; width: tokens
+verified per request; pos / acc: each request's output length before the round and the drafts it
+accepted), e.g. for ``bench/e2e.py``'s per-mode draft / verify split and tau by output position, or an
+offline engine that has no ``/metrics``.
 
 Request-rounds of a round that no ``record_source`` call claimed are counted as ``"dlite"`` when
 the worker finishes the round, so the per-source share is
@@ -166,14 +168,17 @@ class RoundTimer:
         self.log_path = log_path
 
     def _record(self, draft_ms: float, verify_ms: float, batch_size: int, rows, width: int, accepted=None,
-                tree: bool = False) -> None:
+                tree: bool = False, positions=None, round_accepted=None) -> None:
         record_round(draft_ms, verify_ms, batch_size, rows)
         if accepted is not None:
             record_acceptance(accepted, width - 1)
         if self.log_path:
+            rec = {"bs": batch_size, "width": width, "tree": tree, "draft_ms": round(draft_ms, 3),
+                   "verify_ms": round(verify_ms, 3)}
+            if positions is not None and round_accepted is not None:  # acceptance by output position
+                rec.update(pos=positions, acc=round_accepted)
             with open(self.log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"bs": batch_size, "width": width, "tree": tree, "draft_ms": round(draft_ms, 3),
-                                    "verify_ms": round(verify_ms, 3)}) + "\n")
+                f.write(json.dumps(rec) + "\n")
 
     def _now(self):
         if self.cuda:
@@ -189,11 +194,21 @@ class RoundTimer:
     def mark(self) -> None:
         self.marks.append(self._now())
 
-    def finish(self, batch_size: int, context_valid=None, width: int = 0, accepted=None, tree: bool = False) -> None:
+    def finish(self, batch_size: int, context_valid=None, width: int = 0, accepted=None, tree: bool = False,
+               reqs=None, round_accepted=None) -> None:
         """``context_valid``: [B, C] validity of the drafter's context rows (tensor) or None;
         ``width``: tokens verified per request this round; ``accepted``: [n] drafts accepted by each
         request that drafted (tensor) or None; ``tree``: a tree round (tree_round.py: ``width`` rows
-        per request, ``accepted`` counted along the accepted root path)."""
+        per request, ``accepted`` counted along the accepted root path). With the round log on,
+        ``reqs`` (the batch's requests, their output not yet extended by this round) and
+        ``round_accepted`` ([B] drafts accepted by every request, opted-out ones included; default
+        ``accepted``) log each request's output position and acceptance: tau by output position."""
+        positions = None
+        if self.log_path and reqs is not None:
+            positions = [len(r.output_ids) for r in reqs]
+            round_accepted = accepted if round_accepted is None else round_accepted
+        else:
+            round_accepted = None
         rows = None
         if context_valid is not None:
             rows = (context_valid > 0.5).sum(dim=-1) if context_valid.dtype != torch.bool else context_valid.sum(-1)
@@ -202,22 +217,25 @@ class RoundTimer:
         if not self.cuda:
             t0, t1, t2 = self.marks[:3]
             self._record((t1 - t0) * 1e3, (t2 - t1) * 1e3, batch_size, None if rows is None else rows.tolist(), width,
-                         None if accepted is None else accepted.tolist(), tree)
+                         None if accepted is None else accepted.tolist(), tree, positions,
+                         None if round_accepted is None else round_accepted.tolist())
             return
         if rows is not None:
             rows = rows.to("cpu", non_blocking=True)
         if accepted is not None:
             accepted = accepted.to("cpu", non_blocking=True)
+        if round_accepted is not None:
+            round_accepted = round_accepted.to("cpu", non_blocking=True)
         end = self._now()
-        self.pending.append((self.marks[:3], end, batch_size, rows, width, accepted, tree))
+        self.pending.append((self.marks[:3], end, batch_size, rows, width, accepted, tree, positions, round_accepted))
         self.poll()
 
     def poll(self) -> None:
         """Record the CUDA rounds whose events have completed (never waits)."""
         while self.pending and self.pending[0][1].query():
-            (e0, e1, e2), _, bs, rows, width, acc, tree = self.pending.popleft()
+            (e0, e1, e2), _, bs, rows, width, acc, tree, pos, racc = self.pending.popleft()
             self._record(e0.elapsed_time(e1), e1.elapsed_time(e2), bs, None if rows is None else rows.tolist(), width,
-                         None if acc is None else acc.tolist(), tree)
+                         None if acc is None else acc.tolist(), tree, pos, None if racc is None else racc.tolist())
         while len(self.pending) > 64:  # never grow without bound
             self.pending.popleft()
 

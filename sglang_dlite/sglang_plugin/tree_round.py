@@ -230,7 +230,7 @@ class TreeRounds:
             lo.hidden_states = self.path_rows(lo.hidden_states, path_idx, bs).reshape(bs * N, -1)
         new_state = w._carry(state, lo, a)
         if rt is not None:
-            rt.finish(bs, state[..., -1], N, a, tree=True)
+            rt.finish(bs, state[..., -1], N, a, tree=True, reqs=batch.reqs)
         batch.forward_mode = ForwardMode.DECODE
         return GenerationBatchResult(
             logits_output=lo, next_token_ids=out.reshape(-1), accept_lens=commit_lens,

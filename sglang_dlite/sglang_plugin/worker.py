@@ -351,7 +351,7 @@ class DLiteWorker(BaseSpecWorker):
             bonus_tokens=bonus, hidden_states=new_state, new_seq_lens=new_seq_lens,
         )
         if rt is not None:
-            rt.finish(bs, state[..., -1], W, a if opt_out is None else a[~opt_out])
+            rt.finish(bs, state[..., -1], W, a if opt_out is None else a[~opt_out], reqs=batch.reqs, round_accepted=a)
         batch.forward_mode = ForwardMode.DECODE
         return GenerationBatchResult(
             logits_output=logits_output,
