@@ -76,7 +76,7 @@ from pathlib import Path
 
 from sglang_dlite.cpu_launch import omp_threads_bind
 from sglang_dlite.divergence import DEFAULT_TIE_MARGIN, Fp32LogitGap, classify_divergences, is_mismatch
-from sglang_dlite.speculation.tau import TAU_DEFINITION, tau_of_sglang
+from sglang_dlite.speculation.tau import TAU_DEFINITION, tau, tau_of_sglang
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -389,7 +389,7 @@ def tau_by_position(rows) -> dict:
             cell = pooled.setdefault(int(k), [0, 0])
             cell[0] += n
             cell[1] += committed
-    return {k: round(c / n, 3) for k, (n, c) in sorted(pooled.items()) if n}
+    return {k: round(tau(c, n), 3) for k, (n, c) in sorted(pooled.items()) if n}
 
 
 def level_row(mode, concurrency, metas, wall, lat, ttft=(), itl=()) -> dict:
