@@ -86,6 +86,7 @@ class OnlineConfig:
     watchdog_every: int = 0  # compare on one round in this many (0: every round per session, 1 in 8 at server scope)
     max_update_ms: Optional[float] = None  # an update stops stepping past this (breaks determinism); server: paced
     seed: int = 0
+    background: int = 0  # serving (online_serving.py): 1 = updates and the watchdog on a background thread, off the round
 
     def __post_init__(self):
         if self.params not in PARAM_SETS:
@@ -94,6 +95,7 @@ class OnlineConfig:
             raise DLiteConfigError(f"online scope={self.scope!r}: pick one of {', '.join(SCOPES)}.")
         ints = ("update_every", "steps", "batch_size", "buffer_size", "min_pairs", "tv_topk")
         bad = [n for n in ints if int(getattr(self, n)) < 1] + (["watchdog_every"] if self.watchdog_every < 0 else [])
+        bad += ["background (0 or 1)"] if self.background not in (0, 1) else []
         if bad or self.lr <= 0 or not 0 <= self.decay < 1 or self.watchdog_window < 0 or self.recent < 0:
             raise DLiteConfigError(f"online settings out of range ({', '.join(bad) or 'lr/decay/watchdog/recent'}): "
                                    "counts >= 1, lr > 0, 0 <= decay < 1, watchdog_window >= 0, recent >= 0.")
@@ -269,7 +271,8 @@ class OnlineLearner:
                 f"{n * 4 * 3 / 2**20:.1f} MiB with Adam per state), scope={self.cfg.scope}, lr={self.cfg.lr}, "
                 f"update every {self.cfg.update_every} rounds x {self.cfg.steps} steps of {self.cfg.batch_size} "
                 f"pairs, buffer {self.cfg.buffer_size} pairs (~{pair * self.cfg.buffer_size / 2**20:.1f} MiB), "
-                f"watchdog window {self.cfg.watchdog_window}, seed {self.cfg.seed}")
+                f"watchdog window {self.cfg.watchdog_window}, seed {self.cfg.seed}"
+                + (", updates and watchdog on a background thread" if self.cfg.background else ""))
 
     def state_for(self, req: DraftRequest) -> _State:
         if self._server is not None:
@@ -343,13 +346,27 @@ class OnlineLearner:
         ``accepted`` [B]. ``path``: a tree round's accepted root path (the watchdog cuts row b at
         ``accepted[b]``: the rest was not verified as a chain; never the working model's chain)."""
         accepted = torch.as_tensor(accepted, dtype=torch.int64).cpu()
-        st.buffer.extend(self.make_pairs(ctx, valid, anchors, drafts, probs, accepted))
+        pairs = self.make_pairs(ctx, valid, anchors, drafts, probs, accepted)
+        due = st.adapted and (st.rounds + 1) % self.cfg.watch_every == 0
+        self.learn_pairs(st, pairs, self.watch_inputs(ctx, valid, anchors, drafts, probs, accepted, path) if due else None)
+
+    def watch_inputs(self, ctx, valid, anchors, drafts, probs, accepted, path: bool = False) -> Optional[tuple]:
+        """What ``_watch`` compares on for one round (``learn_round``'s arguments; ``accepted`` [B]),
+        or None when there is nothing to compare (no watchdog, no drafts)."""
+        if not (self.cfg.watchdog_window and drafts.shape[1]):
+            return None
+        d, t, a = drafts.tolist(), probs.argmax(-1).tolist(), torch.as_tensor(accepted).tolist()
+        d, t = ([r[:n] for r, n in zip(d, a)], [r[:n + 1] for r, n in zip(t, a)]) if path else (d, t)
+        return ctx, valid, anchors, d, t, self.drafts_are_model and not path
+
+    def learn_pairs(self, st: _State, pairs: list, watch: Optional[tuple] = None) -> None:
+        """One round's pairs into ``st``'s buffer, the watchdog's comparison (``watch_inputs``, when
+        one is due) and an update when one is due: ``learn_round`` after its pairs were made (the
+        serving learner's background thread runs this part off the round)."""
+        st.buffer.extend(pairs)
         st.rounds += 1
-        if (st.adapted and self.cfg.watchdog_window and drafts.shape[1]
-                and st.rounds % self.cfg.watch_every == 0):
-            d, t, a = drafts.tolist(), probs.argmax(-1).tolist(), accepted.tolist()
-            d, t = ([r[:n] for r, n in zip(d, a)], [r[:n + 1] for r, n in zip(t, a)]) if path else (d, t)
-            self._watch(st, ctx, valid, anchors, d, t, model_drafts=self.drafts_are_model and not path)
+        if watch is not None and st.adapted:
+            self._watch(st, *watch[:5], model_drafts=watch[5])
         self.stats["rounds"] += 1
         st.rounds_since_update += 1
         if st.rounds_since_update >= st.update_period and len(st.buffer) >= self.cfg.min_pairs:

@@ -15,6 +15,11 @@ the accepted count; opted-out rows are skipped. Every ``update_every`` rounds an
 watchdog compares on one round in ``watchdog_every`` (8 at server scope): learning has to cost less
 than the acceptance it buys at concurrency 1.
 
+With ``background=1`` (the serving default, ``options.ONLINE_DEFAULTS``) a round only makes its pairs;
+the buffer, the watchdog and the updates run on a thread of their own (``LearnerThread``) on the
+learner's working copy, whose values the drafting model takes between rounds: no round waits on an
+update. ``background=0`` learns inside the round (deterministic with a seed).
+
 Rails: output stays lossless (verification is unchanged, only drafts move); the shipped drafter is
 never written; a watchdog reverts to the shipped weights when the adapted chain loses; a
 non-finite update reverts too; any error is logged once and disables learning (after a revert to
@@ -27,14 +32,17 @@ learns from the same rounds; the verified drafts are rank 0's either way (``_tp_
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
 
 from ..errors import DLiteConfigError
 from ..model import DLiteDrafter
-from ..online import OnlineConfig, OnlineLearner
+from ..online import OnlineConfig, OnlineLearner, _working_copy
 from ..ops.cpu_linear import packed_for
 from .info import unpack_context
 
@@ -60,14 +68,17 @@ class OnlineServing:
         self.learner = OnlineLearner(shipped, cfg)
         # DLite alone (no lookup): the verified drafts are the working copy's greedy chain
         self.learner.drafts_are_model = drafts_are_model
-        self.model = self.learner.model
         self.state = self.learner.state_for(None)  # the server's one state
+        # the model the worker drafts with: the learner's working copy itself, or (background) a copy of
+        # it that takes the learner's values between rounds (``publish``)
+        self.model = _working_copy(self.learner.model) if cfg.background else self.learner.model
         mc = self.model.config
         self.L, self.H, self.V = mc.num_capture_layers, mc.target_hidden_size, mc.vocab_size
         self.enabled = True
         self.error: Optional[str] = None
         self.nonfinite = 0
         self._packed = self._packed_linears()
+        self.thread = LearnerThread(self) if cfg.background else None
 
     @classmethod
     def attach(cls, options, drafter: DLiteDrafter, lookup=None):
@@ -129,6 +140,9 @@ class OnlineServing:
         self.learner.stats["observe_ms"] += (time.perf_counter() - t0) * 1e3
 
     def _observe(self, state, anchors, block, logits, accepted, skip, path: bool = False) -> None:
+        if self.thread is not None:
+            self.thread.check()  # a failure on the learner's thread surfaces here (disable)
+            self.thread.publish()  # the learner's newest values into the drafting model, between rounds
         if skip is not None:
             keep = (~skip.to(torch.bool)).nonzero().flatten()
             if keep.numel() == 0:
@@ -137,10 +151,23 @@ class OnlineServing:
                 state, anchors, block, logits, accepted = (t[keep] for t in (state, anchors, block, logits, accepted))
         ctx, valid = unpack_context(state, self.L, self.H)
         probs = _as_probs(logits[..., :self.V])
+        anchors, drafts = anchors.to(torch.int64), block[:, 1:].to(torch.int64)
+        if self.thread is not None:  # the round hands its pairs over and goes on
+            learner, accepted = self.learner, torch.as_tensor(accepted, dtype=torch.int64).cpu()
+            pairs = learner.make_pairs(ctx, valid, anchors, drafts, probs, accepted)
+            self.thread.rounds += 1
+            due = self.state.adapted and self.thread.rounds % learner.cfg.watch_every == 0
+            watch = learner.watch_inputs(ctx.clone(), valid.clone(), anchors.clone(), drafts, probs, accepted,
+                                         path) if due else None
+            self.thread.submit(pairs, watch)
+            return
+        self.learn(lambda: self.learner.learn_round(self.state, ctx, valid, anchors, drafts, probs, accepted, path=path))
+
+    def learn(self, step) -> None:
+        """Run ``step`` (a round's learning) and what follows a write: the checks, the packed weights, the log."""
         stats = self.learner.stats
         before = (stats["updates"], stats["reverts"])
-        self.learner.learn_round(self.state, ctx, valid, anchors.to(torch.int64), block[:, 1:].to(torch.int64),
-                                 probs, accepted, path=path)
+        step()
         if (stats["updates"], stats["reverts"]) != before:
             self._after_write()
         if stats["rounds"] % LOG_EVERY == 0 or (stats["updates"] == 1 and before[0] == 0):  # and the first update
@@ -150,11 +177,19 @@ class OnlineServing:
     def _after_write(self) -> None:
         """After an update or a revert: a non-finite value reverts to the shipped weights; the packed
         copies of the trained linears are rebuilt (they would be lazily too: ``packed_for`` keys on
-        the weight's version; rebuilt here so the cost falls in the update, not in a draft)."""
+        the weight's version; rebuilt here so the cost falls in the update, not in a draft). With a
+        background thread (which calls this) the values are handed to ``publish`` instead."""
         if not all(bool(torch.isfinite(m).all()) for m in self.learner.masters):
             self.nonfinite += 1
             logger.warning("DLITE online: an update left non-finite weights; back to the shipped weights")
             self.learner.revert(self.state)
+        if self.thread is not None:
+            self.thread.offer([m.detach().clone() for m in self.learner.masters])
+            return
+        self._repack()
+
+    @torch.no_grad()
+    def _repack(self) -> None:
         for lin in self._packed:
             lin._dlite_packed_key = None
             packed_for(lin, lin.weight)
@@ -167,6 +202,10 @@ class OnlineServing:
                      "weights): %s", self.error, exc_info=exc)
         try:
             with torch.inference_mode(False):
+                if self.thread is not None:  # the thread stops; the drafting model takes the shipped values
+                    self.thread.stop()
+                    self.thread.write([self.learner.shipped_values[n] for n in self.learner.names])
+                    return
                 self.learner.revert(self.state)
                 self._after_write()
         except Exception:  # noqa: BLE001  (the revert itself failed: drafts may suffer, output cannot)
@@ -182,3 +221,99 @@ class OnlineServing:
         return (f"{s['rounds']} rounds, {s['updates']} updates ({s['steps']} steps, {s['budget_cut']} cut by the "
                 f"budget), {s['reverts']} watchdog reverts, {s['learn_ms_per_round']:.2f} ms/round learning "
                 f"({s['update_ms_per_round']:.2f} updates, {s['shadow_ms_per_round']:.2f} watchdog)")
+
+
+class LearnerThread:
+    """The setting ``online``'s ``background=1`` (the serving default): updates and the watchdog run
+    on a daemon thread, so no decode round waits on one. A round only turns its verify result into
+    pairs (``OnlineLearner.make_pairs``) and queues them (``submit``); the thread runs
+    ``OnlineLearner.learn_pairs`` on them in order (buffer, watchdog, update, decay) on the learner's
+    own working copy and offers the new values after every write (``offer``); the next round, before
+    its pairs, copies the newest offer into the model the worker drafts with (``publish``: in place,
+    so CUDA graphs keep their pointers). The queue is bounded: a round that finds it full drops its
+    pairs (``dropped``) rather than wait. On a CPU the thread runs one torch thread beside the
+    scheduler's; on a GPU its kernels go to the stream the worker ran on when it started (so they are
+    ordered with the rounds' own work and free no memory a round still reads): the round's host time is
+    what it saves there. Drafts lag the learner by up to an update, and which update a round drafts
+    with depends on timing: a seed no longer makes drafts repeat run to run (output is lossless either way)."""
+
+    QUEUE = 64  # rounds waiting for the thread at most
+
+    def __init__(self, serving: "OnlineServing"):
+        self.serving, self.learner = serving, serving.learner
+        params = dict(serving.model.named_parameters())
+        self.targets = [params[n] for n in self.learner.names]  # the drafting model's trained parameters
+        self.device = self.targets[0].device if self.targets else torch.device("cpu")
+        self.stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self.queue: "queue.Queue" = queue.Queue(maxsize=self.QUEUE)
+        self.lock = threading.Lock()
+        self.fresh = None  # the newest offered values not yet published
+        self.failure: Optional[BaseException] = None
+        self.rounds = self.dropped = self.published = 0
+        self.running = True
+        self.thread = threading.Thread(target=self._run, name="dlite-online", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ the serving side (a round)
+    def submit(self, pairs: list, watch: Optional[tuple]) -> None:
+        try:
+            self.queue.put_nowait((pairs, watch))
+        except queue.Full:
+            self.dropped += 1
+
+    def check(self) -> None:
+        if self.failure is not None and self.serving.enabled:
+            self.serving.disable(self.failure)
+
+    @torch.no_grad()
+    def publish(self) -> bool:
+        """Copy the newest offered values into the drafting model (between rounds); False: none new."""
+        with self.lock:
+            fresh, self.fresh = self.fresh, None
+        if fresh is None:
+            return False
+        self.write(fresh)
+        self.published += 1
+        return True
+
+    @torch.no_grad()
+    def write(self, values) -> None:
+        for p, v in zip(self.targets, values):
+            p.copy_(v.to(p.device, p.dtype))
+        self.serving._repack()
+
+    def stop(self) -> None:
+        self.running = False
+        try:
+            self.queue.put_nowait(None)
+        except queue.Full:
+            pass
+
+    # ------------------------------------------------------------------ the learner's thread
+    def offer(self, values: list) -> None:
+        with self.lock:
+            self.fresh = values
+
+    def _run(self) -> None:
+        torch.set_num_threads(1)  # OpenMP: this thread's own team; the scheduler's threads are untouched
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext(), \
+                torch.inference_mode(False):
+            while self.running:
+                item = self.queue.get()
+                try:
+                    if item is None:
+                        break
+                    pairs, watch = item
+                    self.serving.learn(lambda: self.learner.learn_pairs(self.serving.state, pairs, watch))
+                except Exception as exc:  # noqa: BLE001  (reported to the serving side: it disables learning)
+                    self.failure = exc
+                    break
+                finally:
+                    self.queue.task_done()
+
+    def join(self, timeout: float = 30.0) -> bool:
+        """Wait until every submitted round has been learned (tests, shutdown); False on timeout."""
+        t0 = time.perf_counter()
+        while self.queue.unfinished_tasks and time.perf_counter() - t0 < timeout and self.failure is None:
+            time.sleep(0.005)
+        return not self.queue.unfinished_tasks

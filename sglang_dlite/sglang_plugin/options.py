@@ -185,8 +185,9 @@ def drafter_dtype(target_dtype: torch.dtype, device, options: Optional[ServingOp
 
 
 # the setting online's defaults where they differ from the reference engine's (OnlineConfig): one
-# adapter for the whole batch (per-session weights cannot batch), each update within a time budget
-ONLINE_DEFAULTS = {"scope": "server", "max_update_ms": 50.0}
+# adapter for the whole batch (per-session weights cannot batch), each update within a time budget,
+# updates and the watchdog on a background thread (online_serving.LearnerThread: no round waits on them)
+ONLINE_DEFAULTS = {"scope": "server", "max_update_ms": 50.0, "background": 1}
 
 
 def online_setting(value) -> Optional[str]:
