@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from statistics import median
 
@@ -105,7 +106,8 @@ def measure(args, out_dir: Path) -> None:
                 for group in groups:
                     def on_level(row, outputs, _mode=mode, _rep=rep):
                         rec = {"workload": workload, "max_new_tokens": length, "dtype": dtype, "mode": _mode,
-                               "repeat": _rep, "concurrency": row["concurrency"], "row": row, "outputs": outputs}
+                               "repeat": _rep, "concurrency": row["concurrency"], "row": row, "outputs": outputs,
+                               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
                         with open(runs_path, "a", encoding="utf-8") as f:
                             f.write(json.dumps(rec) + "\n")
                         done.add(key(rec))
