@@ -32,6 +32,7 @@ learns from the same rounds; the verified drafts are rank 0's either way (``_tp_
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -232,12 +233,13 @@ class LearnerThread:
     its pairs, copies the newest offer into the model the worker drafts with (``publish``: in place,
     so CUDA graphs keep their pointers). The queue is bounded: a round that finds it full drops its
     pairs (``dropped``) rather than wait. On a CPU the thread runs one torch thread beside the
-    scheduler's; on a GPU its kernels go to the stream the worker ran on when it started (so they are
+    scheduler's, at a lower priority (nice ``NICE`` on Linux: it learns on the time the rounds leave idle); on a GPU its kernels go to the stream the worker ran on when it started (so they are
     ordered with the rounds' own work and free no memory a round still reads): the round's host time is
     what it saves there. Drafts lag the learner by up to an update, and which update a round drafts
     with depends on timing: a seed no longer makes drafts repeat run to run (output is lossless either way)."""
 
     QUEUE = 64  # rounds waiting for the thread at most
+    NICE = 10  # the thread's nice value (Linux): on a CPU the learner takes what the rounds leave idle
 
     def __init__(self, serving: "OnlineServing"):
         self.serving, self.learner = serving, serving.learner
@@ -296,6 +298,10 @@ class LearnerThread:
 
     def _run(self) -> None:
         torch.set_num_threads(1)  # OpenMP: this thread's own team; the scheduler's threads are untouched
+        try:  # Linux: a thread's own nice value; the rounds' threads win the cores when both want them
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.NICE)
+        except (AttributeError, OSError):  # not Linux, or not allowed: the default priority
+            pass
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext(), \
                 torch.inference_mode(False):
             while self.running:
