@@ -99,6 +99,36 @@ def test_unmeasured_widths_are_tried_then_judged():
     assert pol.chosen[8] == 2
 
 
+def test_a_width_measured_in_a_slow_spell_is_tried_again():
+    """Costs inflated by a transient slowdown: the narrow width, chosen again and again, is
+    re-measured at its true cost; the wide one is never chosen, so its inflated samples would stand
+    for good. After ``stale_after`` rounds they are forgotten, the wide round gets its optimistic
+    estimate, is tried, and wins again at its true cost."""
+    pol = VerifyWidthPolicy(8, stale_after=64)
+    chains = [[0.9] * 7]
+    true = {2: 0.050, 8: 0.060}  # 8 rows cost little more than 2: the whole chain pays
+    for w in (8, 2):
+        for _ in range(3):
+            pol.observe(w, true[w] * 5)  # a slow spell: everything costs 5x
+    for _ in range(8):
+        pol.observe(2, true[2])  # the spell is over: width 2 re-measured
+    seen = []
+    for _ in range(200):
+        w = pol.choose(chains)
+        seen.append(w)
+        pol.observe(w, true.get(w, true[2] + (w - 2) * (true[8] - true[2]) / 6))
+    assert seen[0] < 8  # stuck narrow while the wide width's slow samples stand
+    assert seen[-1] == 8 and seen.index(8) <= 64 + VerifyWidthPolicy.STALE_CHECK + 1
+    assert pol.cost(8) == pytest.approx(0.060)
+    never = VerifyWidthPolicy(8, stale_after=10**9)  # without forgetting: narrow for good
+    for w in (8, 2):
+        for _ in range(3):
+            never.observe(w, true[w] * 5)
+    for _ in range(8):
+        never.observe(2, true[2])
+    assert all(never.choose(chains) < 8 for _ in range(200))
+
+
 def test_cost_is_robust_to_one_slow_round():
     pol = VerifyWidthPolicy(4)
     for s in (0.05, 0.05, 0.05, 0.05, 0.9):

@@ -16,7 +16,11 @@ period at that batch size (the draft, acceptance and the scheduler's work: what 
 whatever its width; told by ``DraftGate`` from the period it measures): a round's throughput is its
 tokens over its whole time, so a costly draft makes the verify's extra rows relatively cheaper. Rows it has not measured yet get an optimistic estimate
 (interpolated between measured neighbours, proportional below the smallest, flat above the
-largest), so every width is tried once and then judged by what it cost. Pure Python; the sglang
+largest), so every width is tried once and then judged by what it cost. A measurement not
+refreshed for ``stale_after`` rounds is forgotten (checked every ``STALE_CHECK`` rounds): a width
+measured while something else slowed the machine (another process, a prefill in between) would
+otherwise look expensive for good and never be tried again, since only chosen widths are re-measured;
+forgotten, it gets the optimistic estimate and one more try. Pure Python; the sglang
 DLITE worker uses it where the verify runs eagerly on a CPU (``SGLANG_DLITE_VERIFY_WIDTH``).
 
 ``select_drafts`` is the same choice where every request may verify its own number of drafts
@@ -98,14 +102,18 @@ def adaptive_width_wanted(device: str, disable_cuda_graph: bool, tp_size: int = 
 
 
 class VerifyWidthPolicy:
-    def __init__(self, max_verify_width: int, min_verify_width: int = 2, samples: int = 8):
+    STALE_CHECK = 16  # rounds between two sweeps for measurements gone stale
+
+    def __init__(self, max_verify_width: int, min_verify_width: int = 2, samples: int = 8, stale_after: int = 128):
         if not 2 <= min_verify_width <= max_verify_width:
             raise ValueError(f"verify widths need 2 <= min_verify_width ({min_verify_width}) <= "
                              f"max_verify_width ({max_verify_width}).")
         self.max_verify_width, self.min_verify_width = int(max_verify_width), int(min_verify_width)
-        self._samples = int(samples)
+        self._samples, self.stale_after = int(samples), int(stale_after)
         self._cost: Dict[int, deque] = {}  # total verify rows -> recent wall seconds
         self._rows: List[int] = []  # sorted keys of _cost
+        self._seen: Dict[int, int] = {}  # total verify rows -> the round of its last measurement
+        self._round = 0  # choices made
         self._rest: Dict[int, deque] = {}  # batch bucket -> recent seconds of a round outside its verify
         self._last_verify_s: Optional[float] = None
         self.chosen: Dict[int, int] = {}  # width -> rounds (reported by the worker's metrics)
@@ -119,6 +127,7 @@ class VerifyWidthPolicy:
             q = self._cost[rows] = deque(maxlen=self._samples)
             bisect.insort(self._rows, rows)
         q.append(float(seconds))
+        self._seen[rows] = self._round
         self._last_verify_s = float(seconds)
 
     def observe_round(self, batch_size: int, period_s: float) -> None:
@@ -171,6 +180,9 @@ class VerifyWidthPolicy:
         """The width for this round from ``table[r][n]``: request r's expected accepted drafts when
         n drafts are verified (n = 0 .. max_verify_width - 1; the hybrid re-picks each request's chain for
         every n, so a chain whose value lies in a tail that would be cut does not win)."""
+        self._round += 1
+        if self._round % self.STALE_CHECK == 0:
+            self.forget_stale()
         bs = max(1, len(table))
         best_w, best_v, rest = self.max_verify_width, -1.0, self.rest(bs)
         for w in range(self.min_verify_width, self.max_verify_width + 1):
@@ -183,6 +195,15 @@ class VerifyWidthPolicy:
                 best_w, best_v = w, v
         self.chosen[best_w] = self.chosen.get(best_w, 0) + 1
         return best_w
+
+
+    def forget_stale(self) -> None:
+        """Drop the measurements not refreshed for ``stale_after`` rounds (the module doc)."""
+        stale = [r for r in self._rows if self._round - self._seen[r] > self.stale_after]
+        for r in stale:
+            del self._cost[r], self._seen[r]
+        if stale:
+            self._rows = [r for r in self._rows if r in self._cost]
 
 
 def batch_bucket(batch_size: int) -> int:
