@@ -101,7 +101,7 @@ def test_the_budget_never_blocks(tiny_target):
         srv.observe(*planted_round(srv, gen=gen))
     s = srv.summary()
     assert s["updates"] == 6 and s["steps"] == 6 and s["budget_cut"] == 6
-    assert ServingOptions.from_env({"SGLANG_DLITE_CONFIG": '{"online": true}'}).online == "scope=server,max_update_ms=50.0,background=1"
+    assert ServingOptions.from_env({"SGLANG_DLITE_CONFIG": '{"online": true}'}).online == "scope=server,lr=0.001,max_update_ms=50.0"
 
 
 def test_updates_are_paced_to_their_budget(tiny_target):
@@ -216,7 +216,7 @@ def test_background_thread_learns_the_planted_stream_and_publishes_between_round
 
 
 def test_background_rounds_never_wait_on_an_update(tiny_target, monkeypatch):
-    """A slow update (0.3 s) on the thread: every round returns at once; rounds that find the bounded
+    """A slow update (1 s) on the thread: every round returns at once; rounds that find the bounded
     queue full drop their pairs instead of waiting; the updates land afterwards."""
     from sglang_dlite.sglang_plugin.online_serving import LearnerThread
 
@@ -225,7 +225,7 @@ def test_background_rounds_never_wait_on_an_update(tiny_target, monkeypatch):
     real = srv.learner.update
 
     def slow(st):
-        time.sleep(0.3)
+        time.sleep(1.0)
         real(st)
 
     monkeypatch.setattr(srv.learner, "update", slow)
@@ -236,9 +236,9 @@ def test_background_rounds_never_wait_on_an_update(tiny_target, monkeypatch):
         t0 = time.perf_counter()
         srv.observe(*args)
         took.append(time.perf_counter() - t0)
-    assert max(took) < 0.15, took  # a round never waits for the 0.3 s update
+    assert max(took) < 0.5, took  # a round never waits for the 1 s update
     assert srv.thread.dropped >= 4  # 8 rounds within ~1 update: the queue of 2 overflowed
-    assert srv.thread.join(timeout=10)
+    assert srv.thread.join(timeout=30)
     assert srv.learner.stats["updates"] == 8 - srv.thread.dropped and srv.enabled
     assert srv.thread.publish() and not srv.thread.publish()  # the newest values, once
 
@@ -323,7 +323,7 @@ def test_a_bad_online_setting_stops_the_launch_naming_it(value, msg):
         ServingOptions.from_env({"SGLANG_DLITE_CONFIG": '{"online": %s}' % value})
     o = ServingOptions.from_env({"SGLANG_DLITE_CONFIG": '{"online": {"params": "head", "update-every": 2}}'})
     assert OnlineConfig.parse(o.online) == OnlineConfig(params="head", scope="server", update_every=2,
-                                                        max_update_ms=50.0, background=1)
+                                                        max_update_ms=50.0, lr=1e-3)
     assert ServingOptions.from_env({}).online is None and "online" not in json.loads(ServingOptions().describe())
 
 
@@ -348,7 +348,8 @@ def test_sglang_greedy_output_with_online_learning_is_the_targets(tmp_path, monk
                        attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
            for p, n in zip(PROMPTS, MAX_NEW)]
     settings = {"lookup": False, "tree_max_batch_size": 4 if trees else 0,
-                "online": "params=last,update_every=1,min_pairs=1,steps=1,watchdog_window=4,watchdog_every=2"}
+                "online": "params=last,update_every=1,min_pairs=1,steps=1,watchdog_window=4,watchdog_every=2,"
+                          "background=1"}
     monkeypatch.setenv("SGLANG_DLITE_CONFIG", json.dumps(settings))
     sps = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in MAX_NEW]
     if not trees:  # an opted-out request: its batches are chain rounds
@@ -367,4 +368,4 @@ def test_sglang_greedy_output_with_online_learning_is_the_targets(tmp_path, monk
     assert "online learning failed" not in log
     m = re.search(r"DLITE online: (\d+) rounds, (\d+) updates", log)
     assert m and int(m.group(2)) >= 1, log[-3000:]
-    assert "updates and watchdog on a background thread" in log  # the serving default: off the round
+    assert "updates and watchdog on a background thread" in log  # background=1: learned off the round

@@ -15,10 +15,12 @@ the accepted count; opted-out rows are skipped. Every ``update_every`` rounds an
 watchdog compares on one round in ``watchdog_every`` (8 at server scope): learning has to cost less
 than the acceptance it buys at concurrency 1.
 
-With ``background=1`` (the serving default, ``options.ONLINE_DEFAULTS``) a round only makes its pairs;
-the buffer, the watchdog and the updates run on a thread of their own (``LearnerThread``) on the
-learner's working copy, whose values the drafting model takes between rounds: no round waits on an
-update. ``background=0`` learns inside the round (deterministic with a seed).
+With ``background=1`` a round only makes its pairs; the buffer, the watchdog and the updates run on
+a thread of their own (``LearnerThread``) on the learner's working copy, whose values the drafting
+model takes between rounds: no round waits on an update. ``background=0`` (the serving default,
+``options.ONLINE_DEFAULTS``) learns inside the round, each update within ``max_update_ms``
+(deterministic with a seed): on a 2-core CPU the thread slowed every round more than it saved (it
+preempts the scheduler's OpenMP team; 0.77x static tokens/s vs 0.95x inline at concurrency 1).
 
 Rails: output stays lossless (verification is unchanged, only drafts move); the shipped drafter is
 never written; a watchdog reverts to the shipped weights when the adapted chain loses; a
@@ -225,7 +227,7 @@ class OnlineServing:
 
 
 class LearnerThread:
-    """The setting ``online``'s ``background=1`` (the serving default): updates and the watchdog run
+    """The setting ``online``'s ``background=1``: updates and the watchdog run
     on a daemon thread, so no decode round waits on one. A round only turns its verify result into
     pairs (``OnlineLearner.make_pairs``) and queues them (``submit``); the thread runs
     ``OnlineLearner.learn_pairs`` on them in order (buffer, watchdog, update, decay) on the learner's

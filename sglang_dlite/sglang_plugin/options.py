@@ -186,8 +186,10 @@ def drafter_dtype(target_dtype: torch.dtype, device, options: Optional[ServingOp
 
 # the setting online's defaults where they differ from the reference engine's (OnlineConfig): one
 # adapter for the whole batch (per-session weights cannot batch), each update within a time budget,
-# updates and the watchdog on a background thread (online_serving.LearnerThread: no round waits on them)
-ONLINE_DEFAULTS = {"scope": "server", "max_update_ms": 50.0, "background": 1}
+# a smaller step (under token trees lr 1e-3 kept more of the gain than 3e-3: docs/results.md). Updates
+# stay inside the round (background 0): on a 2-core CPU the learner's thread slowed every round more
+# than it saved (0.77x static vs 0.95x inline, medians of 3); background 1 is for a spare core or a GPU
+ONLINE_DEFAULTS = {"scope": "server", "max_update_ms": 50.0, "lr": 1e-3}
 
 
 def online_setting(value) -> Optional[str]:
