@@ -62,22 +62,31 @@ def planted_round(srv, B=2, gen=None, V=None):
     return state, anchors, block, logits, ok.sum(1)
 
 
+def learn_planted_stream(srv, rounds, after_round=None) -> list:
+    """``rounds`` planted rounds observed by ``srv``: each round's mean accepted drafts."""
+    gen = torch.Generator().manual_seed(1)
+    acc = []
+    for _ in range(rounds):
+        args = planted_round(srv, gen=gen)
+        acc.append(float(args[-1].float().mean()))
+        srv.observe(*args)
+        if after_round is not None:
+            assert after_round() is not False
+    return acc
+
+
 def test_update_moves_the_drafter_towards_a_planted_stream(tiny_target):
     shipped = drafter(tiny_target)
     before = {k: v.clone() for k, v in shipped.state_dict().items()}
     srv = serving(shipped, params="last", update_every=1, watchdog_window=0)
     assert srv.model is not shipped and srv.model.embed_weight is shipped.embed_weight
-    gen = torch.Generator().manual_seed(1)
-    acc = []
-    for _ in range(80):
-        args = planted_round(srv, gen=gen)
-        acc.append(float(args[-1].float().mean()))
-        srv.observe(*args)
+    acc = learn_planted_stream(srv, 80)
     assert srv.enabled and srv.learner.stats["updates"] == 80
     assert sum(acc[:2]) / 2 < 0.5 and sum(acc[-10:]) / 10 > 2.0, acc  # K = 4 drafts; random weights: ~0
     assert all(torch.equal(v, shipped.state_dict()[k]) for k, v in before.items())  # the shipped drafter: never written
     # decayed towards the shipped weights after every update: with decay 1 - 1e-9 nothing is kept
     srv2 = serving(drafter(tiny_target), params="head", update_every=1, decay=1 - 1e-9, watchdog_window=0)
+    gen = torch.Generator().manual_seed(2)
     for _ in range(3):
         srv2.observe(*planted_round(srv2, gen=gen))
     w = srv2.model.head.out_proj.weight
@@ -200,13 +209,7 @@ def test_background_thread_learns_the_planted_stream_and_publishes_between_round
     if sys.platform.startswith("linux"):  # the learner yields the cores to the rounds
         time.sleep(0.05)
         assert os.getpriority(os.PRIO_PROCESS, srv.thread.thread.native_id) >= srv.thread.NICE
-    gen = torch.Generator().manual_seed(1)
-    acc = []
-    for _ in range(80):
-        args = planted_round(srv, gen=gen)
-        acc.append(float(args[-1].float().mean()))
-        srv.observe(*args)
-        assert srv.thread.join()  # learned before the next round: what a quiet server does
+    acc = learn_planted_stream(srv, 80, after_round=lambda: srv.thread.join())  # learned before the next round
     assert srv.enabled and srv.learner.stats["updates"] == 80 and srv.thread.dropped == 0
     assert sum(acc[:2]) / 2 < 0.5 and sum(acc[-10:]) / 10 > 2.0, acc
     assert srv.thread.published == 79  # round r publishes update r - 1
