@@ -5,7 +5,7 @@ concurrency, over workloads x output lengths x dtypes, three fresh-engine runs p
         --dtypes bfloat16,float32 --concurrency 1,2,4,8,16,32,64 --modes nospec,dlite,ngram --repeats 3 \\
         --out-dir artifacts/load/matrix
 
-Every run is ``bench/e2e.py``'s ``run_sglang`` (one engine per mode and repeat, every level on it,
+Every run is ``benchmarking.sglang_runs.run_sglang``, as in ``bench/e2e.py`` (one engine per mode and repeat, every level on it,
 the radix cache flushed between levels; sglang's NGRAM gets a fresh engine per level: its corpus
 remembers the requests of the level before). Level c runs the first ``max(--min-requests, 2c)`` of
 ``--requests`` requests (capped there), so a level stays full for most of its run while c = 1
@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 from statistics import median
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import e2e  # noqa: E402  (bench/e2e.py: run_sglang, build_requests, the row format)
+from sglang_dlite.benchmarking.sglang_runs import (POSITION_BUCKET, build_requests, jsonl_after, run_sglang,
+                                                   tau_by_position)
+from sglang_dlite.speculation.tau import TAU_DEFINITION
 
 REPO = Path(__file__).resolve().parents[1]
 STATS = ("tokens_per_s", "ttft_p50_s", "itl_p50_ms", "itl_p99_ms", "tau")
@@ -74,7 +74,7 @@ def key(rec) -> tuple:
 
 
 def load_runs(path: Path) -> list:
-    return list(e2e._jsonl_after(str(path), 0))
+    return list(jsonl_after(str(path), 0))
 
 
 def measure(args, out_dir: Path) -> None:
@@ -97,7 +97,7 @@ def measure(args, out_dir: Path) -> None:
 
     bar = tqdm(total=todo, unit="level", dynamic_ncols=True)
     for workload, length, dtype in cells:
-        reqs = e2e.build_requests(tok, workload, args.max_convs, args.requests, length)
+        reqs = build_requests(tok, workload, args.max_convs, args.requests, length)
         at = requests_at(args, len(reqs))
         for rep in range(args.repeats):
             for mode in modes[rep % len(modes):] + modes[: rep % len(modes)]:
@@ -115,7 +115,7 @@ def measure(args, out_dir: Path) -> None:
                         bar.set_postfix_str(f"{workload} {length} {dtype} {_mode} r{_rep} c{row['concurrency']}: "
                                             f"{row['tokens_per_s']} tok/s")
 
-                    e2e.run_sglang(mode, target, draft, reqs, group, length, "cpu", dtype, requests_at=at,
+                    run_sglang(mode, target, draft, reqs, group, length, "cpu", dtype, requests_at=at,
                                    on_level=on_level)
     bar.close()
 
@@ -143,7 +143,7 @@ def report(args, out_dir: Path) -> dict:
                 cell = pooled.setdefault(k, [0, 0])
                 cell[0], cell[1] = cell[0] + rounds, cell[1] + committed
         row.update(tokens_per_s_min=min(tps), tokens_per_s_max=max(tps), rounds_by_position=pooled,
-                   tau_by_position=e2e.tau_by_position([{"rounds_by_position": pooled}]))
+                   tau_by_position=tau_by_position([{"rounds_by_position": pooled}]))
         rows.append(row)
     base = {(r["workload"], r["max_new_tokens"], r["dtype"], r["concurrency"]): r for r in rows if r["mode"] == "nospec"}
     for r in rows:
@@ -164,7 +164,7 @@ def report(args, out_dir: Path) -> dict:
               f"{r['itl_p50_ms']} / {r['itl_p99_ms']} | {r['repeats']} | {r.get('mismatches', '')} |")
     result = {"command": "python " + " ".join([os.path.relpath(__file__, REPO)] + sys.argv[1:]),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-              "tau_definition": e2e.TAU_DEFINITION, "position_bucket": e2e.POSITION_BUCKET, "rows": rows}
+              "tau_definition": TAU_DEFINITION, "position_bucket": POSITION_BUCKET, "rows": rows}
     (out_dir / "matrix.json").write_text(json.dumps(result, indent=2))
     plot(rows, out_dir)
     print(f"wrote {out_dir / 'matrix.json'}, {out_dir / 'speedup_vs_concurrency.png'}, "
@@ -195,7 +195,7 @@ def score_mismatches(rows, recs, target, args) -> None:
             if not (a and b) or len(a["outputs"]) != len(b["outputs"]):
                 continue
             if (w, n) not in reqs_of:
-                reqs_of[(w, n)] = e2e.build_requests(tok, w, args.max_convs, args.requests, n)
+                reqs_of[(w, n)] = build_requests(tok, w, args.max_convs, args.requests, n)
             reqs = reqs_of[(w, n)][: len(a["outputs"])]
             div = classify_divergences(reqs, a["outputs"], b["outputs"], score, DEFAULT_TIE_MARGIN,
                                        noise=score.bf16_noise if d == "bfloat16" else None)
@@ -235,8 +235,8 @@ def _speedup_panel(ax, rows) -> None:
 
 def _position_panel(ax, rows) -> None:
     for m in sorted({r["mode"] for r in rows if r["tau_by_position"]}):
-        tau = e2e.tau_by_position([r for r in rows if r["mode"] == m])  # every level and repeat pooled
-        ax.plot([k + e2e.POSITION_BUCKET / 2 for k in tau], list(tau.values()), marker="o", label=m)
+        tau = tau_by_position([r for r in rows if r["mode"] == m])  # every level and repeat pooled
+        ax.plot([k + POSITION_BUCKET / 2 for k in tau], list(tau.values()), marker="o", label=m)
     ax.set_xlabel("output position (tokens into the answer)")
     ax.set_ylabel("tau (tokens committed per round)")
 

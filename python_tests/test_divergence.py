@@ -102,9 +102,7 @@ def test_fp32_logit_gap_is_the_targets_logit_difference(tmp_path):
 
 
 def test_e2e_aggregate_takes_the_median_of_repeats():
-    spec = importlib.util.spec_from_file_location("e2e", os.path.join(ROOT, "bench", "e2e.py"))
-    e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e2e)
+    from sglang_dlite.benchmarking import sglang_runs as e2e
 
     def row(c, tps, tau):
         return {"mode": "dlite", "concurrency": c, "tokens_per_s": tps, "wall_s": 100 / tps,
@@ -123,17 +121,15 @@ def test_e2e_aggregate_takes_the_median_of_repeats():
 def test_e2e_round_stats_reads_the_round_log_after_an_offset(tmp_path):
     """bench/e2e.py's per-level draft / verify split: only the rounds logged after the level began
     (the file offset), a torn last line skipped; no log (no speculation) gives {}."""
-    spec = importlib.util.spec_from_file_location("e2e", os.path.join(ROOT, "bench", "e2e.py"))
-    e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e2e)
+    from sglang_dlite.benchmarking import sglang_runs as e2e
     log = tmp_path / "rounds.jsonl"
     log.write_text('{"bs": 1, "draft_ms": 50.0, "verify_ms": 500.0}\n')
     mark = log.stat().st_size
     with open(log, "a") as f:
         f.write('{"bs": 4, "draft_ms": 10.0, "verify_ms": 100.0}\n{"bs": 4, "draft_ms": 20.0, "verify_ms": 300.0}\n{"bs": 4, "dr')
-    assert e2e._round_stats(str(log), mark) == {"decode_rounds": 2, "draft_ms_per_round": 15.0, "verify_ms_per_round": 200.0,
+    assert e2e.round_stats(str(log), mark) == {"decode_rounds": 2, "draft_ms_per_round": 15.0, "verify_ms_per_round": 200.0,
                                                 "tree_round_share": 0.0}
-    assert e2e._round_stats(str(tmp_path / "none.jsonl"), 0) == {}
+    assert e2e.round_stats(str(tmp_path / "none.jsonl"), 0) == {}
 
 
 def _bench(name):
@@ -146,12 +142,12 @@ def _bench(name):
 def test_e2e_tau_by_output_position_from_the_round_log(tmp_path):
     """The round log's per-request output position and accepted drafts give tau per 32-token bucket
     of the answer: committed tokens (accepted + 1) over request-rounds, pooled over levels."""
-    e2e = _bench("e2e")
+    from sglang_dlite.benchmarking import sglang_runs as e2e
     log = tmp_path / "rounds.jsonl"
     log.write_text('{"bs": 2, "draft_ms": 1, "verify_ms": 2, "pos": [1, 40], "acc": [3, 0]}\n'
                    '{"bs": 2, "draft_ms": 1, "verify_ms": 2, "pos": [5, 41], "acc": [1, 2]}\n'
                    '{"bs": 1, "draft_ms": 1, "verify_ms": 2}\n')  # a round logged without positions
-    stats = e2e._round_stats(str(log), 0)
+    stats = e2e.round_stats(str(log), 0)
     assert stats["rounds_by_position"] == {"0": [2, 6], "32": [2, 4]}
     assert e2e.tau_by_position([stats]) == {0: 3.0, 32: 2.0}
     assert e2e.tau_by_position([stats, {"rounds_by_position": {"32": [2, 8]}}]) == {0: 3.0, 32: 3.0}
@@ -159,7 +155,7 @@ def test_e2e_tau_by_output_position_from_the_round_log(tmp_path):
 
 
 def test_e2e_mode_settings_parse_and_refuse_a_bad_pair():
-    e2e = _bench("e2e")
+    from sglang_dlite.benchmarking import sglang_runs as e2e
     assert e2e.parse_settings("dlite:8+tree_max_batch_size=64+online=true+drafter_dtype=bfloat16") == (
         "dlite:8", {"tree_max_batch_size": 64, "online": True, "drafter_dtype": "bfloat16"})
     assert e2e.parse_settings("nospec") == ("nospec", {})
@@ -188,8 +184,8 @@ def test_load_matrix_resumes_and_reports_medians_over_repeats(tmp_path, monkeypa
     recs += [rec("dlite", r, c, 20.0 + 4 * r, 2.5) for r in range(3) for c in (1,)]  # dlite at 4 never ran
     (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     ran = []
-    monkeypatch.setattr(lm.e2e, "build_requests", lambda *a: [[0]] * 6)
-    monkeypatch.setattr(lm.e2e, "run_sglang", lambda mode, *a, **kw: ran.append((mode, tuple(a[3]))))
+    monkeypatch.setattr(lm, "build_requests", lambda *a: [[0]] * 6)
+    monkeypatch.setattr(lm, "run_sglang", lambda mode, *a, **kw: ran.append((mode, tuple(a[3]))))
     import transformers
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import importlib.util
 import math
 import re
 from pathlib import Path
@@ -246,18 +245,12 @@ def test_the_scan_leaves_other_divisions_alone(code):
     assert tau_computations(code) == [], code
 
 
-# ---------------------------------------------------------------------------- bench/e2e.py
-def _e2e():
-    spec = importlib.util.spec_from_file_location("e2e", ROOT / "bench" / "e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
+# ------------------------------------------------- bench/e2e.py (benchmarking/sglang_runs.py)
 def test_e2e_rows_of_both_engines_come_from_level_row():
-    tree = ast.parse((ROOT / "bench" / "e2e.py").read_text(encoding="utf-8"))
-    fns = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-    for name in ("run_sglang", "run_reference"):
+    for path, name in ((ROOT / "sglang_dlite" / "benchmarking" / "sglang_runs.py", "run_sglang"),
+                       (ROOT / "bench" / "e2e.py", "run_reference")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        fns = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
         calls = {c.func.id for c in ast.walk(fns[name]) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
         assert "level_row" in calls, name
 
@@ -306,7 +299,6 @@ def test_e2e_both_engines_report_the_same_tau_for_the_same_run(monkeypatch):
     GenerationResult.tau pooled and the rounds' committed tokens over the rounds."""
     from sglang_dlite.benchmarking.random_models import tiny_llama
 
-    e2e = _e2e()
     target = tiny_llama(0, 96, 64, 6, tied=False, max_positions=512, sticky=0.3)  # runs of tokens and jumps
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (5, 8, 11, 6)]
@@ -325,13 +317,15 @@ def test_e2e_both_engines_report_the_same_tau_for_the_same_run(monkeypatch):
     cut = [sum(a + 1 for a in acc) - (len(x.output_ids) - 1) for acc, x in zip(accepted, results)]
     assert results[i_eos].output_ids[-1] == eos and cut[i_eos] > 0  # the round past the EOS
     assert any(c > 0 for i, c in enumerate(cut) if i != i_eos)  # a round past the token limit
-    ref_row = e2e.level_row("dlite", 1, [e2e.reference_meta(x) for x in results], 1.0, [0.25] * 4)
+    from sglang_dlite.benchmarking import sglang_runs as R
+
+    ref_row = R.level_row("dlite", 1, [R.reference_meta(x) for x in results], 1.0, [0.25] * 4)
 
     import sglang_dlite.cpu_launch as cpu_launch
 
     fake = _RecordedSglang({tuple(p): x for p, x in zip(prompts, results)})
     monkeypatch.setattr(cpu_launch, "start_engine", lambda *a, **k: fake)
-    rows, outs = e2e.run_sglang("dlite", "target", "drafter", prompts, [1], 30, "cpu", "float32")
+    rows, outs = R.run_sglang("dlite", "target", "drafter", prompts, [1], 30, "cpu", "float32")
     (sgl_row,) = rows
     assert outs[1] == [x.output_ids for x in results]
     committed = sum(sum(T.committed_per_round(acc, len(x.output_ids))) for acc, x in zip(accepted, results))
@@ -346,7 +340,7 @@ def test_e2e_both_engines_report_the_same_tau_for_the_same_run(monkeypatch):
 
 
 def test_e2e_percentile_is_nearest_rank():
-    pct = _e2e().percentile
+    from sglang_dlite.benchmarking.sglang_runs import percentile as pct
     xs = list(range(1, 101))  # 1..100
     assert pct(xs, 50) == 50 and pct(xs, 99) == 99 and pct(xs, 100) == 100 and pct(xs, 0) == 1
     assert pct([7.0], 99) == 7.0 and pct([], 50) is None

@@ -29,13 +29,8 @@ compared: ``watchdog_every``); the buffer is bounded; a seed makes every update
 deterministic (``max_update_ms`` is then the one source of run-to-run variation: off by default; at
 server scope it also paces the updates, an update past it delaying the next).
 
-Measured (reference engine, SmolLM2-135M + the shipped drafter, greedy, CPU; ``bench/acceptance.py``,
-first 2 conversations at 128 new tokens; tau static -> adaptive): agent-stdlib 1.535 -> 1.912 with
-``last`` (1.744 with ``head``, 1.965 with ``last`` at server scope), bfcl-multiturn 1.628 -> 2.263;
-agent-stdlib's first conversation at 512 new tokens 1.573 -> 2.901. Hybrid: agent-stdlib 2.860 ->
-2.871, bfcl-multiturn 2.768 -> 2.688 (its chooser is calibrated on the shipped drafter's
-confidences). Hence the defaults: ``last``, per session. The learning costs about half a verify per
-round on this CPU (updates + the watchdog's shadow draft); all runs lossless.
+What each setting measured, in both engines: ``docs/results.md`` (online adaptation). The defaults:
+``last``, per session (the serving worker's own: ``sglang_plugin/options.ONLINE_DEFAULTS``).
 """
 
 from __future__ import annotations
@@ -45,122 +40,19 @@ import math
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import NamedTuple, Optional
 
 import torch
 
 from .drafters import DLiteEngineDrafter, DraftRequest
-from .errors import DLiteConfigError, DLiteInputError
+from .errors import DLiteConfigError
 from .losses import position_weights, tv_distance, weighted_ce
 from .model import DLiteDrafter
+from .online_config import PARAM_SETS, OnlineConfig
 from .proposal import DraftProposal
 
-# parameter name prefixes of each trainable set ("layers.-1." = the last backbone layer)
-PARAM_SETS = {"norm": ("final_norm.",), "head": ("head.", "final_norm."),
-              "last": ("layers.-1.", "head.", "final_norm.")}
-SCOPES = ("session", "server")
 STATE_KEY = "online"  # this module's entry in a session's drafter_state
-
-
-@dataclass
-class OnlineConfig:
-    """The learner's settings; ``parse("params=head,scope=server,lr=1e-3")`` reads a spec's options."""
-
-    params: str = "last"  # PARAM_SETS (the best measured: see the module doc)
-    scope: str = "session"  # SCOPES
-    lr: float = 3e-3  # Adam
-    update_every: int = 4  # rounds between updates
-    steps: int = 2  # optimizer steps per update
-    batch_size: int = 16  # pairs per step (sampled from the buffer)
-    buffer_size: int = 256  # pairs kept, oldest dropped first
-    min_pairs: int = 4  # no update before the buffer holds this many pairs
-    recent: int = 4  # newest pairs always in a step's batch (the rest sampled at random)
-    ce_weight: float = 1.0  # the stabilize stage's CE + TV
-    tv_weight: float = 1.0
-    gamma: float = 4.0  # position weights exp(-(i-1)/gamma), as offline training
-    tv_topk: int = 32  # target probabilities kept per verified row (the TV term's label)
-    decay: float = 0.02  # server scope: after each update, delta *= 1 - decay
-    watchdog_window: int = 64  # rounds per watchdog verdict (0: no watchdog)
-    watchdog_margin: float = 0.0  # revert when adapted mean accepted < shipped's - margin
-    watchdog_every: int = 0  # compare on one round in this many (0: every round per session, 1 in 8 at server scope)
-    max_update_ms: Optional[float] = None  # an update stops stepping past this (breaks determinism); server: paced
-    seed: int = 0
-    background: int = 0  # serving (online_serving.py): 1 = updates and the watchdog on a background thread, off the round
-
-    def __post_init__(self):
-        if self.params not in PARAM_SETS:
-            raise DLiteConfigError(f"online params={self.params!r}: pick one of {', '.join(PARAM_SETS)}.")
-        if self.scope not in SCOPES:
-            raise DLiteConfigError(f"online scope={self.scope!r}: pick one of {', '.join(SCOPES)}.")
-        ints = ("update_every", "steps", "batch_size", "buffer_size", "min_pairs", "tv_topk")
-        bad = [n for n in ints if int(getattr(self, n)) < 1] + (["watchdog_every"] if self.watchdog_every < 0 else [])
-        bad += ["background (0 or 1)"] if self.background not in (0, 1) else []
-        if bad or self.lr <= 0 or not 0 <= self.decay < 1 or self.watchdog_window < 0 or self.recent < 0:
-            raise DLiteConfigError(f"online settings out of range ({', '.join(bad) or 'lr/decay/watchdog/recent'}): "
-                                   "counts >= 1, lr > 0, 0 <= decay < 1, watchdog_window >= 0, recent >= 0.")
-
-    @property
-    def watch_every(self) -> int:  # rounds per watchdog comparison (watchdog_every; 0: the scope's default)
-        return self.watchdog_every or (8 if self.scope == "server" else 1)
-
-    @classmethod
-    def parse(cls, text: str) -> "OnlineConfig":
-        """``key=value`` pairs separated by commas (empty: the defaults)."""
-        return cls.from_mapping(cls.spec_items(text))
-
-    @classmethod
-    def spec_items(cls, text: str) -> dict:
-        """A spec's ``key=value`` pairs, values as written (``from_mapping`` types them)."""
-        kw = {}
-        for item in filter(None, (s.strip() for s in text.split(","))):
-            key, eq, value = item.partition("=")
-            if not eq:
-                raise DLiteInputError(f"online option {item!r}: expected key=value with key one of "
-                                      f"{', '.join(f.name for f in fields(cls))}.")
-            kw[key.strip()] = value
-        return kw
-
-    def to_spec(self) -> str:
-        """The spec ``parse`` reads back into this config (the settings that differ from the defaults)."""
-        default = OnlineConfig()
-        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
-                        if getattr(self, f.name) != getattr(default, f.name))
-
-    @classmethod
-    def from_mapping(cls, kw: dict, where: str = "online option {key}={value!r}") -> "OnlineConfig":
-        """The settings of ``kw`` (names with ``-`` or ``_``; values typed, or strings as ``parse``
-        reads them); an unknown key or a value of the wrong type raises a message built from ``where``."""
-        types = {f.name: f.type for f in fields(cls)}
-        out = {}
-        for key, value in kw.items():
-            name = str(key).strip().replace("-", "_")
-            msg = where.format(key=key, value=value)
-            if name not in types:
-                raise DLiteInputError(f"{msg}: unknown; the keys are {', '.join(types)}.")
-            try:
-                out[name] = _typed(value, types[name])
-            except (TypeError, ValueError):
-                raise DLiteInputError(f"{msg}: {value!r} is not a {types[name]}.") from None
-        return cls(**out)
-
-
-def _typed(value, kind: str):
-    """``value`` (a string from a spec, or a JSON value) as a field of type ``kind``."""
-    if isinstance(value, str):
-        value = value.strip()
-        if "str" in kind:
-            return value
-        if "Optional" in kind and value.lower() == "none":
-            return None
-        return int(value) if kind == "int" else float(value)
-    if value is None and "Optional" in kind:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or "str" in kind:
-        raise TypeError(kind)
-    if kind == "int" and value != int(value):
-        raise ValueError(kind)
-    return int(value) if kind == "int" else float(value)
 
 
 class Pair(NamedTuple):
@@ -203,7 +95,7 @@ def chain_accepted(chain: list, drafts: list, target_tokens: list) -> int:
     return len(chain)
 
 
-def _working_copy(model: DLiteDrafter) -> DLiteDrafter:
+def working_copy(model: DLiteDrafter) -> DLiteDrafter:
     """A deep copy of the drafter that shares (does not copy) the target's frozen tensors."""
     frozen = (model.embed_weight, model.lm_head_weight, model.draft_head_weight)
     memo = {id(t): t for t in frozen}
@@ -231,7 +123,7 @@ class OnlineLearner:
             raise DLiteConfigError("online adaptation needs the shipped DLite layout (history none, token-fed "
                                    f"head); this drafter has history={mc.history!r}, head_input={mc.head_input!r}.")
         self.shipped = shipped
-        self.model = _working_copy(shipped).eval()
+        self.model = working_copy(shipped).eval()
         names = trainable_names(self.model, cfg.params)
         params = dict(self.model.named_parameters())
         for n, p in params.items():

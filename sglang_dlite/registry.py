@@ -25,7 +25,8 @@ from .errors import DLiteInputError
 from .lookup.drafters import HybridEngineDrafter, SuffixEngineDrafter
 from .lookup.corpus import SharedCorpus
 from .lookup.tree_drafters import BRANCHINGS, DEFAULT_TREE_NODES, SERVED_TREE_NODES, TreeEngineDrafter
-from .online import OnlineConfig, OnlineDrafter, OnlineLearner
+from .online import OnlineDrafter, OnlineLearner
+from .online_config import OnlineConfig
 
 TREE_NAMES = ("dlite-tree", "hybrid-tree", "suffix-tree")
 ONLINE_NAMES = ("dlite-online", "hybrid-online")

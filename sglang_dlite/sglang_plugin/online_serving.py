@@ -45,7 +45,8 @@ import torch
 
 from ..errors import DLiteConfigError
 from ..model import DLiteDrafter
-from ..online import OnlineConfig, OnlineLearner, _working_copy
+from ..online import OnlineLearner, working_copy
+from ..online_config import OnlineConfig
 from ..ops.cpu_linear import packed_for
 from .info import unpack_context
 
@@ -74,7 +75,7 @@ class OnlineServing:
         self.state = self.learner.state_for(None)  # the server's one state
         # the model the worker drafts with: the learner's working copy itself, or (background) a copy of
         # it that takes the learner's values between rounds (``publish``)
-        self.model = _working_copy(self.learner.model) if cfg.background else self.learner.model
+        self.model = working_copy(self.learner.model) if cfg.background else self.learner.model
         mc = self.model.config
         self.L, self.H, self.V = mc.num_capture_layers, mc.target_hidden_size, mc.vocab_size
         self.enabled = True

@@ -28,7 +28,7 @@ import torch
 from .. import ops
 from ..errors import DLiteConfigError, DLiteInputError
 from ..lookup.batch import ENV_LOOKUP, ENV_TRACE, lookup_enabled
-from ..online import OnlineConfig
+from ..online_config import OnlineConfig
 from ..speculation.verify_width import ENV_VERIFY_WIDTH, WIDTH_MODES, adaptive_width_wanted
 
 ENV_CONFIG = "SGLANG_DLITE_CONFIG"
