@@ -78,7 +78,7 @@ class _State:
         self.optim = torch.optim.Adam(learner.masters, lr=learner.cfg.lr)
         self.buffer: deque = deque(maxlen=learner.cfg.buffer_size)
         self.window: deque = deque(maxlen=max(1, learner.cfg.watchdog_window))  # (adapted, shipped) accepted
-        self.rounds = self.rounds_since_update = 0  # rounds learned from (the watchdog: one in watch_every)
+        self.rounds = self.rounds_since_update = 0  # rounds seen (the watchdog: one in watch_every)
         self.update_period = learner.cfg.update_every  # rounds until the next update (paced: more)
         self.adapted = False  # values differ from the shipped ones
 
@@ -237,26 +237,26 @@ class OnlineLearner:
         the verified chain, ``probs`` [B, n + 1, V] the target's distribution per verified row,
         ``accepted`` [B]. ``path``: a tree round's accepted root path (the watchdog cuts row b at
         ``accepted[b]``: the rest was not verified as a chain; never the working model's chain)."""
+        self.learn_pairs(st, *self.round_pairs(st, ctx, valid, anchors, drafts, probs, accepted, path))
+
+    def round_pairs(self, st: _State, ctx, valid, anchors, drafts, probs, accepted, path: bool = False) -> tuple:
+        """``learn_round``'s first half, what the round itself must do: (its pairs, what ``_watch``
+        compares on when a comparison is due -- once adapted, one round in ``watch_every`` -- else
+        None). Counts the round in ``st.rounds``; the inputs are copied, none of the round's tensors kept."""
         accepted = torch.as_tensor(accepted, dtype=torch.int64).cpu()
         pairs = self.make_pairs(ctx, valid, anchors, drafts, probs, accepted)
-        due = st.adapted and (st.rounds + 1) % self.cfg.watch_every == 0
-        self.learn_pairs(st, pairs, self.watch_inputs(ctx, valid, anchors, drafts, probs, accepted, path) if due else None)
-
-    def watch_inputs(self, ctx, valid, anchors, drafts, probs, accepted, path: bool = False) -> Optional[tuple]:
-        """What ``_watch`` compares on for one round (``learn_round``'s arguments; ``accepted`` [B]),
-        or None when there is nothing to compare (no watchdog, no drafts)."""
-        if not (self.cfg.watchdog_window and drafts.shape[1]):
-            return None
-        d, t, a = drafts.tolist(), probs.argmax(-1).tolist(), torch.as_tensor(accepted).tolist()
+        st.rounds += 1
+        if not (st.adapted and st.rounds % self.cfg.watch_every == 0 and self.cfg.watchdog_window and drafts.shape[1]):
+            return pairs, None
+        d, t, a = drafts.tolist(), probs.argmax(-1).tolist(), accepted.tolist()
         d, t = ([r[:n] for r, n in zip(d, a)], [r[:n + 1] for r, n in zip(t, a)]) if path else (d, t)
-        return ctx, valid, anchors, d, t, self.drafts_are_model and not path
+        return pairs, (ctx.clone(), valid.clone(), anchors.clone(), d, t, self.drafts_are_model and not path)
 
     def learn_pairs(self, st: _State, pairs: list, watch: Optional[tuple] = None) -> None:
-        """One round's pairs into ``st``'s buffer, the watchdog's comparison (``watch_inputs``, when
-        one is due) and an update when one is due: ``learn_round`` after its pairs were made (the
-        serving learner's background thread runs this part off the round)."""
+        """``learn_round``'s second half (``round_pairs``' results): the pairs into ``st``'s buffer, the
+        watchdog's comparison when one is due, an update when one is due (the serving learner's
+        background thread runs this part off the round)."""
         st.buffer.extend(pairs)
-        st.rounds += 1
         if watch is not None and st.adapted:
             self._watch(st, *watch[:5], model_drafts=watch[5])
         self.stats["rounds"] += 1

@@ -155,17 +155,11 @@ class OnlineServing:
                 state, anchors, block, logits, accepted = (t[keep] for t in (state, anchors, block, logits, accepted))
         ctx, valid = unpack_context(state, self.L, self.H)
         probs = _as_probs(logits[..., :self.V])
-        anchors, drafts = anchors.to(torch.int64), block[:, 1:].to(torch.int64)
+        args = (self.state, ctx, valid, anchors.to(torch.int64), block[:, 1:].to(torch.int64), probs, accepted, path)
         if self.thread is not None:  # the round hands its pairs over and goes on
-            learner, accepted = self.learner, torch.as_tensor(accepted, dtype=torch.int64).cpu()
-            pairs = learner.make_pairs(ctx, valid, anchors, drafts, probs, accepted)
-            self.thread.rounds += 1
-            due = self.state.adapted and self.thread.rounds % learner.cfg.watch_every == 0
-            watch = learner.watch_inputs(ctx.clone(), valid.clone(), anchors.clone(), drafts, probs, accepted,
-                                         path) if due else None
-            self.thread.submit(pairs, watch)
+            self.thread.submit(*self.learner.round_pairs(*args))
             return
-        self.learn(lambda: self.learner.learn_round(self.state, ctx, valid, anchors, drafts, probs, accepted, path=path))
+        self.learn(lambda: self.learner.learn_round(*args))
 
     def learn(self, step) -> None:
         """Run ``step`` (a round's learning) and what follows a write: the checks, the packed weights, the log."""
@@ -230,15 +224,16 @@ class OnlineServing:
 class LearnerThread:
     """The setting ``online``'s ``background=1``: updates and the watchdog run
     on a daemon thread, so no decode round waits on one. A round only turns its verify result into
-    pairs (``OnlineLearner.make_pairs``) and queues them (``submit``); the thread runs
+    pairs (``OnlineLearner.round_pairs``) and queues them (``submit``); the thread runs
     ``OnlineLearner.learn_pairs`` on them in order (buffer, watchdog, update, decay) on the learner's
     own working copy and offers the new values after every write (``offer``); the next round, before
     its pairs, copies the newest offer into the model the worker drafts with (``publish``: in place,
     so CUDA graphs keep their pointers). The queue is bounded: a round that finds it full drops its
     pairs (``dropped``) rather than wait. On a CPU the thread runs one torch thread beside the
-    scheduler's, at a lower priority (nice ``NICE`` on Linux: it learns on the time the rounds leave idle); on a GPU its kernels go to the stream the worker ran on when it started (so they are
-    ordered with the rounds' own work and free no memory a round still reads): the round's host time is
-    what it saves there. Drafts lag the learner by up to an update, and which update a round drafts
+    scheduler's, at a lower priority (nice ``NICE`` on Linux: it learns on the time the rounds leave
+    idle); on a GPU its kernels go to the stream the worker ran on when it started (so they are ordered
+    with the rounds' own work and free no memory a round still reads): the round's host time is what it
+    saves there. Drafts lag the learner by up to an update, and which update a round drafts
     with depends on timing: a seed no longer makes drafts repeat run to run (output is lossless either way)."""
 
     QUEUE = 64  # rounds waiting for the thread at most
@@ -254,7 +249,7 @@ class LearnerThread:
         self.lock = threading.Lock()
         self.fresh = None  # the newest offered values not yet published
         self.failure: Optional[BaseException] = None
-        self.rounds = self.dropped = self.published = 0
+        self.dropped = self.published = 0
         self.running = True
         self.thread = threading.Thread(target=self._run, name="dlite-online", daemon=True)
         self.thread.start()

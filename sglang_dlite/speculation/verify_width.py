@@ -196,7 +196,6 @@ class VerifyWidthPolicy:
         self.chosen[best_w] = self.chosen.get(best_w, 0) + 1
         return best_w
 
-
     def forget_stale(self) -> None:
         """Drop the measurements not refreshed for ``stale_after`` rounds (the module doc)."""
         stale = [r for r in self._rows if self._round - self._seen[r] > self.stale_after]
