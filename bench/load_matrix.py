@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from statistics import median
 
-from sglang_dlite.benchmarking.sglang_runs import (POSITION_BUCKET, build_requests, jsonl_after, run_sglang,
-                                                   tau_by_position)
+from sglang_dlite.benchmarking.sglang_runs import (POSITION_BUCKET, build_requests, jsonl_after,
+                                                   pool_rounds_by_position, run_sglang, tau_by_position)
 from sglang_dlite.speculation.tau import TAU_DEFINITION
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,13 +137,9 @@ def report(args, out_dir: Path) -> dict:
             vals = [x["row"][s] for x in rs if x["row"].get(s) is not None]
             row[s] = round(median(vals), 3) if vals else None
         tps = [x["row"]["tokens_per_s"] for x in rs]
-        pooled = {}
-        for x in rs:
-            for k, (rounds, committed) in (x["row"].get("rounds_by_position") or {}).items():
-                cell = pooled.setdefault(k, [0, 0])
-                cell[0], cell[1] = cell[0] + rounds, cell[1] + committed
-        row.update(tokens_per_s_min=min(tps), tokens_per_s_max=max(tps), rounds_by_position=pooled,
-                   tau_by_position=tau_by_position([{"rounds_by_position": pooled}]))
+        runs = [x["row"] for x in rs]
+        row.update(tokens_per_s_min=min(tps), tokens_per_s_max=max(tps),
+                   rounds_by_position=pool_rounds_by_position(runs), tau_by_position=tau_by_position(runs))
         rows.append(row)
     base = {(r["workload"], r["max_new_tokens"], r["dtype"], r["concurrency"]): r for r in rows if r["mode"] == "nospec"}
     for r in rows:

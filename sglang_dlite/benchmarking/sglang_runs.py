@@ -277,15 +277,20 @@ def round_stats(path, offset):
             **({"rounds_by_position": {str(k): v for k, v in sorted(by_pos.items())}} if by_pos else {})}
 
 
-def tau_by_position(rows) -> dict:
-    """{bucket start: tau} pooled over ``rows`` (their ``rounds_by_position``)."""
+def pool_rounds_by_position(rows) -> dict:
+    """{bucket start: [request-rounds, tokens committed]} summed over ``rows`` (their ``rounds_by_position``)."""
     pooled = {}
     for row in rows:
         for k, (n, committed) in (row.get("rounds_by_position") or {}).items():
             cell = pooled.setdefault(int(k), [0, 0])
             cell[0] += n
             cell[1] += committed
-    return {k: round(tau(c, n), 3) for k, (n, c) in sorted(pooled.items()) if n}
+    return dict(sorted(pooled.items()))
+
+
+def tau_by_position(rows) -> dict:
+    """{bucket start: tau} pooled over ``rows`` (their ``rounds_by_position``)."""
+    return {k: round(tau(c, n), 3) for k, (n, c) in pool_rounds_by_position(rows).items() if n}
 
 
 def level_row(mode, concurrency, metas, wall, lat, ttft=(), itl=()) -> dict:
