@@ -71,7 +71,8 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_dlite.benchmarking.sglang_runs import aggregate, build_requests, level_row, reference_meta, run_sglang
+from sglang_dlite.benchmarking.sglang_runs import (ATTENTION, aggregate, build_requests, level_row, reference_meta,
+                                                   run_sglang)
 from sglang_dlite.divergence import DEFAULT_TIE_MARGIN, Fp32LogitGap, classify_divergences, is_mismatch
 from sglang_dlite.speculation.tau import TAU_DEFINITION
 
@@ -118,6 +119,10 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of every request (> 0: outputs are random, so no divergence scoring: "
                         "speed and tau only; losslessness of sampling is tested, not benchmarked)")
+    p.add_argument("--baseline-attention", choices=ATTENTION, default="same",
+                   help="a CPU's decode attention: same (default: no speculation's decode forwards read the KV "
+                        "cache through the attention code DLITE's verify runs, like for like) or sglang (as "
+                        "sglang ships it, slower at a batch of several requests)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -199,11 +204,13 @@ def main(argv=None) -> int:
                 r, o = [], {}
                 for c in levels:
                     rc, oc = run_sglang(mode, target, draft, reqs, [c], args.max_new_tokens, device, args.dtype,
-                                        args.tp_size, args.dp_size, args.eagle3_draft, args.temperature)
+                                        args.tp_size, args.dp_size, args.eagle3_draft, args.temperature,
+                                        attention=args.baseline_attention)
                     r, o = r + rc, {**o, **oc}
             elif args.engine == "sglang":
                 r, o = run_sglang(mode, target, draft, reqs, levels, args.max_new_tokens, device, args.dtype,
-                                  args.tp_size, args.dp_size, args.eagle3_draft, args.temperature)
+                                  args.tp_size, args.dp_size, args.eagle3_draft, args.temperature,
+                                  attention=args.baseline_attention)
             else:
                 if args.temperature > 0:
                     raise SystemExit("--temperature > 0 is for --engine sglang")
@@ -216,7 +223,7 @@ def main(argv=None) -> int:
         "engine": args.engine, "device": device, "workload": args.workload, "target": str(target),
         "drafter": str(draft), "note": note, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "dtype": args.dtype if args.engine == "sglang" else "float32", "repeats": args.repeats,
-        "tie_margin": args.tie_margin, "tau_definition": TAU_DEFINITION,
+        "tie_margin": args.tie_margin, "tau_definition": TAU_DEFINITION, "baseline_attention": args.baseline_attention,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "rows": rows, "runs": runs, "outputs": {m: {str(c): o for c, o in lv.items()} for m, lv in outs.items()},
     }

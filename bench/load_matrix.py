@@ -7,7 +7,8 @@ concurrency, over workloads x output lengths x dtypes, three fresh-engine runs p
 
 Every run is ``benchmarking.sglang_runs.run_sglang``, as in ``bench/e2e.py`` (one engine per mode and repeat, every level on it,
 the radix cache flushed between levels; sglang's NGRAM gets a fresh engine per level: its corpus
-remembers the requests of the level before). Level c runs the first ``max(--min-requests, 2c)`` of
+remembers the requests of the level before; on a CPU, no speculation's decode forwards read the KV cache
+through the same attention code as DLITE's verify unless ``--baseline-attention sglang``). Level c runs the first ``max(--min-requests, 2c)`` of
 ``--requests`` requests (capped there), so a level stays full for most of its run while c = 1
 does not take hours on a CPU; the modes of a repeat run in rotated order (drift hits all alike).
 
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from sglang_dlite.benchmarking.sglang_runs import (POSITION_BUCKET, build_requests, jsonl_after,
+from sglang_dlite.benchmarking.sglang_runs import (ATTENTION, POSITION_BUCKET, build_requests, jsonl_after,
                                                    pool_rounds_by_position, run_sglang, tau_by_position)
 from sglang_dlite.speculation.tau import TAU_DEFINITION
 
@@ -56,6 +57,10 @@ def parse_args(argv=None):
     p.add_argument("--min-requests", type=int, default=16, help="level c runs max(this, 2c) requests")
     p.add_argument("--max-convs", type=int, default=64)
     p.add_argument("--out-dir", default="artifacts/load/matrix")
+    p.add_argument("--baseline-attention", choices=ATTENTION, default="same",
+                   help="a CPU's decode attention: same (default: no speculation's decode forwards read the KV "
+                        "cache through the attention code DLITE's verify runs) or sglang (as sglang ships it, "
+                        "slower at a batch of several requests); runs of the other kind in OUT_DIR are ignored")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--no-score", action="store_true", help="skip the float32 divergence scoring")
     return p.parse_args(argv)
@@ -73,8 +78,9 @@ def key(rec) -> tuple:
     return rec["workload"], rec["max_new_tokens"], rec["dtype"], rec["mode"], rec["repeat"], rec["concurrency"]
 
 
-def load_runs(path: Path) -> list:
-    return list(jsonl_after(str(path), 0))
+def load_runs(path: Path, attention: str) -> list:
+    """The runs in ``path`` measured with ``attention`` (runs before the option: sglang's)."""
+    return [r for r in jsonl_after(str(path), 0) if r.get("attention", "sglang") == attention]
 
 
 def measure(args, out_dir: Path) -> None:
@@ -86,7 +92,7 @@ def measure(args, out_dir: Path) -> None:
     target, draft = resolve_target("default"), shipped_drafter_path()
     tok = AutoTokenizer.from_pretrained(target)
     runs_path = out_dir / "runs.jsonl"
-    done = {key(r) for r in load_runs(runs_path)}
+    done = {key(r) for r in load_runs(runs_path, args.baseline_attention)}
     levels, modes = split(args.concurrency, int), split(args.modes)
     cells = [(w, n, d) for w in split(args.workloads) for n in split(args.lengths, int) for d in split(args.dtypes)]
     todo = sum(1 for (w, n, d) in cells for rep in range(args.repeats) for m in modes for c in levels
@@ -106,7 +112,8 @@ def measure(args, out_dir: Path) -> None:
                 for group in groups:
                     def on_level(row, outputs, _mode=mode, _rep=rep):
                         rec = {"workload": workload, "max_new_tokens": length, "dtype": dtype, "mode": _mode,
-                               "repeat": _rep, "concurrency": row["concurrency"], "row": row, "outputs": outputs,
+                               "repeat": _rep, "concurrency": row["concurrency"], "attention": args.baseline_attention,
+                               "row": row, "outputs": outputs,
                                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
                         with open(runs_path, "a", encoding="utf-8") as f:
                             f.write(json.dumps(rec) + "\n")
@@ -116,16 +123,16 @@ def measure(args, out_dir: Path) -> None:
                                             f"{row['tokens_per_s']} tok/s")
 
                     run_sglang(mode, target, draft, reqs, group, length, "cpu", dtype, requests_at=at,
-                                   on_level=on_level)
+                               on_level=on_level, attention=args.baseline_attention)
     bar.close()
 
 
 def report(args, out_dir: Path) -> dict:
     from sglang_dlite.target import resolve_target
 
-    recs = load_runs(out_dir / "runs.jsonl")
+    recs = load_runs(out_dir / "runs.jsonl", args.baseline_attention)
     if not recs:
-        raise SystemExit(f"{out_dir / 'runs.jsonl'} holds no run yet")
+        raise SystemExit(f"{out_dir / 'runs.jsonl'} holds no run with --baseline-attention {args.baseline_attention} yet")
     groups = {}
     for r in recs:
         groups.setdefault((r["workload"], r["max_new_tokens"], r["dtype"], r["mode"], r["concurrency"]), []).append(r)
@@ -160,7 +167,7 @@ def report(args, out_dir: Path) -> dict:
               f"{r['itl_p50_ms']} / {r['itl_p99_ms']} | {r['repeats']} | {r.get('mismatches', '')} |")
     result = {"command": "python " + " ".join([os.path.relpath(__file__, REPO)] + sys.argv[1:]),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-              "tau_definition": TAU_DEFINITION, "position_bucket": POSITION_BUCKET, "rows": rows}
+              "baseline_attention": args.baseline_attention, "tau_definition": TAU_DEFINITION, "position_bucket": POSITION_BUCKET, "rows": rows}
     (out_dir / "matrix.json").write_text(json.dumps(result, indent=2))
     plot(rows, out_dir)
     print(f"wrote {out_dir / 'matrix.json'}, {out_dir / 'speedup_vs_concurrency.png'}, "

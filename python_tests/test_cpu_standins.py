@@ -4,7 +4,8 @@
 - the attention (``dlite_cpu_verify_hook.py``) that runs sglang's TARGET_VERIFY forwards (and, with
   ``SGLANG_DLITE_CPU_DECODE_ATTN=1``, its DECODE forwards) on the ``torch_native`` backend: every
   case against brute-force softmax attention in float64, one query head and one request at a time.
-  Contiguous and scattered KV slots, chain and tree verify, decode, grouped-query heads, bf16;
+  Contiguous and scattered KV slots, chain and tree verify, decode, grouped-query heads, bf16,
+  request by request and as one padded batch;
 - the packed-weight bf16 linear (``dlite_cpu_packed_linear.py`` over ``sglang_dlite.ops.cpu_linear``)
   against ``F.linear``, the float32 pass-through, and the repack after an in-place weight update."""
 
@@ -128,6 +129,23 @@ def test_tree_verify_matches_brute_force():
     # node 0 root; 1 and 2 children of 0; 3 child of 1
     anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     run([17, 40], width, scattered, tree=anc.repeat(bs, 1, 1).reshape(-1).to(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_similar_contexts_attend_as_one_padded_batch(dtype):
+    plan = run([120, 100, 131], 4, scattered, dtype)  # chain verify
+    assert plan.padded and plan.kv == [] and plan.index.numel() == 3 * 135
+    anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    assert run([40, 37], 4, contiguous, dtype, tree=anc.repeat(2, 1, 1).reshape(-1).to(torch.uint8)).padded
+    assert run([300, 290, 250], 1, scattered, dtype, decode=True).padded
+
+
+def test_ragged_contexts_and_one_request_attend_request_by_request():
+    assert not run([5, 130, 1], 4, scattered).padded  # 3 x 134 padded rows for 148 real ones
+    assert not run([300], 4, scattered).padded
+    longest = int(100 * hook.PADDED_BATCH_LIMIT / (2 - hook.PADDED_BATCH_LIMIT))  # 2 * longest <= limit * (100 + longest)
+    assert run([100, longest], 1, scattered, decode=True).padded
+    assert not run([100, longest + 1], 1, scattered, decode=True).padded
 
 
 def test_contiguous_run_detection():

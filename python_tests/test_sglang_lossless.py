@@ -108,6 +108,28 @@ def test_dlite_equals_nospec_equals_reference_llama(llama, nospec_outputs, overl
         assert all(c > 0 for c in cached), f"no prefix-cache hit on later turns: {cached}"
 
 
+def test_padded_batch_attention_equals_the_reference(monkeypatch):
+    """Requests of similar length attend as one padded batch (the CPU verify hook's ``attend_padded``):
+    DLITE's verify forwards and, with SGLANG_DLITE_CPU_DECODE_ATTN=1 (the benchmarks' like-for-like
+    baseline), no speculation's decode forwards; float32 output equal to the reference's either way.
+    The default target (a tiny random one barely reads its context: swapping two requests' attention
+    outputs left its greedy tokens unchanged)."""
+    from sglang_dlite.drafters import shipped_drafter_path
+
+    drafter = shipped_drafter_path()
+    if drafter is None:
+        pytest.skip("no shipped drafter checkpoint in this build")
+    target, prompts = F.default_target_chat_prompts(["Write a Python function that reverses a list.",
+                                                     "Write a Python function that sums a list.",
+                                                     "Explain what a Python dictionary is used for."])
+    ref = F.reference_greedy(target, drafter, prompts, 32)
+    monkeypatch.setenv("SGLANG_DLITE_CPU_DECODE_ATTN", "1")
+    for dlite in (None, drafter):
+        with F.engine(target, dlite=dlite, skip_tokenizer_init=True) as e:
+            outs = e.generate(input_ids=prompts, sampling_params=[_sp(32)] * len(prompts))
+            assert [o["output_ids"] for o in outs] == ref, f"dlite={dlite}"
+
+
 def test_dlite_verifies_a_prefix_of_the_drafts(llama):
     """--speculative-num-draft-tokens 3 with a K=4 drafter: each round verifies the anchor + the
     first 2 drafts (cheaper verify where it is compute-bound); still exactly the reference."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import math
+import os
 import re
 from pathlib import Path
 
@@ -337,6 +338,35 @@ def test_e2e_both_engines_report_the_same_tau_for_the_same_run(monkeypatch):
     assert sgl_row["output_tokens"] == ref_row["output_tokens"] == sum(len(x.output_ids) for x in results)
     # what the sglang rows reported before (completion tokens / verify rounds) was another number
     assert round(sgl_row["output_tokens"] / rounds, 3) != sgl_row["tau"]
+
+
+@pytest.mark.parametrize("mode, attention, seen", [("nospec", "same", "1"), ("dlite", "same", "1"),
+                                                    ("nospec", "sglang", "0"), ("eagle3", "same", "0")])
+def test_e2e_baseline_attention_reaches_the_engine_and_is_restored(monkeypatch, mode, attention, seen):
+    """run_sglang's ``attention``: the engine's processes start with SGLANG_DLITE_CPU_DECODE_ATTN set
+    ("same": no speculation's decode forwards read the KV cache with the verify's attention; sglang's
+    EAGLE3 keeps sglang's own), and the caller's environment is back afterwards, even when the
+    engine fails to start."""
+    import sglang_dlite.cpu_launch as cpu_launch
+    from sglang_dlite.benchmarking import sglang_runs as R
+
+    class Started(Exception):
+        pass
+
+    env = {}
+
+    def start_engine(*a, **k):
+        env["attn"] = os.environ.get("SGLANG_DLITE_CPU_DECODE_ATTN")
+        raise Started
+
+    monkeypatch.setattr(cpu_launch, "start_engine", start_engine)
+    monkeypatch.setattr(R, "eagle3_kwargs", lambda *a: {})
+    monkeypatch.setenv("SGLANG_DLITE_CPU_DECODE_ATTN", "caller's")
+    with pytest.raises(Started):
+        R.run_sglang(mode, "target", "drafter", [[1, 2, 3]], [1], 4, "cpu", "float32", attention=attention)
+    assert env["attn"] == seen and os.environ["SGLANG_DLITE_CPU_DECODE_ATTN"] == "caller's"
+    with pytest.raises(SystemExit, match="one of same, sglang"):
+        R.run_sglang(mode, "target", "drafter", [[1, 2, 3]], [1], 4, "cpu", "float32", attention="fast")
 
 
 def test_e2e_percentile_is_nearest_rank():

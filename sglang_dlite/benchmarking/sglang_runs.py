@@ -136,11 +136,18 @@ MODE_SETTINGS = {"dlite-chain": {"tree_max_batch_size": 0},  # chains only
                  "dlite-online": {"online": True}}  # online learning, its serving defaults
 
 
+ATTENTION = ("same", "sglang")  # run_sglang's attention: the baseline's decode attention on a CPU
+
+
 def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_size=1, dp_size=1, eagle3_draft=None,
-               temperature=0.0, requests_at=None, on_level=None):
+               temperature=0.0, requests_at=None, on_level=None, attention="same"):
     """One engine for ``mode``, every level of ``levels`` on it (flushed between levels): (rows, outputs
     per level). ``requests_at(c)``: how many of ``reqs`` level c runs (default all); ``on_level(row,
-    outputs)`` is called as each level finishes (``bench/load_matrix.py`` checkpoints there)."""
+    outputs)`` is called as each level finishes (``bench/load_matrix.py`` checkpoints there).
+    ``attention`` (a CPU only): ``"same"`` (default) gives decode forwards the attention code DLITE's
+    verify runs (``SGLANG_DLITE_CPU_DECODE_ATTN=1``), so no speculation and a speculative mode read the
+    KV cache alike; ``"sglang"``: decode forwards as sglang ships them (slower than ours at a batch of
+    several requests). sglang's EAGLE3 keeps sglang's own (its draft model's decode steps)."""
 
     kw = dict(dtype=dtype, max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
     base_mode, tp_size, dp_size = parse_parallel(mode, tp_size, dp_size)
@@ -156,9 +163,12 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     is_dlite = spec in ("dlite", "hybrid", "hybrid-fixed", "dlite-only", "dlite-chain", "dlite-online")
     tmp = tempfile.mkdtemp(prefix="dlite_lookup_")
     trace, round_log = os.path.join(tmp, "trace.jsonl"), os.path.join(tmp, "rounds.jsonl")
+    if attention not in ATTENTION:
+        raise SystemExit(f"attention {attention!r}: one of {', '.join(ATTENTION)}")
     saved_env = {k: os.environ.get(k) for k in ("SGLANG_DLITE_LOOKUP", "SGLANG_DLITE_LOOKUP_TRACE",
                                                 "SGLANG_DLITE_VERIFY_WIDTH", "SGLANG_CPU_OMP_THREADS_BIND",
-                                                "SGLANG_DLITE_ROUND_LOG", "SGLANG_DLITE_CONFIG")}
+                                                "SGLANG_DLITE_ROUND_LOG", "SGLANG_DLITE_CONFIG",
+                                                "SGLANG_DLITE_CPU_DECODE_ATTN")}
     ranks = tp_size * dp_size
     if device == "cpu" and ranks > 1 and not saved_env["SGLANG_CPU_OMP_THREADS_BIND"]:
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_threads_bind(ranks)  # sglang: each rank's cores
@@ -166,6 +176,7 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     os.environ["SGLANG_DLITE_LOOKUP_TRACE"] = trace
     os.environ["SGLANG_DLITE_ROUND_LOG"] = round_log  # the worker's draft / verify ms per decode round
     os.environ["SGLANG_DLITE_VERIFY_WIDTH"] = width  # per-round verify width: auto (CPU: adaptive) or fixed
+    os.environ["SGLANG_DLITE_CPU_DECODE_ATTN"] = "1" if attention == "same" and spec != "eagle3" else "0"
     if spec in MODE_SETTINGS or settings:  # the mode's serving settings over the caller's; other modes keep theirs
         from ..sglang_plugin.options import read_config  # the plugin package (sglang): DLITE modes only
 
@@ -179,21 +190,23 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     if spec == "eagle3":
         verify_kw = eagle3_kwargs(w, eagle3_draft, target, dtype)
     t0 = time.perf_counter()
-    if device == "cpu":
-        e = cpu_launch.start_engine(target, dlite=draft if is_dlite else None, **kw, **verify_kw)
-    else:
-        import sglang as sgl  # a GPU: sglang itself, no CPU stand-ins
-
-        args = dict(model_path=str(target), dtype=dtype, sleep_on_idle=True, max_running_requests=max(levels), random_seed=0,
-                    tp_size=tp_size, dp_size=dp_size, **verify_kw)
-        if is_dlite:
-            args.update(speculative_algorithm="DLITE", speculative_draft_model_path=str(draft))
-        e = sgl.Engine(**args)
-    for k, v in saved_env.items():
-        if v is None:
-            os.environ.pop(k, None)
+    try:
+        if device == "cpu":
+            e = cpu_launch.start_engine(target, dlite=draft if is_dlite else None, **kw, **verify_kw)
         else:
-            os.environ[k] = v
+            import sglang as sgl  # a GPU: sglang itself, no CPU stand-ins
+
+            args = dict(model_path=str(target), dtype=dtype, sleep_on_idle=True, max_running_requests=max(levels),
+                        random_seed=0, tp_size=tp_size, dp_size=dp_size, **verify_kw)
+            if is_dlite:
+                args.update(speculative_algorithm="DLITE", speculative_draft_model_path=str(draft))
+            e = sgl.Engine(**args)
+    finally:  # the engine's processes have read their environment: the caller's comes back
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     start_s = time.perf_counter() - t0
     sp = {"temperature": temperature, "max_new_tokens": max_new}
     rows, outputs = [], {}
