@@ -120,10 +120,11 @@ class _Plan:
 
         key = (i, groups, dtype)
         if key not in self._additive:
-            m = self.allowed.repeat(1, groups, 1)[:, None] if i is None else self.masks[i]
-            if m is not None and i is not None:
-                m = m.repeat(groups, 1)
-            self._additive[key] = None if m is None else torch.zeros(m.shape, dtype=dtype).masked_fill_(~m, float("-inf"))
+            m = self.allowed[:, None] if i is None else self.masks[i]  # [bs, 1, W, tmax] / [W, T] bool, or None
+            if m is not None:  # the W rows tiled per query head of the group: rows (head, token), as attend folds q
+                m = m.repeat(*[1] * (m.dim() - 2), groups, 1)
+                m = torch.zeros(m.shape, dtype=dtype).masked_fill_(~m, float("-inf"))
+            self._additive[key] = m
         return self._additive[key]
 
 
