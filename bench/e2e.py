@@ -71,8 +71,8 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_dlite.benchmarking.sglang_runs import (ATTENTION, aggregate, build_requests, level_row, reference_meta,
-                                                   run_sglang)
+from sglang_dlite.benchmarking.sglang_runs import (ATTENTION, aggregate, build_requests, level_row,
+                                                   prefill_attention, reference_meta, run_sglang)
 from sglang_dlite.divergence import DEFAULT_TIE_MARGIN, Fp32LogitGap, classify_divergences, is_mismatch
 from sglang_dlite.speculation.tau import TAU_DEFINITION
 
@@ -120,9 +120,10 @@ def parse_args(argv=None):
                    help="sampling temperature of every request (> 0: outputs are random, so no divergence scoring: "
                         "speed and tau only; losslessness of sampling is tested, not benchmarked)")
     p.add_argument("--baseline-attention", choices=ATTENTION, default="same",
-                   help="a CPU's decode attention: same (default: no speculation's decode forwards read the KV "
-                        "cache through the attention code DLITE's verify runs, like for like) or sglang (as "
-                        "sglang ships it, slower at a batch of several requests)")
+                   help="a CPU's decode and prefill attention: same (default: no speculation's decode forwards "
+                        "read the KV cache through the attention code DLITE's verify runs, and every mode's prefill "
+                        "through the project's, like for like) or sglang (as sglang ships it, slower at a batch of "
+                        "several requests and on radix-cache hits)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -224,6 +225,7 @@ def main(argv=None) -> int:
         "drafter": str(draft), "note": note, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "dtype": args.dtype if args.engine == "sglang" else "float32", "repeats": args.repeats,
         "tie_margin": args.tie_margin, "tau_definition": TAU_DEFINITION, "baseline_attention": args.baseline_attention,
+        "prefill_attention": prefill_attention(args.baseline_attention),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "rows": rows, "runs": runs, "outputs": {m: {str(c): o for c, o in lv.items()} for m, lv in outs.items()},
     }

@@ -8,7 +8,8 @@ concurrency, over workloads x output lengths x dtypes, three fresh-engine runs p
 Every run is ``benchmarking.sglang_runs.run_sglang``, as in ``bench/e2e.py`` (one engine per mode and repeat, every level on it,
 the radix cache flushed between levels; sglang's NGRAM gets a fresh engine per level: its corpus
 remembers the requests of the level before; on a CPU, no speculation's decode forwards read the KV cache
-through the same attention code as DLITE's verify unless ``--baseline-attention sglang``). Level c runs the first ``max(--min-requests, 2c)`` of
+through the same attention code as DLITE's verify, and every mode's prefill through the project's,
+unless ``--baseline-attention sglang``). Level c runs the first ``max(--min-requests, 2c)`` of
 ``--requests`` requests (capped there), so a level stays full for most of its run while c = 1
 does not take hours on a CPU; the modes of a repeat run in rotated order (drift hits all alike).
 
@@ -37,7 +38,8 @@ from pathlib import Path
 from statistics import median
 
 from sglang_dlite.benchmarking.sglang_runs import (ATTENTION, POSITION_BUCKET, build_requests, jsonl_after,
-                                                   pool_rounds_by_position, run_sglang, tau_by_position)
+                                                   pool_rounds_by_position, prefill_attention, run_sglang,
+                                                   tau_by_position)
 from sglang_dlite.speculation.tau import TAU_DEFINITION
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,8 +81,10 @@ def key(rec) -> tuple:
 
 
 def load_runs(path: Path, attention: str) -> list:
-    """The runs in ``path`` measured with ``attention`` (runs before the option: sglang's)."""
-    return [r for r in jsonl_after(str(path), 0) if r.get("attention", "sglang") == attention]
+    """The runs in ``path`` measured with ``attention`` (runs before the option: sglang's) and its
+    prefill attention (runs before it was recorded: sglang's), so a resumed matrix never mixes them."""
+    return [r for r in jsonl_after(str(path), 0) if r.get("attention", "sglang") == attention
+            and r.get("prefill_attention", "sglang") == prefill_attention(attention)]
 
 
 def measure(args, out_dir: Path) -> None:
@@ -113,6 +117,7 @@ def measure(args, out_dir: Path) -> None:
                     def on_level(row, outputs, _mode=mode, _rep=rep):
                         rec = {"workload": workload, "max_new_tokens": length, "dtype": dtype, "mode": _mode,
                                "repeat": _rep, "concurrency": row["concurrency"], "attention": args.baseline_attention,
+                               "prefill_attention": prefill_attention(args.baseline_attention),
                                "row": row, "outputs": outputs,
                                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
                         with open(runs_path, "a", encoding="utf-8") as f:
@@ -167,7 +172,8 @@ def report(args, out_dir: Path) -> dict:
               f"{r['itl_p50_ms']} / {r['itl_p99_ms']} | {r['repeats']} | {r.get('mismatches', '')} |")
     result = {"command": "python " + " ".join([os.path.relpath(__file__, REPO)] + sys.argv[1:]),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-              "baseline_attention": args.baseline_attention, "tau_definition": TAU_DEFINITION, "position_bucket": POSITION_BUCKET, "rows": rows}
+              "baseline_attention": args.baseline_attention, "prefill_attention": prefill_attention(args.baseline_attention),
+              "tau_definition": TAU_DEFINITION, "position_bucket": POSITION_BUCKET, "rows": rows}
     (out_dir / "matrix.json").write_text(json.dumps(result, indent=2))
     plot(rows, out_dir)
     print(f"wrote {out_dir / 'matrix.json'}, {out_dir / 'speedup_vs_concurrency.png'}, "

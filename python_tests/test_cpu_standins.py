@@ -2,9 +2,10 @@
 (``cpu_support/sglang_cpu``):
 
 - the attention (``dlite_cpu_verify_hook.py``) that runs sglang's TARGET_VERIFY forwards (and, with
-  ``SGLANG_DLITE_CPU_DECODE_ATTN=1``, its DECODE forwards) on the ``torch_native`` backend: every
+  ``SGLANG_DLITE_CPU_ATTN=1``, its DECODE and prefill forwards) on the ``torch_native`` backend: every
   case against brute-force softmax attention in float64, one query head and one request at a time.
-  Contiguous and scattered KV slots, chain and tree verify, decode, grouped-query heads, bf16,
+  Contiguous and scattered KV slots, chain and tree verify, decode, prefill over cached prefixes,
+  grouped-query heads, bf16,
   request by request and as one padded batch;
 - the packed-weight bf16 linear (``dlite_cpu_packed_linear.py`` over ``sglang_dlite.ops.cpu_linear``)
   against ``F.linear``, the float32 pass-through, and the repack after an in-place weight update."""
@@ -162,6 +163,70 @@ def test_plan_is_rebuilt_for_a_new_forward():
     first = run([5, 6], 3, contiguous)
     second = run([5, 6], 3, contiguous)
     assert first is not second
+
+
+def run_prefill(prefixes, news, slots_of, dtype=torch.float32):
+    """``_attend_prefill`` over requests that continue cached prefixes (``prefixes[i]`` cached tokens,
+    ``news[i]`` new ones), each request against brute force: new token j sees positions 0 .. prefix + j."""
+    pool = Pool(4096, dtype)
+    r2t = torch.zeros(len(prefixes), 2048, dtype=torch.int32)
+    new_locs = []
+    for i, (p, n) in enumerate(zip(prefixes, news)):
+        slots = slots_of(i, p + n)
+        r2t[i, :p + n] = slots
+        new_locs.append(slots[p:])
+    rows = sum(news)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(rows, HQ * D, generator=g).to(dtype)
+    k = torch.randn(rows, HK * D, generator=g).to(dtype)
+    v = torch.randn(rows, HK * D, generator=g).to(dtype)
+    fb = SimpleNamespace(
+        batch_size=len(prefixes), seq_lens=torch.tensor(prefixes) + torch.tensor(news),
+        req_pool_indices=torch.arange(len(prefixes)), out_cache_loc=torch.cat(new_locs).long(),
+        extend_prefix_lens=torch.tensor(prefixes), extend_seq_lens=torch.tensor(news),
+        extend_prefix_lens_cpu=None, extend_seq_lens_cpu=None)
+    layer = SimpleNamespace(tp_q_head_num=HQ, tp_k_head_num=HK, qk_head_dim=D, v_head_dim=D, layer_id=0,
+                            scaling=D ** -0.5)
+    backend = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=r2t),
+                              swa_out_cache_loc=None)
+    loc = lambda out_cache_loc, swa: SimpleNamespace(out_cache_loc=out_cache_loc)  # noqa: E731
+    out = hook._attend_prefill(backend, q, k, v, layer, fb, True, loc).view(rows, HQ, D)
+    start = 0
+    for i, (p, n) in enumerate(zip(prefixes, news)):
+        allowed = torch.arange(p + n)[None, :] <= (p + torch.arange(n))[:, None]
+        ref = reference(q[start:start + n].view(n, HQ, D), pool, r2t[i, :p + n].long(), allowed, layer.scaling)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out[start:start + n].double(), ref, atol=tol, rtol=tol)
+        start += n
+
+
+@pytest.mark.parametrize("slots_of", [contiguous, scattered], ids=["contiguous", "scattered"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefill_over_cached_prefixes_matches_brute_force(slots_of, dtype, monkeypatch):
+    """A fresh prompt (no prefix: one causal sdpa), prompts continuing cached prefixes (a bottom-right
+    causal mask), a decode-like request of one new token (a MIXED batch), and a chunk longer than
+    one query block (blocks of 7 here)."""
+    monkeypatch.setattr(hook, "PREFILL_QUERY_BLOCK", 7)
+    run_prefill([0, 40, 13, 300, 0], [25, 9, 30, 1, 5], slots_of, dtype)
+
+
+def test_prefill_switch_and_layers_it_leaves_to_sglang(monkeypatch):
+    """``SGLANG_DLITE_CPU_ATTN``: off unless set to something other than 0; cross attention,
+    encoder-only layers and sliding windows stay on the backend's own code."""
+    monkeypatch.delenv(hook.ENV_CPU_ATTN, raising=False)
+    assert not hook.cpu_attention_enabled()
+    monkeypatch.setenv(hook.ENV_CPU_ATTN, "0")
+    assert not hook.cpu_attention_enabled()
+    monkeypatch.setenv(hook.ENV_CPU_ATTN, "1")
+    assert hook.cpu_attention_enabled()
+    fb = SimpleNamespace(encoder_lens=None)
+    plain = dict(is_cross_attention=False, sliding_window_size=None, attn_type=SimpleNamespace(name="DECODER"))
+    assert hook._plain_causal(SimpleNamespace(**plain), fb)
+    assert hook._plain_causal(SimpleNamespace(**{**plain, "sliding_window_size": -1}), fb)
+    assert not hook._plain_causal(SimpleNamespace(**{**plain, "sliding_window_size": 128}), fb)
+    assert not hook._plain_causal(SimpleNamespace(**{**plain, "is_cross_attention": True}), fb)
+    assert not hook._plain_causal(SimpleNamespace(**{**plain, "attn_type": SimpleNamespace(name="ENCODER_ONLY")}), fb)
+    assert not hook._plain_causal(SimpleNamespace(**plain), SimpleNamespace(encoder_lens=torch.tensor([3])))
 
 
 # ---------------------------------------------------------------- packed-weight bf16 linear

@@ -168,22 +168,25 @@ def test_load_matrix_resumes_and_reports_medians_over_repeats(tmp_path, monkeypa
     """bench/load_matrix.py: a level already in runs.jsonl is not run again; the report takes the
     median over repeats per (cell, mode, level) and the speed-up over no speculation's median there;
     level c runs max(min_requests, 2c) requests; runs of the other --baseline-attention (a record without
-    one: sglang's) are neither done nor reported."""
+    one: sglang's), and "same" runs from before the prefill attention was the project's (a record without
+    prefill_attention), are neither done nor reported."""
     lm = _bench("load_matrix")
     args = lm.parse_args(["--concurrency", "1,4", "--modes", "nospec,dlite", "--repeats", "3", "--out-dir",
                           str(tmp_path), "--no-score", "--min-requests", "4", "--requests", "6"])
     assert [lm.requests_at(args, 6)(c) for c in (1, 2, 3, 4)] == [4, 4, 6, 6]
 
-    def rec(mode, rep, c, tps, tau=None, attention="same"):
+    def rec(mode, rep, c, tps, tau=None, attention="same", prefill="same"):
         return {"workload": "agent-stdlib", "max_new_tokens": 128, "dtype": "bfloat16", "mode": mode, "repeat": rep,
                 "concurrency": c, "outputs": [[1, 2]], **({"attention": attention} if attention else {}),
+                **({"prefill_attention": prefill} if prefill else {}),
                 "row": {"mode": mode, "concurrency": c, "requests": 1, "tokens_per_s": tps, "ttft_p50_s": 1.0,
                         "itl_p50_ms": 10.0, "itl_p99_ms": 20.0, "tau": tau,
                         **({"rounds_by_position": {"0": [2, 5]}} if tau else {})}}
 
     recs = [rec("nospec", r, c, 10.0 + r) for r in range(3) for c in (1, 4)]
     recs += [rec("dlite", r, c, 20.0 + 4 * r, 2.5) for r in range(3) for c in (1,)]  # dlite at 4 never ran
-    recs += [rec("dlite", r, 4, 99.0, 2.5, attention=a) for r in range(3) for a in ("sglang", None)]  # ... like for like
+    recs += [rec("dlite", r, 4, 99.0, 2.5, attention=a, prefill=None) for r in range(3)
+             for a in ("sglang", None, "same")]  # ... like for like
     (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     ran = []
     monkeypatch.setattr(lm, "build_requests", lambda *a: [[0]] * 6)

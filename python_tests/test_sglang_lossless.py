@@ -110,10 +110,12 @@ def test_dlite_equals_nospec_equals_reference_llama(llama, nospec_outputs, overl
 
 def test_padded_batch_attention_equals_the_reference(monkeypatch):
     """Requests of similar length attend as one padded batch (the CPU verify hook's ``attend_padded``):
-    DLITE's verify forwards and, with SGLANG_DLITE_CPU_DECODE_ATTN=1 (the benchmarks' like-for-like
+    DLITE's verify forwards and, with SGLANG_DLITE_CPU_ATTN=1 (the benchmarks' like-for-like
     baseline), no speculation's decode forwards; float32 output equal to the reference's either way.
-    The default target (a tiny random one barely reads its context: swapping two requests' attention
-    outputs left its greedy tokens unchanged)."""
+    With the switch every prefill attends through ``attend_prefill`` too: a follow-up request that
+    continues a cached prompt + answer (a radix-cache hit, its new tokens over the cached prefix) is
+    also the reference's. The default target (a tiny random one barely reads its context: swapping two
+    requests' attention outputs left its greedy tokens unchanged)."""
     from sglang_dlite.drafters import shipped_drafter_path
 
     drafter = shipped_drafter_path()
@@ -123,11 +125,16 @@ def test_padded_batch_attention_equals_the_reference(monkeypatch):
                                                      "Write a Python function that sums a list.",
                                                      "Explain what a Python dictionary is used for."])
     ref = F.reference_greedy(target, drafter, prompts, 32)
-    monkeypatch.setenv("SGLANG_DLITE_CPU_DECODE_ATTN", "1")
+    follow_up = prompts[0] + ref[0][:20]  # the first request's prompt and 20 of its tokens: cached
+    ref_follow_up = F.reference_greedy(target, drafter, [follow_up], 16)[0]
+    monkeypatch.setenv("SGLANG_DLITE_CPU_ATTN", "1")
     for dlite in (None, drafter):
         with F.engine(target, dlite=dlite, skip_tokenizer_init=True) as e:
             outs = e.generate(input_ids=prompts, sampling_params=[_sp(32)] * len(prompts))
             assert [o["output_ids"] for o in outs] == ref, f"dlite={dlite}"
+            out = e.generate(input_ids=follow_up, sampling_params=_sp(16))
+            assert out["meta_info"]["cached_tokens"] >= len(prompts[0]), out["meta_info"]
+            assert out["output_ids"] == ref_follow_up, f"dlite={dlite}"
 
 
 def test_dlite_verifies_a_prefix_of_the_drafts(llama):

@@ -343,7 +343,7 @@ def test_e2e_both_engines_report_the_same_tau_for_the_same_run(monkeypatch):
 @pytest.mark.parametrize("mode, attention, seen", [("nospec", "same", "1"), ("dlite", "same", "1"),
                                                     ("nospec", "sglang", "0"), ("eagle3", "same", "0")])
 def test_e2e_baseline_attention_reaches_the_engine_and_is_restored(monkeypatch, mode, attention, seen):
-    """run_sglang's ``attention``: the engine's processes start with SGLANG_DLITE_CPU_DECODE_ATTN set
+    """run_sglang's ``attention``: the engine's processes start with SGLANG_DLITE_CPU_ATTN set
     ("same": no speculation's decode forwards read the KV cache with the verify's attention; sglang's
     EAGLE3 keeps sglang's own), and the caller's environment is back afterwards, even when the
     engine fails to start."""
@@ -356,15 +356,15 @@ def test_e2e_baseline_attention_reaches_the_engine_and_is_restored(monkeypatch, 
     env = {}
 
     def start_engine(*a, **k):
-        env["attn"] = os.environ.get("SGLANG_DLITE_CPU_DECODE_ATTN")
+        env["attn"] = os.environ.get("SGLANG_DLITE_CPU_ATTN")
         raise Started
 
     monkeypatch.setattr(cpu_launch, "start_engine", start_engine)
     monkeypatch.setattr(R, "eagle3_kwargs", lambda *a: {})
-    monkeypatch.setenv("SGLANG_DLITE_CPU_DECODE_ATTN", "caller's")
+    monkeypatch.setenv("SGLANG_DLITE_CPU_ATTN", "caller's")
     with pytest.raises(Started):
         R.run_sglang(mode, "target", "drafter", [[1, 2, 3]], [1], 4, "cpu", "float32", attention=attention)
-    assert env["attn"] == seen and os.environ["SGLANG_DLITE_CPU_DECODE_ATTN"] == "caller's"
+    assert env["attn"] == seen and os.environ["SGLANG_DLITE_CPU_ATTN"] == "caller's"
     with pytest.raises(SystemExit, match="one of same, sglang"):
         R.run_sglang(mode, "target", "drafter", [[1, 2, 3]], [1], 4, "cpu", "float32", attention="fast")
 

@@ -139,15 +139,22 @@ MODE_SETTINGS = {"dlite-chain": {"tree_max_batch_size": 0},  # chains only
 ATTENTION = ("same", "sglang")  # run_sglang's attention: the baseline's decode attention on a CPU
 
 
+def prefill_attention(attention: str) -> str:
+    """The prefill attention every mode of a run with ``attention`` measures: the project's
+    (``attend_prefill``) for ``same`` since 2026-12-05 (sglang's before), sglang's for ``sglang``."""
+    return "same" if attention == "same" else "sglang"
+
+
 def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_size=1, dp_size=1, eagle3_draft=None,
                temperature=0.0, requests_at=None, on_level=None, attention="same"):
     """One engine for ``mode``, every level of ``levels`` on it (flushed between levels): (rows, outputs
     per level). ``requests_at(c)``: how many of ``reqs`` level c runs (default all); ``on_level(row,
     outputs)`` is called as each level finishes (``bench/load_matrix.py`` checkpoints there).
     ``attention`` (a CPU only): ``"same"`` (default) gives decode forwards the attention code DLITE's
-    verify runs (``SGLANG_DLITE_CPU_DECODE_ATTN=1``), so no speculation and a speculative mode read the
-    KV cache alike; ``"sglang"``: decode forwards as sglang ships them (slower than ours at a batch of
-    several requests). sglang's EAGLE3 keeps sglang's own (its draft model's decode steps)."""
+    verify runs and every prefill the project's (``SGLANG_DLITE_CPU_ATTN=1``), so no speculation and a
+    speculative mode read the KV cache alike; ``"sglang"``: decode and prefill forwards as sglang ships
+    them (slower than ours at a batch of several requests, and on radix-cache hits). sglang's EAGLE3
+    keeps sglang's own (its draft model's decode steps)."""
 
     kw = dict(dtype=dtype, max_total_tokens=65536, chunked_prefill_size=8192, max_running_requests=max(levels))
     base_mode, tp_size, dp_size = parse_parallel(mode, tp_size, dp_size)
@@ -168,7 +175,7 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     saved_env = {k: os.environ.get(k) for k in ("SGLANG_DLITE_LOOKUP", "SGLANG_DLITE_LOOKUP_TRACE",
                                                 "SGLANG_DLITE_VERIFY_WIDTH", "SGLANG_CPU_OMP_THREADS_BIND",
                                                 "SGLANG_DLITE_ROUND_LOG", "SGLANG_DLITE_CONFIG",
-                                                "SGLANG_DLITE_CPU_DECODE_ATTN")}
+                                                "SGLANG_DLITE_CPU_ATTN")}
     ranks = tp_size * dp_size
     if device == "cpu" and ranks > 1 and not saved_env["SGLANG_CPU_OMP_THREADS_BIND"]:
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_threads_bind(ranks)  # sglang: each rank's cores
@@ -176,7 +183,7 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     os.environ["SGLANG_DLITE_LOOKUP_TRACE"] = trace
     os.environ["SGLANG_DLITE_ROUND_LOG"] = round_log  # the worker's draft / verify ms per decode round
     os.environ["SGLANG_DLITE_VERIFY_WIDTH"] = width  # per-round verify width: auto (CPU: adaptive) or fixed
-    os.environ["SGLANG_DLITE_CPU_DECODE_ATTN"] = "1" if attention == "same" and spec != "eagle3" else "0"
+    os.environ["SGLANG_DLITE_CPU_ATTN"] = "1" if attention == "same" and spec != "eagle3" else "0"
     if spec in MODE_SETTINGS or settings:  # the mode's serving settings over the caller's; other modes keep theirs
         from ..sglang_plugin.options import read_config  # the plugin package (sglang): DLITE modes only
 

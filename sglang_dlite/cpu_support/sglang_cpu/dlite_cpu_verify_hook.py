@@ -14,9 +14,13 @@ layer); otherwise request by request, a request whose slots are one contiguous r
 of the pool, not gathered; grouped-query heads are folded into the query (``attend``).
 sglang's EAGLE3 draft extend (``DRAFT_EXTEND_V2``: every request extends its draft KV by the same W
 tokens) takes the same path with a causal mask, instead of the backend's O(context^2) extend.
-``SGLANG_DLITE_CPU_DECODE_ATTN=1`` gives sglang's plain DECODE forward the same attention, for
-like-for-like speed comparisons (``decode_attention_enabled``). Installed lazily (on first import of the backend) by
-``sitecustomize`` in this folder; never used on a CUDA deployment.
+``SGLANG_DLITE_CPU_ATTN=1`` gives sglang's plain DECODE forward the same attention and its prefill
+(EXTEND / MIXED) forwards ``attend_prefill``, for like-for-like speed comparisons
+(``cpu_attention_enabled``): the backend's own prefill pads every request's query to its whole context,
+so a request that hits the radix cache with 1 000 tokens and brings 200 new ones pays for 1 200
+queries; ``attend_prefill`` computes the 200 (~3x less attention at that split on a 2-core CPU).
+Installed lazily (on first import of the backend) by ``sitecustomize`` in this folder; never used on
+a CUDA deployment.
 """
 
 TARGET_MODULE = "sglang.srt.layers.attention.torch_native_backend"
@@ -28,7 +32,7 @@ def patch(module) -> None:
         return
     orig_extend, orig_decode = cls.forward_extend, cls.forward_decode
     KVWriteLoc = module.KVWriteLoc
-    decode_too = decode_attention_enabled()  # read once, in the scheduler process at start-up
+    ours = cpu_attention_enabled()  # read once, in the scheduler process at start-up
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         fb = forward_batch
@@ -37,12 +41,13 @@ def patch(module) -> None:
         if fb.forward_mode.is_draft_extend_v2() and _is_block_extend(fb, q):
             return _attend_blocks(self, q, k, v, layer, fb, save_kv_cache, KVWriteLoc, decode=False,
                                   draft_extend=True)
+        if ours and fb.forward_mode.name in ("EXTEND", "MIXED") and _plain_causal(layer, fb):
+            return _attend_prefill(self, q, k, v, layer, fb, save_kv_cache, KVWriteLoc)
         return orig_extend(self, q, k, v, layer, fb, save_kv_cache)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         fb = forward_batch
-        if (not decode_too or layer.is_cross_attention or fb.encoder_lens is not None
-                or (layer.sliding_window_size is not None and layer.sliding_window_size > -1)):
+        if not ours or not _plain_causal(layer, fb):
             return orig_decode(self, q, k, v, layer, fb, save_kv_cache)
         return _attend_blocks(self, q, k, v, layer, fb, save_kv_cache, KVWriteLoc, decode=True)
 
@@ -51,14 +56,87 @@ def patch(module) -> None:
     cls._dlite_verify_patched = True
 
 
-def decode_attention_enabled() -> bool:
-    """``SGLANG_DLITE_CPU_DECODE_ATTN=1``: sglang's own DECODE forward (no speculation) also reads
-    the KV cache through ``attend`` below instead of the backend's per-layer gather, so a
-    speculative vs no-speculation comparison on a CPU measures the same attention code on both
-    sides. Off by default: no speculation then runs exactly as sglang ships it."""
+ENV_CPU_ATTN = "SGLANG_DLITE_CPU_ATTN"
+
+
+def cpu_attention_enabled() -> bool:
+    """``SGLANG_DLITE_CPU_ATTN=1``: sglang's own DECODE forward (no speculation) also reads the KV
+    cache through ``attend`` below instead of the backend's per-layer gather, and every prefill
+    attends through ``attend_prefill``, so a speculative vs no-speculation comparison on a CPU
+    measures the same attention code on both sides. Off by default: forwards other than DLITE's
+    verify then run exactly as sglang ships them."""
     import os
 
-    return os.environ.get("SGLANG_DLITE_CPU_DECODE_ATTN", "0") not in ("", "0")
+    return os.environ.get(ENV_CPU_ATTN, "0") not in ("", "0")
+
+
+def _plain_causal(layer, fb) -> bool:
+    """A causal self-attention layer over the whole context: what ``attend`` / ``attend_prefill``
+    compute (cross attention, encoder-only layers and sliding windows stay on the backend)."""
+    return (not layer.is_cross_attention and fb.encoder_lens is None
+            and getattr(getattr(layer, "attn_type", None), "name", "DECODER") == "DECODER"
+            and (layer.sliding_window_size is None or layer.sliding_window_size <= -1))
+
+
+PREFILL_QUERY_BLOCK = 512
+"""``attend_prefill`` attends a request's new tokens this many queries at a time, each block over the
+keys it can see (its prefix + the new tokens up to the block's end): the masked-out corner is never
+computed beyond one block, and a block's additive mask stays small (512 x context) however long
+the chunk; ~2x faster than one call at 2 048 cached + 2 048 new tokens on this CPU."""
+
+
+def attend_prefill(q, kk, vv, prefix, scale, kv_heads):
+    """One request's prefill: q [n, Hq, D], its n new tokens at positions prefix .. prefix + n - 1;
+    kk / vv [prefix + n, Hkv, D] its whole context, new tokens last -> [n, Hq, Dv], new token j
+    attending to positions 0 .. prefix + j (the causal mask of a prefill that continues a cached
+    prefix). No cached prefix: one causal ``sdpa`` (its kernel skips the masked half); else blocks of
+    ``PREFILL_QUERY_BLOCK`` queries with a bottom-right causal mask each."""
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    n = q.shape[0]
+    qq, kt, vt = q.movedim(0, 1), kk.movedim(0, 1), vv.movedim(0, 1)  # [H, tokens, D]
+    if kt.dtype != qq.dtype:
+        kt, vt = kt.to(qq.dtype), vt.to(qq.dtype)
+    gqa = q.shape[1] != kv_heads
+    if prefix == 0:
+        return sdpa(qq[None], kt[None], vt[None], is_causal=True, scale=scale, enable_gqa=gqa)[0].movedim(0, 1)
+    out = q.new_empty((q.shape[1], n, vt.shape[-1]))
+    for s in range(0, n, PREFILL_QUERY_BLOCK):
+        e = min(n, s + PREFILL_QUERY_BLOCK)
+        cols = prefix + e
+        allowed = torch.arange(cols)[None, :] <= torch.arange(prefix + s, prefix + e)[:, None]
+        mask = torch.zeros(allowed.shape, dtype=qq.dtype).masked_fill_(~allowed, float("-inf"))
+        out[:, s:e] = sdpa(qq[None, :, s:e], kt[None, :, :cols], vt[None, :, :cols], attn_mask=mask, scale=scale,
+                           enable_gqa=gqa)[0]
+    return out.movedim(0, 1)
+
+
+def _attend_prefill(self, q, k, v, layer, fb, save_kv_cache, KVWriteLoc):
+    """Write the new tokens' K/V, then attend each request's new tokens over its cached prefix and
+    themselves (``attend_prefill``), request by request."""
+    if save_kv_cache and k is not None and v is not None:
+        self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(fb.out_cache_loc, self.swa_out_cache_loc), k, v)
+    hq, hk = layer.tp_q_head_num, layer.tp_k_head_num
+    q_ = q.reshape(-1, hq, layer.qk_head_dim)
+    o = q.new_empty((q_.shape[0], hq * layer.v_head_dim))
+    o_ = o.view(-1, hq, layer.v_head_dim)
+    kbuf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    vbuf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+    r2t = self.req_to_token_pool.req_to_token
+    prefixes = fb.extend_prefix_lens_cpu if fb.extend_prefix_lens_cpu is not None else fb.extend_prefix_lens.tolist()
+    news = fb.extend_seq_lens_cpu if fb.extend_seq_lens_cpu is not None else fb.extend_seq_lens.tolist()
+    start = 0
+    for row, pre, n in zip(fb.req_pool_indices.tolist(), prefixes, news):
+        pre, n = int(pre), int(n)
+        idx = contiguous_run(r2t[row, :pre + n])
+        if isinstance(idx, slice):
+            kk, vv = kbuf[idx], vbuf[idx]
+        else:
+            kk, vv = kbuf.index_select(0, idx), vbuf.index_select(0, idx)
+        o_[start:start + n] = attend_prefill(q_[start:start + n], kk, vv, pre, layer.scaling, hk)
+        start += n
+    return o
 
 
 PADDED_BATCH_LIMIT = 1.5
