@@ -64,6 +64,16 @@ def reference(q, pool, slots, allowed, scale):
     return out
 
 
+def _layer_backend(pool, r2t):
+    """A fake attention layer, the backend's pools and sglang's ``KVWriteLoc`` for the hook's functions."""
+    layer = SimpleNamespace(tp_q_head_num=HQ, tp_k_head_num=HK, qk_head_dim=D, v_head_dim=D, layer_id=0,
+                            scaling=D ** -0.5)
+    backend = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=r2t),
+                              swa_out_cache_loc=None)
+    loc = lambda out_cache_loc, swa: SimpleNamespace(out_cache_loc=out_cache_loc)  # noqa: E731
+    return layer, backend, loc
+
+
 def run(prefixes, width, slots_of, dtype=torch.float32, tree=None, decode=False):
     bs = len(prefixes)
     pool = Pool(4096, dtype)
@@ -81,11 +91,7 @@ def run(prefixes, width, slots_of, dtype=torch.float32, tree=None, decode=False)
     fb = SimpleNamespace(
         batch_size=bs, seq_lens=torch.tensor(prefixes), req_pool_indices=torch.arange(bs),
         out_cache_loc=torch.cat(new_locs).long(), spec_info=SimpleNamespace(custom_mask=tree))
-    layer = SimpleNamespace(tp_q_head_num=HQ, tp_k_head_num=HK, qk_head_dim=D, v_head_dim=D, layer_id=0,
-                            scaling=D ** -0.5)
-    backend = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=r2t),
-                              swa_out_cache_loc=None)
-    loc = lambda out_cache_loc, swa: SimpleNamespace(out_cache_loc=out_cache_loc)  # noqa: E731
+    layer, backend, loc = _layer_backend(pool, r2t)
     hook._plan_cache[0] = None
     out = hook._attend_blocks(backend, q, k, v, layer, fb, True, loc, decode=decode).view(bs * width, HQ, D)
     for i, p in enumerate(prefixes):
@@ -185,11 +191,7 @@ def run_prefill(prefixes, news, slots_of, dtype=torch.float32):
         req_pool_indices=torch.arange(len(prefixes)), out_cache_loc=torch.cat(new_locs).long(),
         extend_prefix_lens=torch.tensor(prefixes), extend_seq_lens=torch.tensor(news),
         extend_prefix_lens_cpu=None, extend_seq_lens_cpu=None)
-    layer = SimpleNamespace(tp_q_head_num=HQ, tp_k_head_num=HK, qk_head_dim=D, v_head_dim=D, layer_id=0,
-                            scaling=D ** -0.5)
-    backend = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=r2t),
-                              swa_out_cache_loc=None)
-    loc = lambda out_cache_loc, swa: SimpleNamespace(out_cache_loc=out_cache_loc)  # noqa: E731
+    layer, backend, loc = _layer_backend(pool, r2t)
     out = hook._attend_prefill(backend, q, k, v, layer, fb, True, loc).view(rows, HQ, D)
     start = 0
     for i, (p, n) in enumerate(zip(prefixes, news)):

@@ -115,8 +115,7 @@ def attend_prefill(q, kk, vv, prefix, scale, kv_heads):
 def _attend_prefill(self, q, k, v, layer, fb, save_kv_cache, KVWriteLoc):
     """Write the new tokens' K/V, then attend each request's new tokens over its cached prefix and
     themselves (``attend_prefill``), request by request."""
-    if save_kv_cache and k is not None and v is not None:
-        self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(fb.out_cache_loc, self.swa_out_cache_loc), k, v)
+    _write_new_kv(self, layer, fb, k, v, save_kv_cache, KVWriteLoc)
     hq, hk = layer.tp_q_head_num, layer.tp_k_head_num
     q_ = q.reshape(-1, hq, layer.qk_head_dim)
     o = q.new_empty((q_.shape[0], hq * layer.v_head_dim))
@@ -129,11 +128,7 @@ def _attend_prefill(self, q, k, v, layer, fb, save_kv_cache, KVWriteLoc):
     start = 0
     for row, pre, n in zip(fb.req_pool_indices.tolist(), prefixes, news):
         pre, n = int(pre), int(n)
-        idx = contiguous_run(r2t[row, :pre + n])
-        if isinstance(idx, slice):
-            kk, vv = kbuf[idx], vbuf[idx]
-        else:
-            kk, vv = kbuf.index_select(0, idx), vbuf.index_select(0, idx)
+        kk, vv = context_kv(kbuf, vbuf, contiguous_run(r2t[row, :pre + n]))
         o_[start:start + n] = attend_prefill(q_[start:start + n], kk, vv, pre, layer.scaling, hk)
         start += n
     return o
@@ -223,6 +218,20 @@ def contiguous_run(locs):
     return locs.to(torch.int64)
 
 
+def context_kv(kbuf, vbuf, idx):
+    """A request's keys and values from the pool: a view for a ``slice`` (``contiguous_run``), else
+    ``index_select`` (~3x faster than advanced indexing, ``kbuf[idx]``, on a CPU)."""
+    if isinstance(idx, slice):
+        return kbuf[idx], vbuf[idx]
+    return kbuf.index_select(0, idx), vbuf.index_select(0, idx)
+
+
+def _write_new_kv(self, layer, fb, k, v, save_kv_cache, KVWriteLoc):
+    """The forward's new tokens' K/V into their slots (``out_cache_loc``), as the backend does."""
+    if save_kv_cache and k is not None and v is not None:
+        self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(fb.out_cache_loc, self.swa_out_cache_loc), k, v)
+
+
 def attend(q, kk, vv, mask, scale, kv_heads):
     """One request: q [W, Hq, D], kk / vv [T, Hkv, D] (the context's keys / values, verify tokens
     last), mask [Hq/Hkv * W, T] (bool or additive: the W-row mask repeated per query head of a KV head) or None
@@ -270,8 +279,7 @@ def _is_block_extend(fb, q) -> bool:
 def _attend_blocks(self, q, k, v, layer, fb, save_kv_cache, KVWriteLoc, decode, draft_extend=False):
     """Write the new tokens' K/V, then attend each request's W = tokens/requests queries over its
     context (committed prefix + its own new tokens)."""
-    if save_kv_cache and k is not None and v is not None:
-        self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(fb.out_cache_loc, self.swa_out_cache_loc), k, v)
+    _write_new_kv(self, layer, fb, k, v, save_kv_cache, KVWriteLoc)
     bs = fb.batch_size
     hq, hk = layer.tp_q_head_num, layer.tp_k_head_num
     q_ = q.reshape(-1, hq, layer.qk_head_dim)
@@ -289,12 +297,8 @@ def _attend_blocks(self, q, k, v, layer, fb, save_kv_cache, KVWriteLoc, decode, 
         o_.view(bs, width, hq, -1).copy_(attend_padded(q_, kbuf, vbuf, plan, layer.scaling, hk))
         return o
     for i in range(bs):
-        idx = plan.kv[i]
         rows = slice(i * width, (i + 1) * width)
-        if isinstance(idx, slice):
-            kk, vv = kbuf[idx], vbuf[idx]
-        else:  # index_select: ~3x faster than advanced indexing (kbuf[idx]) on a CPU
-            kk, vv = kbuf.index_select(0, idx), vbuf.index_select(0, idx)
+        kk, vv = context_kv(kbuf, vbuf, plan.kv[i])
         o_[rows] = attend(q_[rows], kk, vv, plan.additive_mask(i, groups, q_.dtype), layer.scaling, hk)
     return o
 
