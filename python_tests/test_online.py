@@ -16,8 +16,10 @@ from sglang_dlite.drafters import DLiteEngineDrafter
 from sglang_dlite.engine import ReferenceEngine
 from sglang_dlite.errors import DLiteConfigError, DLiteInputError
 from sglang_dlite.lookup.drafters import HybridEngineDrafter
+from sglang_dlite.lookup.tree_drafters import TreeEngineDrafter
 from sglang_dlite.model import DLiteDrafter
 from sglang_dlite.online import STATE_KEY, OnlineConfig, OnlineDrafter, OnlineLearner, chain_accepted
+from sglang_dlite.registry import served_hybrid
 
 EOS = 2
 # a tiny random target continues this prompt with one token repeated: the planted stream
@@ -29,11 +31,12 @@ def shipped(target, seed=0, **kw):
     return DLiteDrafter(tiny_dlite_config(target, head_input="token", **kw)).bind_hf_target(target)
 
 
-def online_engine(target, model, hybrid=False, **opts):
+def online_engine(target, model, hybrid=None, **opts):
+    """DLite alone (``hybrid`` None), the chain hybrid ("chain") or the served tree ("tree") over a learner."""
     learner = OnlineLearner(model, OnlineConfig(**opts))
     inner = DLiteEngineDrafter(learner.model)
     if hybrid:
-        inner = HybridEngineDrafter(inner)
+        inner = served_hybrid(inner, chain=hybrid == "chain")
     return ReferenceEngine(target, OnlineDrafter(inner, learner), [EOS]), learner
 
 
@@ -119,7 +122,7 @@ def test_session_state_starts_from_shipped_and_is_freed_with_its_session(tiny_ta
     assert learner.stats["sessions"] == 2
 
 
-@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("hybrid", [None, "chain", "tree"])
 @pytest.mark.parametrize("scope", ["session", "server"])
 def test_lossless_with_adaptation_on(tiny_target, hybrid, scope):
     """Greedy output with adaptation on == the target's own greedy output (float32), over the turns
@@ -137,6 +140,48 @@ def test_lossless_with_adaptation_on(tiny_target, hybrid, scope):
         p = [1] + torch.randint(3, tiny_target.config.vocab_size, (12,), generator=g).tolist()
         assert eng.generate(p, 30).output_ids == hf_greedy(tiny_target, p, 30)
     assert learner.stats["updates"] > 0
+
+
+def test_tree_rounds_teach_their_accepted_path(tiny_target):
+    """The served tree (``hybrid-online``): each round's pair is the chain of its accepted root path
+    -- the feedback is the path's drafts, the labels the committed tokens (path + bonus), as a chain
+    round over the same tokens would give -- and learning keeps the output the target's."""
+    eng, learner = online_engine(tiny_target, shipped(tiny_target), hybrid="tree", params="head",
+                                 update_every=10**6, buffer_size=10**4)
+    assert isinstance(eng.drafter.inner, TreeEngineDrafter)
+    sess = eng.new_session()
+    res = eng.generate(REPETITIVE, 60, session=sess)
+    assert res.output_ids == hf_greedy(tiny_target, REPETITIVE, 60)
+    pairs = list(sess.drafter_state[STATE_KEY].buffer)
+    assert len(pairs) == len(res.rounds) and any(r.accepted > 0 for r in res.rounds)
+    K, vi, pos = learner.model.config.block_size, learner._vocab_index, 1  # output_ids[0]: the prefill's token
+    stream = hf_greedy(tiny_target, REPETITIVE, 60 + 2 * K)  # the last round may commit past the limit
+    for pair, rnd in zip(pairs, res.rounds):
+        committed = stream[pos:pos + rnd.accepted + 1]
+        pos += rnd.accepted + 1
+        n = min(rnd.accepted, K)
+        assert pair.feedback[:n].tolist() == committed[:n]
+        want = vi[torch.tensor(committed[:min(rnd.accepted + 1, K)])].tolist()
+        assert pair.labels[:len(want)].tolist() == want
+        assert (pair.labels[len(want):] == -1).all()
+
+
+def test_online_registry_names(tiny_target, tmp_path):
+    """``--drafter hybrid-online`` learns under the served tree, ``hybrid-chain-online`` under the
+    chain hybrid, ``dlite-online`` alone; every one drafts from the learner's working copy."""
+    from sglang_dlite.registry import make_engine_drafter
+
+    torch.manual_seed(0)
+    DLiteDrafter(tiny_dlite_config(tiny_target, head_input="token")).save_pretrained(str(tmp_path / "d"))
+    kinds = {"hybrid-online": TreeEngineDrafter, "hybrid-chain-online": HybridEngineDrafter,
+             "dlite-online": DLiteEngineDrafter}
+    for name, kind in kinds.items():
+        d = make_engine_drafter(f"{name}:{tmp_path / 'd'}@lr=1e-3", tiny_target)
+        assert isinstance(d, OnlineDrafter) and isinstance(d.inner, kind) and d.learner.cfg.lr == 1e-3
+        inner = d.inner if kind is DLiteEngineDrafter else d.inner.dlite
+        assert inner.model is d.learner.model
+    with pytest.raises(DLiteInputError, match="hybrid-chain-online"):
+        make_engine_drafter("hybrid-onlin", tiny_target)
 
 
 def test_shipped_weights_unchanged(tiny_target):

@@ -14,7 +14,8 @@ One pair per round, for a chain ``d_1..d_n`` verified after anchor ``t``::
     the pair's valid positions (the same teacher forcing as offline training).
 
 The pair does not depend on who drafted (hybrid rounds drafted by the suffix lookup teach DLite
-too). Output stays lossless by construction: verification is unchanged, only drafts move.
+too); a token tree's round teaches the chain of its accepted root path (the target verified each of
+its rows as that chain's), in the reference engine (``--drafter hybrid-online``) as in the sglang worker. Output stays lossless by construction: verification is unchanged, only drafts move.
 
 Parameter sets (``PARAM_SETS``): ``norm`` (the final norm's gain), ``head`` (the low-rank RNN
 head + final norm), ``last`` (the last backbone layer + head + final norm). Scopes: ``session``
@@ -215,9 +216,11 @@ class OnlineLearner:
         ctx, valid, _, _ = self.adapter.context_inputs(req)
         self._pending = (ctx[0].detach().clone(), valid[0].clone(), int(req.tokens[-1]))
 
-    def observe(self, req: DraftRequest, drafts: list, target_logits: torch.Tensor, accepted: int) -> None:
+    def observe(self, req: DraftRequest, drafts: list, target_logits: torch.Tensor, accepted: int,
+                path: bool = False) -> None:
         """One verify result: ``target_logits`` [len(drafts) + 1, V] the target's logits at the
-        anchor and each draft, ``accepted`` the drafts it accepted."""
+        anchor and each draft, ``accepted`` the drafts it accepted (``path``: a tree round's accepted
+        root path, ``learn_round``'s)."""
         if self._pending is None:
             return  # a round this learner did not see drafted
         t0 = time.perf_counter()
@@ -226,7 +229,7 @@ class OnlineLearner:
         ctx, valid, anchor = self._pending
         d = torch.tensor([drafts], dtype=torch.int64).view(1, len(drafts))
         probs = torch.softmax(target_logits.detach()[None].float(), -1)
-        self.learn_round(st, ctx[None], valid[None], torch.tensor([anchor]), d, probs, [accepted])
+        self.learn_round(st, ctx[None], valid[None], torch.tensor([anchor]), d, probs, [accepted], path=path)
         self._pending = None
         self.stats["observe_ms"] += (time.perf_counter() - t0) * 1e3
 
@@ -396,8 +399,9 @@ class OnlineDrafter:
         self.learner.before_draft(req)
         return self.inner.draft(req)
 
-    def observe(self, req: DraftRequest, drafts: list, target_logits: torch.Tensor, accepted: int) -> None:
-        self.learner.observe(req, drafts, target_logits, accepted)
+    def observe(self, req: DraftRequest, drafts: list, target_logits: torch.Tensor, accepted: int,
+                path: bool = False) -> None:
+        self.learner.observe(req, drafts, target_logits, accepted, path=path)
 
     def memory_bytes(self, state: dict) -> int:
         inner = getattr(self.inner, "memory_bytes", None)

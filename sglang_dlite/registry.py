@@ -6,7 +6,8 @@ round, chosen per round), ``suffix[:K]`` (the lookup alone), token trees ``dlite
 ``suffix-tree`` (``@N`` or ``@nodes=N,branching=head|chain``: ``lookup/tree_drafters.py``), with an opt-in
 cross-request corpus of earlier requests (``hybrid@corpus=TOKENS``, ``hybrid-tree@...,corpus=TOKENS``,
 ``suffix-tree@corpus=TOKENS``: ``lookup/corpus.py``; off by default),
-``dlite-online[:PATH][@OPTS]`` / ``hybrid-online[:PATH][@OPTS]`` (chains learning online from verify
+``dlite-online[:PATH][@OPTS]`` / ``hybrid-online[:PATH][@OPTS]`` / ``hybrid-chain-online[...]`` (DLite
+alone, the served tree or the chain hybrid, drafting from a copy of DLite that learns online from verify
 results, ``online.py``; OPTS: ``key=value,...`` of ``OnlineConfig``), or a baseline / ablation name (``baselines/registry.py``: EAGLE-3-, DFlash-,
 DSpark-style, n-gram, DLite teacher and windows). Sits above ``drafters.py`` (the interface and
 the DLite adapter), ``lookup/`` and ``baselines/``, so none of those imports another's registry.
@@ -29,7 +30,7 @@ from .online import OnlineDrafter, OnlineLearner
 from .online_config import OnlineConfig
 
 TREE_NAMES = ("dlite-tree", "hybrid-tree", "suffix-tree")
-ONLINE_NAMES = ("dlite-online", "hybrid-online")
+ONLINE_NAMES = ("dlite-online", "hybrid-online", "hybrid-chain-online")
 
 
 def make_engine_drafter(spec: str, target) -> Drafter:
@@ -56,7 +57,8 @@ def make_engine_drafter(spec: str, target) -> Drafter:
         return make_baseline_drafter(name, path or None, target)
     raise DLiteInputError(f"unknown drafter {spec!r}; known: dlite[:PATH], hybrid[@corpus=TOKENS][:PATH], hybrid-chain[:PATH], "
                           f"suffix[:K], dlite-tree[@N][:PATH], hybrid-tree[@N][:PATH], suffix-tree[@N], "
-                          f"dlite-online[:PATH][@OPTS], hybrid-online[:PATH][@OPTS], {known_drafters_text()}.")
+                          f"dlite-online[:PATH][@OPTS], hybrid-online[:PATH][@OPTS], hybrid-chain-online[:PATH][@OPTS], "
+                          f"{known_drafters_text()}.")
 
 
 def served_hybrid(dlite: DLiteEngineDrafter, chain: bool = False, corpus: Optional[SharedCorpus] = None):
@@ -71,13 +73,15 @@ def served_hybrid(dlite: DLiteEngineDrafter, chain: bool = False, corpus: Option
 
 
 def make_online_drafter(spec: str, target) -> OnlineDrafter:
-    """``dlite-online[:PATH][@key=value,...]`` / ``hybrid-online[...]``: DLite (alone, or in the
-    hybrid) drafting from a working copy that learns from each verify round (``online.py``)."""
+    """``dlite-online[:PATH][@key=value,...]`` / ``hybrid-online[...]`` / ``hybrid-chain-online[...]``:
+    DLite alone, in the served tree (``hybrid``) or in the chain hybrid (``hybrid-chain``), drafting
+    from a working copy that learns from each verify round (``online.py``; a tree round teaches its
+    accepted root path, as the sglang worker's)."""
     head, _, opts = spec.partition("@")
     name, _, path = head.partition(":")
     learner = OnlineLearner(load_dlite(path or None, target), OnlineConfig.parse(opts))
     dlite = DLiteEngineDrafter(learner.model)
-    inner = dlite if name == "dlite-online" else HybridEngineDrafter(dlite)
+    inner = dlite if name == "dlite-online" else served_hybrid(dlite, chain=name == "hybrid-chain-online")
     print(f"[{name}] {learner.describe()}", file=sys.stderr)
     return OnlineDrafter(inner, learner)
 
