@@ -369,9 +369,11 @@ def plot_e2e(results, plots: Path, plt) -> list:
     return ["e2e_speedup.png"]
 
 
-def plot_output_position(ref, plots: Path, plt) -> list:
+def plot_output_position(ref, plots: Path, plt, name: str = "tau_vs_output_position.png",
+                         title: str = "tau vs position in the answer (all workloads pooled)") -> list:
     """tau vs how far into its answer a round starts (``tau_by_output_position``), per drafter, all
-    workloads pooled (``speculation.tau.pool_tau``): does acceptance decay over a long answer?"""
+    workloads pooled (``speculation.tau.pool_tau``): does acceptance decay over a long answer?
+    ``ref``: {(engine, drafter, workload, temperature): an acceptance result}."""
     series = {}
     for k, r in ref.items():
         for b, t in (r.get("tau_by_output_position") or {}).items():
@@ -388,9 +390,8 @@ def plot_output_position(ref, plots: Path, plt) -> list:
         ax.plot([order.index(b) for b in xs], [pooled[d][b] for b in xs], label=label, **series_style(label, i))
     ax.set_xticks(range(len(order)))
     ax.set_xticklabels(order)
-    _finish(fig, ax, plt, plots / "tau_vs_output_position.png", "output tokens committed before the round",
-            "acceptance length tau", "tau vs position in the answer (all workloads pooled)")
-    return ["tau_vs_output_position.png"]
+    _finish(fig, ax, plt, plots / name, "output tokens committed before the round", "acceptance length tau", title)
+    return [name]
 
 
 def plot_all(acc, dc, plots: Path, e2e=None) -> list:
