@@ -382,7 +382,8 @@ def plot_output_position(ref, plots: Path, plt, name: str = "tau_vs_output_posit
     pooled = {d: {b: t for b, t in by.items() if t is not None} for d, by in pooled.items()}
     if not any(pooled.values()):
         return []
-    order = ["0-63", "64-127", "128-255", "256-511", "512-1023", "1024+"]
+    order = [b for b in ("0-63", "64-127", "128-255", "256-511", "512-1023", "1024+")
+             if any(b in by for by in pooled.values())]  # the buckets some drafter has rounds in
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for i, d in enumerate(sorted(pooled, key=drafter_key)):
         xs = [b for b in order if b in pooled[d]]
