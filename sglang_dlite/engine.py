@@ -341,8 +341,8 @@ class ReferenceEngine:
         observe = getattr(self.drafter, "observe", None)  # a drafter learning from verify results (online.py)
         if observe is not None and tree is None:
             observe(req, drafts, logits, a)
-        elif observe is not None:  # a tree: its accepted root path is a chain the target verified row by row
-            observe(req, [drafts[r - 1] for r in rows[1:]], logits[rows], a, path=True)
+        elif observe is not None:  # a tree: its accepted root path, a chain the target verified row by row
+            observe(req, [tree.tokens[r] for r in rows[1:]], logits[rows], a, path=True)
         res.output_ids.extend(new)
         res.rounds.append(RoundRecord(drafts, a, ctx_len, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
                                       getattr(prop, "source", None), getattr(prop, "score", None)))

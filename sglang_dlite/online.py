@@ -15,7 +15,8 @@ One pair per round, for a chain ``d_1..d_n`` verified after anchor ``t``::
 
 The pair does not depend on who drafted (hybrid rounds drafted by the suffix lookup teach DLite
 too); a token tree's round teaches the chain of its accepted root path (the target verified each of
-its rows as that chain's), in the reference engine (``--drafter hybrid-online``) as in the sglang worker. Output stays lossless by construction: verification is unchanged, only drafts move.
+its rows as that chain's), in the reference engine (``--drafter hybrid-online``) as in the sglang
+worker. Output stays lossless by construction: verification is unchanged, only drafts move.
 
 Parameter sets (``PARAM_SETS``): ``norm`` (the final norm's gain), ``head`` (the low-rank RNN
 head + final norm), ``last`` (the last backbone layer + head + final norm). Scopes: ``session``
