@@ -238,3 +238,73 @@ def test_update_budget_caps_the_steps(tiny_target):
     s = learner.summary()
     assert s["updates"] > 0 and s["steps"] == s["updates"] == s["budget_cut"]
     assert s["learn_ms_per_round"] >= s["update_ms_per_round"] > 0
+
+
+def test_tree_gate_judges_the_tree_it_did_not_verify(tiny_target):
+    """The tree gate (``tree_gate``): once adapted, each round grows the adapted and the shipped tree,
+    verifies one, and records which would have accepted more. Every verdict equals the truth: where the
+    target continues with its own greedy stream, the tree not verified accepts ``accepted_along(stream)``
+    drafts; the verdict is the sign of that against the verified tree's count."""
+    eng, learner = online_engine(tiny_target, shipped(tiny_target), hybrid="tree", params="last", update_every=2,
+                                 lr=3e-2, tree_gate=10**4)
+    d = eng.drafter
+    assert d.shadow is not None and d.shadow.dlite.model is learner.shipped and not learner.watch_paths
+    log, observe = [], d.observe
+    d.observe = lambda req, *a, **k: (log.append(d._gate), observe(req, *a, **k))
+    sess = eng.new_session()
+    res = eng.generate(REPETITIVE, 120, session=sess)
+    stream = hf_greedy(tiny_target, REPETITIVE, 120 + 2 * 16)
+    assert res.output_ids == stream[:120]
+    want, pos = [], 1  # output_ids[0]: the prefill's token
+    for gate, rnd in zip(log, res.rounds):
+        if gate is not None:
+            adapted, shipped_tree, use = gate
+            assert rnd.draft_tokens == (adapted if use else shipped_tree).drafts
+            other = (shipped_tree if use else adapted).accepted_along(stream[pos:])
+            sign = (other > rnd.accepted) - (other < rnd.accepted)
+            want.append(-sign if use else sign)
+        pos += rnd.accepted + 1
+    st = sess.drafter_state[STATE_KEY]
+    assert want and list(st.gate) == want
+    s = learner.summary()
+    assert s["gate_adapted"] + s["gate_shipped"] == len(want)
+    assert s["gate_better"] == want.count(1) and s["gate_worse"] == want.count(-1)
+
+
+def test_tree_gate_verifies_the_winning_tree(tiny_target):
+    """The gate drafts the adapted tree while its record over the window is positive, else the shipped
+    tree; ``tree_gate=0`` (or DLite alone / the chain hybrid) grows one tree, no gate."""
+    eng, learner = online_engine(tiny_target, shipped(tiny_target), hybrid="tree", params="last", update_every=2)
+    d = eng.drafter
+    sess = eng.new_session()
+    eng.generate(REPETITIVE, 40, session=sess)
+    st = sess.drafter_state[STATE_KEY]
+    assert st.adapted
+    from sglang_dlite.drafters import DraftRequest
+    req = DraftRequest(tokens=sess.tokens, hidden=sess.hidden, hidden_start=sess.hidden_start, temperature=0.0,
+                       top_p=1.0, generator=None, state=sess.drafter_state)
+    for record, use in (([1, 1, -1], True), ([1, -1], False), ([], False), ([-1, 0], False)):
+        st.gate.clear()
+        st.gate.extend(record)
+        prop = d.draft(req)
+        adapted, shipped_tree, used = d._gate
+        assert used is use and prop.tree is (adapted if use else shipped_tree)
+        assert adapted.drafts == d.inner.draft(req).tree.drafts and shipped_tree.drafts == d.shadow.draft(req).tree.drafts
+    # the verdict on the tree not verified, from what the round committed ([4, 5] + bonus 6: 2 accepted)
+    from sglang_dlite.speculation.tree import DraftTree
+    holds_all, holds_one, holds_two = (DraftTree((9, 4, 5, 6), (-1, 0, 1, 2)), DraftTree.chain(9, [4, 7]),
+                                       DraftTree.chain(9, [4, 5, 8]))
+    logits = torch.zeros(3, tiny_target.config.vocab_size)
+    for adapted, shipped_tree, use, verdict in ((holds_all, holds_two, False, 1), (holds_one, holds_two, False, -1),
+                                                (holds_two, holds_all, True, -1), (holds_two, holds_one, True, 1),
+                                                (holds_two, holds_two, True, 0)):
+        st.gate.clear()
+        d._gate = (adapted, shipped_tree, use)
+        d.observe(req, [4, 5], logits, 2, path=True, committed=[4, 5, 6])
+        assert list(st.gate) == [verdict] and d._gate is None
+    for hybrid, opts in (("tree", {"tree_gate": 0}), ("chain", {}), (None, {})):
+        e, _ = online_engine(tiny_target, shipped(tiny_target), hybrid=hybrid, **opts)
+        assert e.drafter.shadow is None and e.drafter.learner.watch_paths
+    with pytest.raises(DLiteConfigError, match="tree_gate"):
+        OnlineConfig(tree_gate=-1)
+

@@ -111,6 +111,25 @@ def test_greedy_tree_acceptance_equals_the_longest_sequentially_verified_path():
         assert (path, bonus) == _longest_sequential_path(tree, target)
 
 
+def test_accepted_along_is_what_a_greedy_round_would_accept():
+    """``DraftTree.accepted_along(stream)``: where the target continues with ``stream`` (its argmax at
+    every node on that path is the stream's next token), a greedy round accepts exactly that many
+    drafts; cut to the first a + 1 tokens it saturates at a + 1 (the tree held the bonus too)."""
+    rng = random.Random(3)
+    for _ in range(300):
+        tree = random_tree(rng, rng.randrange(1, 16), 8)
+        stream = [rng.randrange(3, 8) for _ in range(10)]
+        depths = tree.depths
+        on_stream = [[tree.tokens[j] for j in tree.path(i)[1:]] == stream[:depths[i]] for i in range(len(tree))]
+        target = [stream[depths[i]] if on_stream[i] else rng.randrange(3, 8) for i in range(len(tree))]
+        path, _ = greedy_tree_accept(tree, torch.tensor(target))
+        a = len(path) - 1
+        assert tree.accepted_along(stream) == a
+        assert tree.accepted_along(stream[:a]) == a and tree.accepted_along(stream[:max(0, a - 1)]) == max(0, a - 1)
+    assert DraftTree.chain(1, [4, 5, 6]).accepted_along([4, 5, 7, 6]) == 2
+    assert DraftTree((1, 4, 5, 6), (-1, 0, 0, 2)).accepted_along([6]) == 0  # node 3 is not a root child
+
+
 def test_a_chain_tree_accepts_as_the_chain_does():
     """Greedy: the same prefix and bonus; sampled with the same coins: the same accepted count
     (the coins of a chain and of a one-child-per-node tree are drawn in the same order)."""

@@ -342,7 +342,7 @@ class ReferenceEngine:
         if observe is not None and tree is None:
             observe(req, drafts, logits, a)
         elif observe is not None:  # a tree: its accepted root path, a chain the target verified row by row
-            observe(req, [tree.tokens[r] for r in rows[1:]], logits[rows], a, path=True)
+            observe(req, [tree.tokens[r] for r in rows[1:]], logits[rows], a, path=True, committed=new)
         res.output_ids.extend(new)
         res.rounds.append(RoundRecord(drafts, a, ctx_len, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
                                       getattr(prop, "source", None), getattr(prop, "score", None)))

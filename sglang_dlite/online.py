@@ -48,6 +48,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .drafters import DLiteEngineDrafter, DraftRequest
+from .lookup.tree_drafters import TreeEngineDrafter
 from .errors import DLiteConfigError
 from .losses import position_weights, tv_distance, weighted_ce
 from .model import DLiteDrafter
@@ -80,6 +81,7 @@ class _State:
         self.optim = torch.optim.Adam(learner.masters, lr=learner.cfg.lr)
         self.buffer: deque = deque(maxlen=learner.cfg.buffer_size)
         self.window: deque = deque(maxlen=max(1, learner.cfg.watchdog_window))  # (adapted, shipped) accepted
+        self.gate: deque = deque(maxlen=max(1, learner.cfg.tree_gate))  # +1 / -1 / 0: adapted tree better / worse / tied
         self.rounds = self.rounds_since_update = 0  # rounds seen (the watchdog: one in watch_every)
         self.update_period = learner.cfg.update_every  # rounds until the next update (paced: more)
         self.adapted = False  # values differ from the shipped ones
@@ -144,8 +146,10 @@ class OnlineLearner:
         self._active = None  # weakref to the state whose values the working model holds
         self._pending = None  # (context, valid, anchor) of the round being verified
         self.drafts_are_model = False  # the verified drafts are the working model's greedy chain (DLite alone)
+        self.watch_paths = True  # the chain watchdog judges tree rounds too (off where the tree gate does: OnlineDrafter)
         self.stats = {"rounds": 0, "updates": 0, "steps": 0, "reverts": 0, "budget_cut": 0,
-                      "observe_ms": 0.0, "update_ms": 0.0, "shadow_ms": 0.0, "sessions": 0, "watched": 0}
+                      "observe_ms": 0.0, "update_ms": 0.0, "shadow_ms": 0.0, "sessions": 0, "watched": 0,
+                      "gate_adapted": 0, "gate_shipped": 0, "gate_better": 0, "gate_worse": 0}
 
     # ------------------------------------------------------------------ bookkeeping
     def _build_vocab_index(self) -> torch.Tensor:
@@ -206,6 +210,7 @@ class OnlineLearner:
             v.copy_(self.shipped_values[n])
         st.optim = torch.optim.Adam(self.masters, lr=self.cfg.lr)
         st.window.clear()
+        st.gate.clear()
         st.adapted = False
         self._active = None
         self._activate(st)
@@ -250,6 +255,8 @@ class OnlineLearner:
         accepted = torch.as_tensor(accepted, dtype=torch.int64).cpu()
         pairs = self.make_pairs(ctx, valid, anchors, drafts, probs, accepted)
         st.rounds += 1
+        if path and not self.watch_paths:
+            return pairs, None
         if not (st.adapted and st.rounds % self.cfg.watch_every == 0 and self.cfg.watchdog_window and drafts.shape[1]):
             return pairs, None
         d, t, a = drafts.tolist(), probs.argmax(-1).tolist(), accepted.tolist()
@@ -387,7 +394,17 @@ class OnlineLearner:
 
 class OnlineDrafter:
     """An engine drafter (DLite, or hybrid over the learner's working model) that learns online:
-    ``draft`` as the inner drafter, ``observe`` feeds the verify result to the learner."""
+    ``draft`` as the inner drafter, ``observe`` feeds the verify result to the learner.
+
+    The tree gate (``tree_gate`` rounds, token-tree drafters): once the working copy has been updated,
+    every round grows two trees, one from the adapted copy and one from the shipped drafter, and
+    verifies the one the gate picks: the adapted tree while, over the last ``tree_gate`` rounds, it
+    would have accepted more drafts than the shipped one more often than fewer. The tree not verified
+    is judged against what the round committed (``DraftTree.accepted_along``): exact for greedy rounds
+    where it accepts no more than the verified tree, and "more" where it held every committed token;
+    so each round says which tree was better, tied, or worse. Learning from a tree that agrees with the
+    suffix lookup more often can narrow the hybrid's tree (issue 47): the gate keeps the shipped tree
+    wherever that costs acceptance. Verification is unchanged: lossless either way."""
 
     def __init__(self, inner, learner: OnlineLearner):
         self.inner, self.learner = inner, learner
@@ -395,14 +412,51 @@ class OnlineDrafter:
         self.capture_layer_ids = inner.capture_layer_ids
         self.hidden_rows_needed = inner.hidden_rows_needed
         learner.drafts_are_model = isinstance(inner, DLiteEngineDrafter) and inner.model is learner.model
+        self.shadow = self._shipped_tree_drafter(inner, learner)
+        learner.watch_paths = self.shadow is None
+        self._gate = None  # this round's (adapted tree, shipped tree, the adapted one verified?)
+
+    @staticmethod
+    def _shipped_tree_drafter(inner, learner: OnlineLearner):
+        """The inner tree drafter over the shipped DLite (the gate's other tree), or None: no gate."""
+        dlite = getattr(inner, "dlite", None)
+        if not learner.cfg.tree_gate or not isinstance(inner, TreeEngineDrafter) or dlite is None:
+            return None
+        shadow = copy.copy(inner)
+        shadow.dlite = DLiteEngineDrafter(learner.shipped)
+        return shadow
 
     def draft(self, req: DraftRequest) -> DraftProposal:
         self.learner.before_draft(req)
-        return self.inner.draft(req)
+        self._gate = None
+        st = self.learner.state_for(req)
+        if self.shadow is None or not st.adapted:
+            return self.inner.draft(req)
+        adapted = self.inner.draft(req)
+        t0 = time.perf_counter()
+        shipped = self.shadow.draft(req)
+        self.learner.stats["shadow_ms"] += (time.perf_counter() - t0) * 1e3
+        use = sum(st.gate) > 0
+        self.learner.stats["gate_adapted" if use else "gate_shipped"] += 1
+        self._gate = (adapted.tree, shipped.tree, use)
+        return adapted if use else shipped
 
     def observe(self, req: DraftRequest, drafts: list, target_logits: torch.Tensor, accepted: int,
-                path: bool = False) -> None:
+                path: bool = False, committed: Optional[list] = None) -> None:
+        """``committed``: the tokens the round committed (a tree round: ``drafts`` + the bonus; greedy
+        rounds may leave it out, the bonus is then the target's argmax at the last row)."""
         self.learner.observe(req, drafts, target_logits, accepted, path=path)
+        if self._gate is None or not path:
+            return
+        adapted, shipped, use = self._gate
+        self._gate = None
+        seq = list(committed) if committed is not None else list(drafts) + [int(target_logits[-1].argmax())]
+        other = (shipped if use else adapted).accepted_along(seq)
+        sign = (other > accepted) - (other < accepted)  # the tree not verified: better / worse
+        better = -sign if use else sign  # from the adapted tree's side
+        self.learner.state_for(req).gate.append(better)
+        if better:
+            self.learner.stats["gate_better" if better > 0 else "gate_worse"] += 1
 
     def memory_bytes(self, state: dict) -> int:
         inner = getattr(self.inner, "memory_bytes", None)

@@ -39,6 +39,7 @@ class OnlineConfig:
     max_update_ms: Optional[float] = None  # an update stops stepping past this (breaks determinism); server: paced
     seed: int = 0
     background: int = 0  # serving (online_serving.py): 1 = updates and the watchdog on a background thread, off the round
+    tree_gate: int = 32  # token trees (reference engine): compared rounds per verdict of which tree is drafted (0: off)
 
     def __post_init__(self):
         if self.params not in PARAM_SETS:
@@ -47,6 +48,7 @@ class OnlineConfig:
             raise DLiteConfigError(f"online scope={self.scope!r}: pick one of {', '.join(SCOPES)}.")
         ints = ("update_every", "steps", "batch_size", "buffer_size", "min_pairs", "tv_topk")
         bad = [n for n in ints if int(getattr(self, n)) < 1] + (["watchdog_every"] if self.watchdog_every < 0 else [])
+        bad += ["tree_gate (>= 0)"] if self.tree_gate < 0 else []
         bad += ["background (0 or 1)"] if self.background not in (0, 1) else []
         if bad or self.lr <= 0 or not 0 <= self.decay < 1 or self.watchdog_window < 0 or self.recent < 0:
             raise DLiteConfigError(f"online settings out of range ({', '.join(bad) or 'lr/decay/watchdog/recent'}): "

@@ -118,6 +118,20 @@ class DraftTree:
         """[1, N]: each node's absolute position, ``prefix_len + depth``."""
         return (prefix_len + torch.tensor(self.depths, dtype=torch.int64))[None].to(device)
 
+    def accepted_along(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` (a committed continuation of the anchor) this tree holds as a root
+        path: the drafts a greedy round over this tree would accept where the target continues with
+        ``tokens`` (at most ``len(tokens)``; a round accepting ``a`` drafts commits ``a + 1`` tokens, so
+        ``len(tokens)`` here means "at least as many": the tree held the bonus too)."""
+        kids = _child_table(self)
+        node = n = 0
+        for tok in tokens:
+            node = next((c for c in kids[node] if self.tokens[c] == int(tok)), None)
+            if node is None:
+                break
+            n += 1
+        return n
+
     def committed(self, path: Sequence[int], bonus: int) -> List[int]:
         """The tokens a round commits: the accepted path's drafts (the root excluded) + the bonus."""
         return [self.tokens[i] for i in path[1:]] + [int(bonus)]
