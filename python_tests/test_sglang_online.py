@@ -138,7 +138,7 @@ def test_tree_round_pairs_are_the_accepted_paths(tiny_target):
     path's drafts as the head's feedback, the target's argmax at the path's nodes as the labels up
     to the first rejection (-1 after) -- and the sampled watchdog scores chains on the path only."""
     srv = serving(drafter(tiny_target), drafts_are_model=True, params="norm", update_every=10**6,
-                  watchdog_window=64, watchdog_every=1)
+                  watchdog_window=64, watchdog_every=1, tree_gate=0)  # tree_gate=0: the chain watchdog judges trees
     cfg = srv.model.config
     K, V, N, B = cfg.block_size, cfg.vocab_size, 6, 2
     gen = torch.Generator().manual_seed(6)
@@ -173,6 +173,58 @@ def test_tree_round_pairs_are_the_accepted_paths(tiny_target):
         chains = srv.learner.shipped.propose(ctx.contiguous(), valid, anchors).tokens.tolist()
     path_d, path_t = [[int(nodes[0, 2]), int(nodes[0, 5])], []], [target0.tolist(), [int(p1.labels[0])]]
     assert list(srv.state.window) == [(chain_accepted(c, d, t),) * 2 for c, d, t in zip(chains, path_d, path_t)]
+
+
+def test_tree_gate_drafts_the_winning_model_and_judges_the_other(tiny_target):
+    """The worker's tree rounds under the tree gate (``OnlineServing.tree_gate``): before the first
+    update the working copy drafts and nothing is judged; once adapted, the adapted copy's trees while
+    the gate's record is positive, else the shipped drafter's; one round in ``watch_every`` also grows
+    the other model's trees, and ``judge_trees`` scores them against what the round committed."""
+    from types import SimpleNamespace
+
+    from sglang_dlite.sglang_plugin.tree_round import TreeRounds
+    from sglang_dlite.speculation.tree import DraftTree
+
+    srv = serving(drafter(tiny_target), drafts_are_model=False, params="last", tree_gate=8, watchdog_every=2)
+    assert not srv.learner.watch_paths  # tree rounds: the gate judges them, not the chain watchdog
+    with torch.no_grad():  # an adapted copy that drafts differently from the shipped drafter
+        for name, p in srv.model.named_parameters():
+            if name.startswith("head."):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    cfg = srv.model.config
+    w = SimpleNamespace(lookup=None, drafter=srv.model, L=cfg.num_capture_layers, H=cfg.target_hidden_size,
+                        dlite_drafts=cfg.block_size, width_policy=None, online=srv, W=cfg.block_size + 1)
+    rounds = TreeRounds(w, max_batch_size=4)
+    state, anchors, _, _, _ = planted_round(srv, B=2)
+    ctx, valid = unpack_context(state, cfg.num_capture_layers, cfg.target_hidden_size)
+    with torch.no_grad():
+        grow = lambda m: [t.tokens for t in rounds._grow(m, [None, None], ctx.contiguous(), valid, anchors,  # noqa: E731
+                                                         anchors.tolist())[0]]
+        adapted, shipped_trees = grow(srv.model), grow(srv.shipped)
+        assert adapted != shipped_trees
+        assert [t.tokens for t in rounds.draft(None, state, anchors)] == adapted and rounds._judge is None
+        srv.state.adapted = True
+        judged = 0
+        for record, use in (([1, 1, -1], True), ([1, -1], False), ([], False)):
+            srv.state.gate.clear()
+            srv.state.gate.extend(record)
+            for _ in range(2):  # watch_every 2: one of the two rounds is judged
+                assert [t.tokens for t in rounds.draft(None, state, anchors)] == (adapted if use else shipped_trees)
+                if rounds._judge is not None:
+                    judged += 1
+                    others, verified_adapted = rounds._judge
+                    assert verified_adapted is use and [t.tokens for t in others] == (shipped_trees if use else adapted)
+        assert judged == 3
+        s = srv.learner.stats
+        assert s["gate_adapted"] == 4 and s["gate_shipped"] == 8
+    # verdicts: request 0's other tree held every committed token (better), request 1's as many (tied)
+    srv.state.gate.clear()
+    srv.judge_trees([DraftTree.chain(9, [4, 5, 6]), DraftTree.chain(9, [4, 7])], False,
+                    torch.tensor([[4, 5, 6, 0], [4, 8, 0, 0]]), torch.tensor([2, 1]))
+    assert list(srv.state.gate) == [1, 0]
+    srv.judge_trees([DraftTree.chain(9, [4, 5])], True, torch.tensor([[4, 5, 6, 0]]), torch.tensor([3]))
+    assert list(srv.state.gate) == [1, 0, 1]  # the shipped tree accepted one fewer: the adapted one was better
+    assert srv.enabled and "tree gate: 4 adapted / 8 shipped" in srv.describe_stats()
 
 
 def test_errors_disable_learning_instead_of_raising(tiny_target, monkeypatch, caplog):

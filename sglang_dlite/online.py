@@ -215,6 +215,25 @@ class OnlineLearner:
         self._active = None
         self._activate(st)
 
+    # ------------------------------------------------------------------ the tree gate (OnlineDrafter)
+    def gate_prefers_adapted(self, st: _State) -> bool:
+        """The tree gate's choice (``tree_gate``): draft the adapted tree only while, over the last
+        ``tree_gate`` judged rounds, it would have accepted more than the shipped tree more often than fewer."""
+        return sum(st.gate) > 0
+
+    def judge_tree(self, st: _State, verified_adapted: bool, other, committed: list, accepted: int) -> int:
+        """One judged tree round into ``st``'s gate: ``other`` the tree not verified (a ``DraftTree``),
+        ``committed`` what the round committed (the accepted path's drafts + the bonus), ``accepted``
+        the verified tree's accepted drafts. Returns the verdict from the adapted tree's side: +1 better,
+        -1 worse, 0 tied (``DraftTree.accepted_along``: exact for greedy rounds)."""
+        n = other.accepted_along(committed)
+        sign = (n > accepted) - (n < accepted)  # the tree not verified: better / worse
+        better = -sign if verified_adapted else sign
+        st.gate.append(better)
+        if better:
+            self.stats["gate_better" if better > 0 else "gate_worse"] += 1
+        return better
+
     # ------------------------------------------------------------------ the round
     def before_draft(self, req: DraftRequest) -> None:
         """Called before the inner drafter drafts: the session's weights in, its inputs kept."""
@@ -436,7 +455,7 @@ class OnlineDrafter:
         t0 = time.perf_counter()
         shipped = self.shadow.draft(req)
         self.learner.stats["shadow_ms"] += (time.perf_counter() - t0) * 1e3
-        use = sum(st.gate) > 0
+        use = self.learner.gate_prefers_adapted(st)
         self.learner.stats["gate_adapted" if use else "gate_shipped"] += 1
         self._gate = (adapted.tree, shipped.tree, use)
         return adapted if use else shipped
@@ -451,12 +470,7 @@ class OnlineDrafter:
         adapted, shipped, use = self._gate
         self._gate = None
         seq = list(committed) if committed is not None else list(drafts) + [int(target_logits[-1].argmax())]
-        other = (shipped if use else adapted).accepted_along(seq)
-        sign = (other > accepted) - (other < accepted)  # the tree not verified: better / worse
-        better = -sign if use else sign  # from the adapted tree's side
-        self.learner.state_for(req).gate.append(better)
-        if better:
-            self.learner.stats["gate_better" if better > 0 else "gate_worse"] += 1
+        self.learner.judge_tree(self.learner.state_for(req), use, shipped if use else adapted, seq, accepted)
 
     def memory_bytes(self, state: dict) -> int:
         inner = getattr(self.inner, "memory_bytes", None)

@@ -39,7 +39,7 @@ class OnlineConfig:
     max_update_ms: Optional[float] = None  # an update stops stepping past this (breaks determinism); server: paced
     seed: int = 0
     background: int = 0  # serving (online_serving.py): 1 = updates and the watchdog on a background thread, off the round
-    tree_gate: int = 32  # token trees (reference engine): compared rounds per verdict of which tree is drafted (0: off)
+    tree_gate: int = 32  # token trees: judged rounds the gate weighs, adapted vs shipped tree (0: off; OnlineDrafter)
 
     def __post_init__(self):
         if self.params not in PARAM_SETS:

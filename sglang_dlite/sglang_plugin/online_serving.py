@@ -83,6 +83,8 @@ class OnlineServing:
         self.nonfinite = 0
         self._packed = self._packed_linears()
         self.thread = LearnerThread(self) if cfg.background else None
+        self.learner.watch_paths = not cfg.tree_gate  # tree rounds: judged by the tree gate, not the chain watchdog
+        self._gate_rounds = 0  # tree rounds drafted under the gate (one in watch_every judged)
 
     @classmethod
     def attach(cls, options, drafter: DLiteDrafter, lookup=None):
@@ -142,6 +144,35 @@ class OnlineServing:
         except Exception as exc:  # noqa: BLE001  (the serving loop must go on: log, disable)
             self.disable(exc)
         self.learner.stats["observe_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def tree_gate(self) -> Optional[tuple]:
+        """A tree round's gate (``tree_gate``, ``online.OnlineDrafter``'s rule at server scope): None
+        (off, learning disabled or not adapted yet: the working copy drafts) or (draft with the adapted
+        copy?, judge this round? -- one round in ``watch_every`` also grows the other tree)."""
+        cfg = self.learner.cfg
+        if not (self.enabled and cfg.tree_gate and self.state.adapted):
+            return None
+        self._gate_rounds += 1
+        return self.learner.gate_prefers_adapted(self.state), self._gate_rounds % cfg.watch_every == 0
+
+    @property
+    def shipped(self) -> DLiteDrafter:
+        """The shipped drafter (never written): the gate's other tree, and its tree while it loses."""
+        return self.learner.shipped
+
+    def judge_trees(self, others: list, verified_adapted: bool, out: torch.Tensor, accepted: torch.Tensor) -> None:
+        """A judged tree round: ``others`` the trees not verified (per request), ``out`` [B, N] the
+        committed tokens, ``accepted`` [B]; the verdicts into the server state's gate. Never raises."""
+        try:
+            a = accepted.tolist()
+            rows = out.tolist()
+            for b, tree in enumerate(others):
+                self.learner.judge_tree(self.state, verified_adapted, tree, rows[b][:a[b] + 1], a[b])
+        except Exception as exc:  # noqa: BLE001  (the serving loop must go on: log, disable)
+            self.disable(exc)
+
+    def count_gate(self, verified_adapted: bool, requests: int) -> None:
+        self.learner.stats["gate_adapted" if verified_adapted else "gate_shipped"] += requests
 
     def _observe(self, state, anchors, block, logits, accepted, skip, path: bool = False) -> None:
         if self.thread is not None:
@@ -218,7 +249,9 @@ class OnlineServing:
         s = self.summary()
         return (f"{s['rounds']} rounds, {s['updates']} updates ({s['steps']} steps, {s['budget_cut']} cut by the "
                 f"budget), {s['reverts']} watchdog reverts, {s['learn_ms_per_round']:.2f} ms/round learning "
-                f"({s['update_ms_per_round']:.2f} updates, {s['shadow_ms_per_round']:.2f} watchdog)")
+                f"({s['update_ms_per_round']:.2f} updates, {s['shadow_ms_per_round']:.2f} watchdog)"
+                + (f"; tree gate: {s['gate_adapted']} adapted / {s['gate_shipped']} shipped tree rounds, verdicts "
+                   f"+{s['gate_better']} / -{s['gate_worse']}" if s["gate_adapted"] + s["gate_shipped"] else ""))
 
 
 class LearnerThread:

@@ -24,6 +24,10 @@ takes. Then:
            the next round's to overwrite, like a chain's rejected drafts; the lookup takes the path;
   carry  : the path's captured rows become DLite's context (``worker._carry``).
 
+With online learning (``online_serving.py``) the trees come from the learner's adapted copy, or from
+the shipped drafter while the tree gate says the adapted trees lose (``OnlineServing.tree_gate``: one
+round in ``watch_every`` grows both and judges the one not verified against what the round committed).
+
 Which rounds: ``TreeRounds.wanted`` -- batches of at most ``tree_max_batch_size`` requests with
 drafts, no logprobs and no opt-out, greedy or sampled, with any penalty, grammar, logit_bias or
 custom processor; every other round is a chain (``worker._forward_decode``), so what a tree round
@@ -105,6 +109,7 @@ class TreeRounds:
         self.rows = int(worker.W)  # tree nodes + the root, per request, at most (the reserved KV slots)
         self.round_rows = self.rows  # N: this round's
         self.cal = worker.lookup.cal if worker.lookup is not None else default_calibration()
+        self._judge = None  # a judged round of the online tree gate: (the other trees, the adapted ones verified?)
 
     def wanted(self, batch, bs: int, n: int, opt_out) -> bool:
         """Whether this round is a tree round (module docstring)."""
@@ -119,22 +124,40 @@ class TreeRounds:
             seq = batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else None
             idxs, _, _ = w.lookup.begin_round(batch.reqs, anchor_list, seq, lookup=False)
         ctx, valid = unpack_context(state, w.L, w.H)
-        prop = w.drafter.propose(ctx.contiguous(), valid, anchors, num_drafts=w.dlite_drafts, top_k=self.branches)
-        top_t, top_p = prop.top_tokens.tolist(), prop.top_probs.float().tolist()
-        trees, reaches, self._sources = [], [], []
-        for b, anchor in enumerate(anchor_list):
-            tree, reach, source = grow_round_tree(anchor, idxs[b], ChainBranches(top_t[b], top_p[b]), self.cal,
-                                                  self.branches, self.rows - 1)
-            trees.append(tree)
-            reaches.append(reach)
-            self._sources.append(source)
+        ctx = ctx.contiguous()
+        # online learning's tree gate (online_serving.tree_gate): the adapted copy's tree or the shipped one
+        gate = None if w.online is None else w.online.tree_gate()
+        adapted = gate is None or gate[0]
+        trees, reaches, self._sources = self._grow(w.drafter if adapted else w.online.shipped, idxs, ctx, valid,
+                                                   anchors, anchor_list)
         self._idxs = idxs
         self.round_rows = self.rows
         if w.width_policy is not None:  # a CPU: as many rows as pay, from the verify width's cost model
             self.round_rows = w.width_policy.choose_expected(expected_by_rows(reaches))
             trees = [first_nodes(t, self.round_rows) for t in trees]
         self.round_rows = max(len(t) for t in trees)  # no round pads every tree
+        self._judge = None
+        if gate is not None:
+            w.online.count_gate(adapted, len(trees))
+            if gate[1]:  # judged: the other model's trees, cut to this round's rows
+                others, _, _ = self._grow(w.online.shipped if adapted else w.drafter, idxs, ctx, valid, anchors,
+                                          anchor_list)
+                self._judge = ([first_nodes(t, self.round_rows) for t in others], adapted)
         return trees
+
+    def _grow(self, model, idxs, ctx, valid, anchors, anchor_list):
+        """Per request a tree from ``model``'s top-k along its chain and the lookup -> (trees, reaches, sources)."""
+        w = self.w
+        prop = model.propose(ctx, valid, anchors, num_drafts=w.dlite_drafts, top_k=self.branches)
+        top_t, top_p = prop.top_tokens.tolist(), prop.top_probs.float().tolist()
+        trees, reaches, sources = [], [], []
+        for b, anchor in enumerate(anchor_list):
+            tree, reach, source = grow_round_tree(anchor, idxs[b], ChainBranches(top_t[b], top_p[b]), self.cal,
+                                                  self.branches, self.rows - 1)
+            trees.append(tree)
+            reaches.append(reach)
+            sources.append(source)
+        return trees, reaches, sources
 
     def verify(self, batch, trees: List[DraftTree], prefix_lens: torch.Tensor):
         """One TARGET_VERIFY forward over every request's padded tree (``worker._verify``); keeps the
@@ -215,6 +238,8 @@ class TreeRounds:
         a, bonus, path_idx, out = self.accept(trees, self.choices(batch, prefix_lens, lo, grammar_barrier))
         if w.online is not None:  # the setting online: learn from the accepted path (online_serving.py)
             w.online.observe_tree(state, anchors, out, path_idx, a, lo.next_token_logits.view(bs, N, -1))
+            if self._judge is not None:  # the tree gate's judged round: the other trees against what was committed
+                w.online.judge_trees(self._judge[0], self._judge[1], out, a)
         if w.gate is not None:  # a CPU: the draft and the verify have finished
             w._last_round = (bs, True, t_round, 1.0 + float(a.float().mean()))
         self.commit(batch, a, path_idx)
