@@ -27,7 +27,9 @@ feeds it whole batches through ``learn_round``). Rails: the shipped model is nev
 the target's frozen tensors are shared, not copied); a watchdog compares, on the same rounds, the
 adapted chain's acceptance with the shipped drafter's and reverts to the shipped weights when a
 window of compared rounds says the adapted one is worse (at server scope one round in 8 is
-compared: ``watchdog_every``); the buffer is bounded; a seed makes every update
+compared: ``watchdog_every``); under token trees (the served hybrid) a tree gate instead drafts the
+adapted or the shipped tree, whichever would have accepted more over the last ``tree_gate`` judged rounds
+(``OnlineDrafter``; the sglang worker's tree rounds alike); the buffer is bounded; a seed makes every update
 deterministic (``max_update_ms`` is then the one source of run-to-run variation: off by default; at
 server scope it also paces the updates, an update past it delaying the next).
 
