@@ -50,7 +50,6 @@ from typing import NamedTuple, Optional
 import torch
 
 from .drafters import DLiteEngineDrafter, DraftRequest
-from .lookup.tree_drafters import TreeEngineDrafter
 from .errors import DLiteConfigError
 from .losses import position_weights, tv_distance, weighted_ce
 from .model import DLiteDrafter
@@ -441,7 +440,7 @@ class OnlineDrafter:
     def _shipped_tree_drafter(inner, learner: OnlineLearner):
         """The inner tree drafter over the shipped DLite (the gate's other tree), or None: no gate."""
         dlite = getattr(inner, "dlite", None)
-        if not learner.cfg.tree_gate or not isinstance(inner, TreeEngineDrafter) or dlite is None:
+        if not learner.cfg.tree_gate or not getattr(inner, "drafts_trees", False) or dlite is None:
             return None
         shadow = copy.copy(inner)
         shadow.dlite = DLiteEngineDrafter(learner.shipped)
