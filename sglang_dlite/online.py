@@ -217,10 +217,13 @@ class OnlineLearner:
         self._activate(st)
 
     # ------------------------------------------------------------------ the tree gate (OnlineDrafter)
-    def gate_prefers_adapted(self, st: _State) -> bool:
-        """The tree gate's choice (``tree_gate``): draft the adapted tree only while, over the last
-        ``tree_gate`` judged rounds, it would have accepted more than the shipped tree more often than fewer."""
-        return sum(st.gate) > 0
+    def gate_choice(self, st: _State, requests: int = 1) -> bool:
+        """The tree gate's choice for a round of ``requests`` trees (``tree_gate``), counted in the stats:
+        draft the adapted tree only while, over the last ``tree_gate`` judged rounds, it would have
+        accepted more than the shipped tree more often than fewer."""
+        use = sum(st.gate) > 0
+        self.stats["gate_adapted" if use else "gate_shipped"] += requests
+        return use
 
     def judge_tree(self, st: _State, verified_adapted: bool, other, committed: list, accepted: int) -> int:
         """One judged tree round into ``st``'s gate: ``other`` the tree not verified (a ``DraftTree``),
@@ -456,8 +459,7 @@ class OnlineDrafter:
         t0 = time.perf_counter()
         shipped = self.shadow.draft(req)
         self.learner.stats["shadow_ms"] += (time.perf_counter() - t0) * 1e3
-        use = self.learner.gate_prefers_adapted(st)
-        self.learner.stats["gate_adapted" if use else "gate_shipped"] += 1
+        use = self.learner.gate_choice(st)
         self._gate = (adapted.tree, shipped.tree, use)
         return adapted if use else shipped
 

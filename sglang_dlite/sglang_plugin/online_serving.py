@@ -145,15 +145,15 @@ class OnlineServing:
             self.disable(exc)
         self.learner.stats["observe_ms"] += (time.perf_counter() - t0) * 1e3
 
-    def tree_gate(self) -> Optional[tuple]:
-        """A tree round's gate (``tree_gate``, ``online.OnlineDrafter``'s rule at server scope): None
+    def tree_gate(self, requests: int) -> Optional[tuple]:
+        """A tree round's gate over its ``requests`` trees (``tree_gate``, ``online.OnlineDrafter``'s rule at server scope): None
         (off, learning disabled or not adapted yet: the working copy drafts) or (draft with the adapted
         copy?, judge this round? -- one round in ``watch_every`` also grows the other tree)."""
         cfg = self.learner.cfg
         if not (self.enabled and cfg.tree_gate and self.state.adapted):
             return None
         self._gate_rounds += 1
-        return self.learner.gate_prefers_adapted(self.state), self._gate_rounds % cfg.watch_every == 0
+        return self.learner.gate_choice(self.state, requests), self._gate_rounds % cfg.watch_every == 0
 
     @property
     def shipped(self) -> DLiteDrafter:
@@ -170,9 +170,6 @@ class OnlineServing:
                 self.learner.judge_tree(self.state, verified_adapted, tree, rows[b][:a[b] + 1], a[b])
         except Exception as exc:  # noqa: BLE001  (the serving loop must go on: log, disable)
             self.disable(exc)
-
-    def count_gate(self, verified_adapted: bool, requests: int) -> None:
-        self.learner.stats["gate_adapted" if verified_adapted else "gate_shipped"] += requests
 
     def _observe(self, state, anchors, block, logits, accepted, skip, path: bool = False) -> None:
         if self.thread is not None:

@@ -126,7 +126,7 @@ class TreeRounds:
         ctx, valid = unpack_context(state, w.L, w.H)
         ctx = ctx.contiguous()
         # online learning's tree gate (online_serving.tree_gate): the adapted copy's tree or the shipped one
-        gate = None if w.online is None else w.online.tree_gate()
+        gate = None if w.online is None else w.online.tree_gate(len(anchor_list))
         adapted = gate is None or gate[0]
         trees, reaches, self._sources = self._grow(w.drafter if adapted else w.online.shipped, idxs, ctx, valid,
                                                    anchors, anchor_list)
@@ -137,12 +137,10 @@ class TreeRounds:
             trees = [first_nodes(t, self.round_rows) for t in trees]
         self.round_rows = max(len(t) for t in trees)  # no round pads every tree
         self._judge = None
-        if gate is not None:
-            w.online.count_gate(adapted, len(trees))
-            if gate[1]:  # judged: the other model's trees, cut to this round's rows
-                others, _, _ = self._grow(w.online.shipped if adapted else w.drafter, idxs, ctx, valid, anchors,
-                                          anchor_list)
-                self._judge = ([first_nodes(t, self.round_rows) for t in others], adapted)
+        if gate is not None and gate[1]:  # judged: the other model's trees, cut to this round's rows
+            others, _, _ = self._grow(w.online.shipped if adapted else w.drafter, idxs, ctx, valid, anchors,
+                                      anchor_list)
+            self._judge = ([first_nodes(t, self.round_rows) for t in others], adapted)
         return trees
 
     def _grow(self, model, idxs, ctx, valid, anchors, anchor_list):
@@ -239,7 +237,7 @@ class TreeRounds:
         if w.online is not None:  # the setting online: learn from the accepted path (online_serving.py)
             w.online.observe_tree(state, anchors, out, path_idx, a, lo.next_token_logits.view(bs, N, -1))
             if self._judge is not None:  # the tree gate's judged round: the other trees against what was committed
-                w.online.judge_trees(self._judge[0], self._judge[1], out, a)
+                w.online.judge_trees(*self._judge, out, a)
         if w.gate is not None:  # a CPU: the draft and the verify have finished
             w._last_round = (bs, True, t_round, 1.0 + float(a.float().mean()))
         self.commit(batch, a, path_idx)
