@@ -14,7 +14,8 @@ source (hybrid modes: the worker's lookup trace), and whether the speculative ou
 no-speculation outputs (they must, greedy). ``ngram`` is sglang's own prompt-lookup drafter (its
 trie corpus, tree verify; W = 8 draft tokens by default): the training-free peer. Its corpus keeps
 the requests it served (``flush_cache`` flushes the radix cache, not the corpus) and every level
-replays the same requests, so every level of an ngram mode runs on a fresh engine. ``eagle3`` is
+replays the same requests, so every level of an ngram mode runs on a fresh engine (so does every
+level of a mode with online learning: its adapted drafter has learned the requests it served). ``eagle3`` is
 sglang's own EAGLE3 worker running the project's EAGLE-3-style baseline (trained on the same data
 as DLite, exported by ``sglang_dlite.baselines.sglang_export``), a chain of W-1 = 7 drafts (topk 1;
 on a CPU the stand-ins run its draft attention on torch_native, chains only): the same-budget
@@ -72,7 +73,8 @@ import time
 from pathlib import Path
 
 from sglang_dlite.benchmarking.sglang_runs import (ATTENTION, aggregate, build_requests, level_row,
-                                                   prefill_attention, reference_meta, run_sglang)
+                                                   prefill_attention, reference_meta, remembers_requests,
+                                                   run_sglang)
 from sglang_dlite.divergence import DEFAULT_TIE_MARGIN, Fp32LogitGap, classify_divergences, is_mismatch
 from sglang_dlite.speculation.tau import TAU_DEFINITION
 
@@ -199,9 +201,9 @@ def main(argv=None) -> int:
     for rep in range(args.repeats):
         order = modes[rep % len(modes):] + modes[: rep % len(modes)]
         for mode in order:
-            if args.engine == "sglang" and mode.startswith("ngram"):
-                # a fresh NGRAM engine per level: its corpus keeps every request it served, so a level
-                # after the first would replay requests it has memorized (tau 4.83 at 4 after 2.42 at 1)
+            if args.engine == "sglang" and remembers_requests(mode):
+                # a fresh engine per level: NGRAM's corpus keeps every request it served (tau 4.83 at 4 after
+                # 2.42 at 1), online learning's adapted drafter learned them: a later level would replay them
                 r, o = [], {}
                 for c in levels:
                     rc, oc = run_sglang(mode, target, draft, reqs, [c], args.max_new_tokens, device, args.dtype,

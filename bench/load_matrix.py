@@ -6,8 +6,8 @@ concurrency, over workloads x output lengths x dtypes, three fresh-engine runs p
         --out-dir artifacts/load/matrix
 
 Every run is ``benchmarking.sglang_runs.run_sglang``, as in ``bench/e2e.py`` (one engine per mode and repeat, every level on it,
-the radix cache flushed between levels; sglang's NGRAM gets a fresh engine per level: its corpus
-remembers the requests of the level before; on a CPU, no speculation's decode forwards read the KV cache
+the radix cache flushed between levels; sglang's NGRAM and DLITE with online learning get a fresh engine
+per level: its corpus, their adapted drafter, remember the requests of the level before; on a CPU, no speculation's decode forwards read the KV cache
 through the same attention code as DLITE's verify, and every mode's prefill through the project's,
 unless ``--baseline-attention sglang``). Level c runs the first ``max(--min-requests, 2c)`` of
 ``--requests`` requests (capped there), so a level stays full for most of its run while c = 1
@@ -38,8 +38,8 @@ from pathlib import Path
 from statistics import median
 
 from sglang_dlite.benchmarking.sglang_runs import (ATTENTION, POSITION_BUCKET, build_requests, jsonl_after,
-                                                   pool_rounds_by_position, prefill_attention, run_sglang,
-                                                   tau_by_position)
+                                                   pool_rounds_by_position, prefill_attention, remembers_requests,
+                                                   run_sglang, tau_by_position)
 from sglang_dlite.speculation.tau import TAU_DEFINITION
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ def measure(args, out_dir: Path) -> None:
         for rep in range(args.repeats):
             for mode in modes[rep % len(modes):] + modes[: rep % len(modes)]:
                 missing = [c for c in levels if (workload, length, dtype, mode, rep, c) not in done]
-                groups = [[c] for c in missing] if mode.startswith("ngram") else [missing] if missing else []
+                groups = [[c] for c in missing] if remembers_requests(mode) else [missing] if missing else []
                 for group in groups:
                     def on_level(row, outputs, _mode=mode, _rep=rep):
                         rec = {"workload": workload, "max_new_tokens": length, "dtype": dtype, "mode": _mode,

@@ -111,7 +111,7 @@ def test_the_budget_never_blocks(tiny_target):
     s = srv.summary()
     assert s["updates"] == 6 and s["steps"] == 6 and s["budget_cut"] == 6
     defaults = ServingOptions.from_env({"SGLANG_DLITE_CONFIG": '{"online": true}'}).online
-    assert defaults == "scope=server,lr=0.001,update_every=16,watchdog_every=32,max_update_ms=50.0"
+    assert defaults == "scope=server,lr=0.001,update_every=16,watchdog_every=32,max_update_ms=50.0,backoff=8"
 
 
 def test_updates_are_paced_to_their_budget(tiny_target):
@@ -379,7 +379,8 @@ def test_a_bad_online_setting_stops_the_launch_naming_it(value, msg):
         ServingOptions.from_env({"SGLANG_DLITE_CONFIG": '{"online": %s}' % value})
     o = ServingOptions.from_env({"SGLANG_DLITE_CONFIG": '{"online": {"params": "head", "update-every": 2}}'})
     assert OnlineConfig.parse(o.online) == OnlineConfig(params="head", scope="server", update_every=2,
-                                                        watchdog_every=32, max_update_ms=50.0, lr=1e-3)
+                                                        watchdog_every=32, max_update_ms=50.0, lr=1e-3,
+                                                        backoff=8)
     assert ServingOptions.from_env({}).online is None and "online" not in json.loads(ServingOptions().describe())
 
 

@@ -84,6 +84,7 @@ class _State:
         self.window: deque = deque(maxlen=max(1, learner.cfg.watchdog_window))  # (adapted, shipped) accepted
         self.gate: deque = deque(maxlen=max(1, learner.cfg.tree_gate))  # +1 / -1 / 0: adapted tree better / worse / tied
         self.rounds = self.rounds_since_update = 0  # rounds seen (the watchdog: one in watch_every)
+        self.held = 0  # tree rounds the gate held on the shipped tree since it last drafted the adapted one (backoff)
         self.update_period = learner.cfg.update_every  # rounds until the next update (paced: more)
         self.adapted = False  # values differ from the shipped ones
 
@@ -148,7 +149,7 @@ class OnlineLearner:
         self._pending = None  # (context, valid, anchor) of the round being verified
         self.drafts_are_model = False  # the verified drafts are the working model's greedy chain (DLite alone)
         self.watch_paths = True  # the chain watchdog judges tree rounds too (off where the tree gate does: OnlineDrafter)
-        self.stats = {"rounds": 0, "updates": 0, "steps": 0, "reverts": 0, "budget_cut": 0,
+        self.stats = {"rounds": 0, "updates": 0, "steps": 0, "reverts": 0, "budget_cut": 0, "backed_off": 0,
                       "observe_ms": 0.0, "update_ms": 0.0, "shadow_ms": 0.0, "sessions": 0, "watched": 0,
                       "gate_adapted": 0, "gate_shipped": 0, "gate_better": 0, "gate_worse": 0}
 
@@ -217,13 +218,32 @@ class OnlineLearner:
         self._activate(st)
 
     # ------------------------------------------------------------------ the tree gate (OnlineDrafter)
+    @staticmethod
+    def gate_favours_adapted(st: _State) -> bool:
+        """The tree gate's rule: over the last ``tree_gate`` judged rounds the adapted tree would have
+        accepted more than the shipped tree more often than fewer (an empty record: no)."""
+        return sum(st.gate) > 0
+
     def gate_choice(self, st: _State, requests: int = 1) -> bool:
-        """The tree gate's choice for a round of ``requests`` trees (``tree_gate``), counted in the stats:
-        draft the adapted tree only while, over the last ``tree_gate`` judged rounds, it would have
-        accepted more than the shipped tree more often than fewer."""
-        use = sum(st.gate) > 0
+        """The tree gate's choice for a round of ``requests`` trees (``tree_gate``), counted in the stats."""
+        use = self.gate_favours_adapted(st)
         self.stats["gate_adapted" if use else "gate_shipped"] += requests
         return use
+
+    def learns_tree_round(self, st: _State) -> bool:
+        """The learning back-off (``backoff``), asked once per tree round before its learning: while the
+        tree gate drafts the shipped tree (the working copy adapted, its record not in favour), learn from
+        one tree round in ``backoff``: the pairs, and with them the updates, fall to 1 / ``backoff`` of the
+        full rate, and the learning's cost with them, where the adapted drafts are not being used; the
+        gate goes on judging (its verdicts bring the full rate back the round the record turns in favour)."""
+        if self.cfg.backoff <= 1 or not self.cfg.tree_gate or not st.adapted or self.gate_favours_adapted(st):
+            st.held = 0
+            return True
+        st.held += 1
+        if st.held % self.cfg.backoff == 1:  # the first held round learns, then one in backoff
+            return True
+        self.stats["backed_off"] += 1
+        return False
 
     def judge_tree(self, st: _State, verified_adapted: bool, other, committed: list, accepted: int) -> int:
         """One judged tree round into ``st``'s gate: ``other`` the tree not verified (a ``DraftTree``),
@@ -239,9 +259,13 @@ class OnlineLearner:
         return better
 
     # ------------------------------------------------------------------ the round
-    def before_draft(self, req: DraftRequest) -> None:
-        """Called before the inner drafter drafts: the session's weights in, its inputs kept."""
+    def before_draft(self, req: DraftRequest, learn: bool = True) -> None:
+        """Called before the inner drafter drafts: the session's weights in, its inputs kept (``learn``:
+        this round is learned from; False: ``observe`` will skip it, the back-off)."""
         self._activate(self.state_for(req))
+        self._pending = None
+        if not learn:
+            return
         ctx, valid, _, _ = self.adapter.context_inputs(req)
         self._pending = (ctx[0].detach().clone(), valid[0].clone(), int(req.tokens[-1]))
 
@@ -450,9 +474,10 @@ class OnlineDrafter:
         return shadow
 
     def draft(self, req: DraftRequest) -> DraftProposal:
-        self.learner.before_draft(req)
-        self._gate = None
         st = self.learner.state_for(req)
+        learn = self.shadow is None or self.learner.learns_tree_round(st)  # the back-off (tree rounds)
+        self.learner.before_draft(req, learn=learn)
+        self._gate = None
         if self.shadow is None or not st.adapted:
             return self.inner.draft(req)
         adapted = self.inner.draft(req)

@@ -40,13 +40,14 @@ class OnlineConfig:
     seed: int = 0
     background: int = 0  # serving (online_serving.py): 1 = updates and the watchdog on a background thread, off the round
     tree_gate: int = 32  # token trees: judged rounds the gate weighs, adapted vs shipped tree (0: off; OnlineDrafter)
+    backoff: int = 1  # token trees: while the gate drafts the shipped tree, learn from one round in this many (1: all)
 
     def __post_init__(self):
         if self.params not in PARAM_SETS:
             raise DLiteConfigError(f"online params={self.params!r}: pick one of {', '.join(PARAM_SETS)}.")
         if self.scope not in SCOPES:
             raise DLiteConfigError(f"online scope={self.scope!r}: pick one of {', '.join(SCOPES)}.")
-        ints = ("update_every", "steps", "batch_size", "buffer_size", "min_pairs", "tv_topk")
+        ints = ("update_every", "steps", "batch_size", "buffer_size", "min_pairs", "tv_topk", "backoff")
         bad = [n for n in ints if int(getattr(self, n)) < 1] + (["watchdog_every"] if self.watchdog_every < 0 else [])
         bad += ["tree_gate (>= 0)"] if self.tree_gate < 0 else []
         bad += ["background (0 or 1)"] if self.background not in (0, 1) else []

@@ -136,6 +136,16 @@ MODE_SETTINGS = {"dlite-chain": {"tree_max_batch_size": 0},  # chains only
                  "dlite-online": {"online": True}}  # online learning, its serving defaults
 
 
+def remembers_requests(mode) -> bool:
+    """Whether ``mode``'s engine keeps something of the requests it served that a replay of them would
+    read: sglang's NGRAM (its corpus) and DLITE with online learning (the server-scope adapted drafter).
+    ``bench/e2e.py`` runs every level of such a mode on a fresh engine: the levels replay the same requests."""
+    base, settings = parse_settings(parse_parallel(mode)[0])
+    spec = base.partition(":")[0]
+    online = settings.get("online", MODE_SETTINGS.get(spec, {}).get("online"))
+    return spec == "ngram" or online not in (None, False)
+
+
 ATTENTION = ("same", "sglang")  # run_sglang's attention: the baseline's decode attention on a CPU
 
 
@@ -278,9 +288,9 @@ POSITION_BUCKET = 32  # output tokens per bucket of tau by output position
 def round_stats(path, offset):
     """Mean draft / verify ms per decode round, the rounds, and acceptance by output position, from the
     worker's round log (``SGLANG_DLITE_ROUND_LOG``) after ``offset``; {} when there is none (no
-    speculation). ``rounds_by_position``: {bucket start: [request-rounds, tokens committed]} for the
-    request-rounds whose output length before the round falls in [start, start + POSITION_BUCKET):
-    tau at that depth of the answer = committed / request-rounds (``tau_by_position``)."""
+    speculation); with the setting ``online``, ``online_stats``' fields. ``rounds_by_position``: {bucket
+    start: [request-rounds, tokens committed]} for the request-rounds whose output length before the
+    round falls in [start, start + POSITION_BUCKET): tau at that depth of the answer = committed / request-rounds (``tau_by_position``)."""
     recs = list(jsonl_after(path, offset))
     if not recs:
         return {}
@@ -294,7 +304,22 @@ def round_stats(path, offset):
     return {"decode_rounds": n, "draft_ms_per_round": round(sum(float(r["draft_ms"]) for r in recs) / n, 2),
             "verify_ms_per_round": round(sum(float(r["verify_ms"]) for r in recs) / n, 2),
             "tree_round_share": round(sum(1 for r in recs if r.get("tree")) / n, 3),
+            **online_stats(recs),
             **({"rounds_by_position": {str(k): v for k, v in sorted(by_pos.items())}} if by_pos else {})}
+
+
+def online_stats(recs) -> dict:
+    """The online learner's share of the round log's records ``recs`` (the setting ``online``; else {}):
+    ``learn_ms_per_round`` and ``online``, its counts summed over these rounds (``online_serving.ROUND_COUNTS``:
+    updates, tree-gate rounds on the adapted / the shipped tree, verdicts better / worse)."""
+    if not any("online" in r for r in recs):
+        return {}
+    counts = {}
+    for r in recs:
+        for k, v in (r.get("online") or {}).items():
+            counts[k] = counts.get(k, 0) + int(v)
+    return {"learn_ms_per_round": round(sum(float(r.get("learn_ms", 0)) for r in recs) / len(recs), 2),
+            "online": counts}
 
 
 def pool_rounds_by_position(rows) -> dict:

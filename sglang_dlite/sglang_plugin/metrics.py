@@ -26,7 +26,10 @@ API for drafting code (e.g. a hybrid suffix-lookup / DLite drafter), safe to cal
 ``SGLANG_DLITE_ROUND_LOG=PATH`` (no ``--enable-metrics`` needed) appends one JSON line per decode
 round to PATH: ``{"bs", "width", "tree", "draft_ms", "verify_ms", "pos", "acc"}`` (TP rank 0; width: tokens
 verified per request; pos / acc: each request's output length before the round and the drafts it
-accepted), e.g. for ``bench/e2e.py``'s per-mode draft / verify split and tau by output position, or an
+accepted; with the setting ``online`` on, ``learn_ms``: the round's host time in the online learner, and
+its running counts ``online``: [updates, tree-gate rounds on the adapted tree, on the shipped tree,
+verdicts better, worse]),
+e.g. for ``bench/e2e.py``'s per-mode draft / verify split and tau by output position, or an
 offline engine that has no ``/metrics``.
 
 Request-rounds of a round that no ``record_source`` call claimed are counted as ``"dlite"`` when
@@ -168,7 +171,7 @@ class RoundTimer:
         self.log_path = log_path
 
     def _record(self, draft_ms: float, verify_ms: float, batch_size: int, rows, width: int, accepted=None,
-                tree: bool = False, positions=None, round_accepted=None) -> None:
+                tree: bool = False, positions=None, round_accepted=None, learn=None) -> None:
         record_round(draft_ms, verify_ms, batch_size, rows)
         if accepted is not None:
             record_acceptance(accepted, width - 1)
@@ -177,6 +180,8 @@ class RoundTimer:
                    "verify_ms": round(verify_ms, 3)}
             if positions is not None and round_accepted is not None:  # acceptance by output position
                 rec.update(pos=positions, acc=round_accepted)
+            if learn is not None:
+                rec.update(learn)
             with open(self.log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(rec) + "\n")
 
@@ -195,14 +200,15 @@ class RoundTimer:
         self.marks.append(self._now())
 
     def finish(self, batch_size: int, context_valid=None, width: int = 0, accepted=None, tree: bool = False,
-               reqs=None, round_accepted=None) -> None:
+               reqs=None, round_accepted=None, learn=None) -> None:
         """``context_valid``: [B, C] validity of the drafter's context rows (tensor) or None;
         ``width``: tokens verified per request this round; ``accepted``: [n] drafts accepted by each
         request that drafted (tensor) or None; ``tree``: a tree round (tree_round.py: ``width`` rows
         per request, ``accepted`` counted along the accepted root path). With the round log on,
         ``reqs`` (the batch's requests, their output not yet extended by this round) and
         ``round_accepted`` ([B] drafts accepted by every request, opted-out ones included; default
-        ``accepted``) log each request's output position and acceptance: tau by output position."""
+        ``accepted``) log each request's output position and acceptance: tau by output position;
+        ``learn``: the online learner's fields for the round log (``OnlineServing.take_round``), logged as is."""
         positions = None
         if self.log_path and reqs is not None:
             positions = [len(r.output_ids) for r in reqs]
@@ -218,7 +224,7 @@ class RoundTimer:
             t0, t1, t2 = self.marks[:3]
             self._record((t1 - t0) * 1e3, (t2 - t1) * 1e3, batch_size, None if rows is None else rows.tolist(), width,
                          None if accepted is None else accepted.tolist(), tree, positions,
-                         None if round_accepted is None else round_accepted.tolist())
+                         None if round_accepted is None else round_accepted.tolist(), learn)
             return
         if rows is not None:
             rows = rows.to("cpu", non_blocking=True)
@@ -227,15 +233,17 @@ class RoundTimer:
         if round_accepted is not None:
             round_accepted = round_accepted.to("cpu", non_blocking=True)
         end = self._now()
-        self.pending.append((self.marks[:3], end, batch_size, rows, width, accepted, tree, positions, round_accepted))
+        self.pending.append((self.marks[:3], end, batch_size, rows, width, accepted, tree, positions, round_accepted,
+                             learn))
         self.poll()
 
     def poll(self) -> None:
         """Record the CUDA rounds whose events have completed (never waits)."""
         while self.pending and self.pending[0][1].query():
-            (e0, e1, e2), _, bs, rows, width, acc, tree, pos, racc = self.pending.popleft()
+            (e0, e1, e2), _, bs, rows, width, acc, tree, pos, racc, learn = self.pending.popleft()
             self._record(e0.elapsed_time(e1), e1.elapsed_time(e2), bs, None if rows is None else rows.tolist(), width,
-                         None if acc is None else acc.tolist(), tree, pos, None if racc is None else racc.tolist())
+                         None if acc is None else acc.tolist(), tree, pos, None if racc is None else racc.tolist(),
+                         learn)
         while len(self.pending) > 64:  # never grow without bound
             self.pending.popleft()
 

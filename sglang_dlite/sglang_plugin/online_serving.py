@@ -53,6 +53,7 @@ from .info import unpack_context
 logger = logging.getLogger(__name__)
 
 LOG_EVERY = 512  # rounds between two one-line summaries in the log
+ROUND_COUNTS = ("updates", "gate_adapted", "gate_shipped", "gate_better", "gate_worse", "backed_off")  # round log "online"
 
 
 def _as_probs(rows: torch.Tensor) -> torch.Tensor:
@@ -85,6 +86,8 @@ class OnlineServing:
         self.thread = LearnerThread(self) if cfg.background else None
         self.learner.watch_paths = not cfg.tree_gate  # tree rounds: judged by the tree gate, not the chain watchdog
         self._gate_rounds = 0  # tree rounds drafted under the gate (one in watch_every judged)
+        self.round_ms = 0.0  # this round's time in the learner so far (``take_round``: the round log's learn_ms)
+        self._counted = [0] * len(ROUND_COUNTS)  # the learner's counts at the last ``take_round``
 
     @classmethod
     def attach(cls, options, drafter: DLiteDrafter, lookup=None):
@@ -121,7 +124,7 @@ class OnlineServing:
                 self._observe(state, anchors, block, logits, accepted, skip)
         except Exception as exc:  # noqa: BLE001  (the serving loop must go on: log, disable)
             self.disable(exc)
-        self.learner.stats["observe_ms"] += (time.perf_counter() - t0) * 1e3
+        self._spent(t0)
 
     def observe_tree(self, state: torch.Tensor, anchors: torch.Tensor, out: torch.Tensor, path_idx: torch.Tensor,
                      accepted: torch.Tensor, logits: torch.Tensor) -> None:
@@ -130,7 +133,7 @@ class OnlineServing:
         then the bonus), ``path_idx`` [B, N] the path's node per committed token (-1 past it),
         ``accepted`` [B] the path's drafts, ``logits`` [B, N, V'] the verify logits per node: the
         rows of the path's nodes are the target's at every step of that chain. Never raises."""
-        if not self.enabled:
+        if not self.enabled or not self.learner.learns_tree_round(self.state):  # the back-off (``backoff``)
             return
         t0 = time.perf_counter()
         try:
@@ -143,7 +146,25 @@ class OnlineServing:
                 self._observe(state, anchors, block, rows, a, None, path=True)
         except Exception as exc:  # noqa: BLE001  (the serving loop must go on: log, disable)
             self.disable(exc)
-        self.learner.stats["observe_ms"] += (time.perf_counter() - t0) * 1e3
+        self._spent(t0)
+
+    def _spent(self, t0: float) -> None:
+        ms = (time.perf_counter() - t0) * 1e3
+        self.learner.stats["observe_ms"] += ms
+        self.round_ms += ms
+
+    def take_round(self) -> dict:
+        """The round log's fields (``metrics.RoundTimer``) for the round just finished: ``learn_ms`` the
+        learner's time in it (pairs, watchdog, updates, the gate's verdicts; the gate's second tree is
+        drafting time) and ``online``, what it counted in it (``ROUND_COUNTS``: updates, tree-gate rounds
+        on the adapted tree, on the shipped tree, verdicts better, worse, tree rounds the back-off skipped); both
+        reset for the next round."""
+        s = self.learner.stats
+        now = [s[k] for k in ROUND_COUNTS]
+        rec = {"learn_ms": round(self.round_ms, 3),
+               "online": {k: b - a for k, a, b in zip(ROUND_COUNTS, self._counted, now) if b != a}}
+        self.round_ms, self._counted = 0.0, now
+        return rec
 
     def tree_gate(self, requests: int) -> Optional[tuple]:
         """A tree round's gate over its ``requests`` trees (``tree_gate``, ``online.OnlineDrafter``'s rule at server scope): None
@@ -163,6 +184,7 @@ class OnlineServing:
     def judge_trees(self, others: list, verified_adapted: bool, out: torch.Tensor, accepted: torch.Tensor) -> None:
         """A judged tree round: ``others`` the trees not verified (per request), ``out`` [B, N] the
         committed tokens, ``accepted`` [B]; the verdicts into the server state's gate. Never raises."""
+        t0 = time.perf_counter()
         try:
             a = accepted.tolist()
             rows = out.tolist()
@@ -170,6 +192,7 @@ class OnlineServing:
                 self.learner.judge_tree(self.state, verified_adapted, tree, rows[b][:a[b] + 1], a[b])
         except Exception as exc:  # noqa: BLE001  (the serving loop must go on: log, disable)
             self.disable(exc)
+        self._spent(t0)
 
     def _observe(self, state, anchors, block, logits, accepted, skip, path: bool = False) -> None:
         if self.thread is not None:
@@ -247,6 +270,7 @@ class OnlineServing:
         return (f"{s['rounds']} rounds, {s['updates']} updates ({s['steps']} steps, {s['budget_cut']} cut by the "
                 f"budget), {s['reverts']} watchdog reverts, {s['learn_ms_per_round']:.2f} ms/round learning "
                 f"({s['update_ms_per_round']:.2f} updates, {s['shadow_ms_per_round']:.2f} watchdog)"
+                + (f", {s['backed_off']} tree rounds skipped by the back-off" if s["backed_off"] else "")
                 + (f"; tree gate: {s['gate_adapted']} adapted / {s['gate_shipped']} shipped tree rounds, verdicts "
                    f"+{s['gate_better']} / -{s['gate_worse']}" if s["gate_adapted"] + s["gate_shipped"] else ""))
 

@@ -191,7 +191,8 @@ def drafter_dtype(target_dtype: torch.dtype, device, options: Optional[ServingOp
 # tokens/s, tau +7 %; every 8 rounds 0.96x, every 4 0.88x). Updates stay inside the round (background
 # 0): on a 2-core CPU the learner's thread slowed every round more than it saved (0.77x static vs
 # 0.95x inline, medians of 3); background 1 is for a spare core or a GPU
-ONLINE_DEFAULTS = {"scope": "server", "max_update_ms": 50.0, "lr": 1e-3, "update_every": 16, "watchdog_every": 32}
+ONLINE_DEFAULTS = {"scope": "server", "max_update_ms": 50.0, "lr": 1e-3, "update_every": 16, "watchdog_every": 32,
+                   "backoff": 8}
 
 
 def online_setting(value) -> Optional[str]:

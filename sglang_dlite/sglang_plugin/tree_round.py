@@ -253,7 +253,8 @@ class TreeRounds:
             lo.hidden_states = self.path_rows(lo.hidden_states, path_idx, bs).reshape(bs * N, -1)
         new_state = w._carry(state, lo, a)
         if rt is not None:
-            rt.finish(bs, state[..., -1], N, a, tree=True, reqs=batch.reqs)
+            rt.finish(bs, state[..., -1], N, a, tree=True, reqs=batch.reqs,
+                      learn=None if w.online is None else w.online.take_round())
         batch.forward_mode = ForwardMode.DECODE
         return GenerationBatchResult(
             logits_output=lo, next_token_ids=out.reshape(-1), accept_lens=commit_lens,

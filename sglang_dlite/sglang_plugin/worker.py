@@ -351,7 +351,8 @@ class DLiteWorker(BaseSpecWorker):
             bonus_tokens=bonus, hidden_states=new_state, new_seq_lens=new_seq_lens,
         )
         if rt is not None:
-            rt.finish(bs, state[..., -1], W, a if opt_out is None else a[~opt_out], reqs=batch.reqs, round_accepted=a)
+            rt.finish(bs, state[..., -1], W, a if opt_out is None else a[~opt_out], reqs=batch.reqs, round_accepted=a,
+                      learn=None if self.online is None else self.online.take_round())
         batch.forward_mode = ForwardMode.DECODE
         return GenerationBatchResult(
             logits_output=logits_output,
