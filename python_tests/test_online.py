@@ -271,6 +271,35 @@ def test_tree_gate_judges_the_tree_it_did_not_verify(tiny_target):
     assert s["gate_better"] == want.count(1) and s["gate_worse"] == want.count(-1)
 
 
+def test_backoff_learns_one_tree_round_in_n_while_the_gate_drafts_the_shipped_tree(tiny_target):
+    """``backoff`` in the reference engine: once adapted, a round drafted while the gate's record is not
+    in favour of the adapted tree is learned from one in ``backoff`` (the first such round, then one in
+    ``backoff``; no inputs kept, no pair, no update count in the others), every round otherwise; output
+    stays the target's."""
+    eng, learner = online_engine(tiny_target, shipped(tiny_target), hybrid="tree", params="last", update_every=2,
+                                 lr=3e-2, backoff=3)
+    d = eng.drafter
+    draft, want, got = d.draft, [], []
+
+    def spy(req):  # the rule, stated apart from the code: which rounds must be learned
+        st = learner.state_for(req)
+        held = st.adapted and sum(st.gate) <= 0
+        spy.run = spy.run + 1 if held else 0
+        want.append(not held or spy.run % 3 == 1)
+        before = learner.stats["rounds"]
+        prop = draft(req)
+        got.append(before)
+        return prop
+    spy.run = 0
+    d.draft = spy
+    observe = d.observe
+    d.observe = lambda req, *a, **k: (observe(req, *a, **k), got.__setitem__(-1, learner.stats["rounds"] > got[-1]))
+    res = eng.generate(REPETITIVE, 120, session=eng.new_session())
+    assert res.output_ids == hf_greedy(tiny_target, REPETITIVE, 120)
+    assert got == want and want.count(False) == learner.stats["backed_off"] > 0
+    assert learner.stats["rounds"] == want.count(True)
+
+
 def test_tree_gate_verifies_the_winning_tree(tiny_target):
     """The gate drafts the adapted tree while its record over the window is positive, else the shipped
     tree; ``tree_gate=0`` (or DLite alone / the chain hybrid) grows one tree, no gate."""

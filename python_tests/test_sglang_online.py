@@ -227,6 +227,55 @@ def test_tree_gate_drafts_the_winning_model_and_judges_the_other(tiny_target):
     assert srv.enabled and "tree gate: 4 adapted / 8 shipped" in srv.describe_stats()
 
 
+def test_backoff_skips_tree_rounds_while_the_gate_drafts_the_shipped_tree(tiny_target):
+    """``backoff``: once adapted, while the gate's record is not in favour of the adapted copy, a tree
+    round is learned from one in ``backoff`` (no pairs, no update count, no learning time in the others);
+    the round the record turns in favour every round is learned again; chain rounds are never skipped.
+    The round log's fields (``take_round``) carry the learner's time and counts per round."""
+    srv = serving(drafter(tiny_target), drafts_are_model=False, params="norm", update_every=10**6,
+                  watchdog_window=0, tree_gate=8, backoff=3)
+    gen = torch.Generator().manual_seed(7)
+    state, anchors, _, _, _ = planted_round(srv, B=2, gen=gen)
+    N = 4
+    out = torch.randint(3, srv.V, (2, N), generator=gen)
+    path_idx, a = torch.tensor([[0, 1, -1, -1], [0, -1, -1, -1]]), torch.tensor([1, 0])
+    logits = torch.randn(2, N, srv.V, generator=gen)
+    buffered = []
+
+    def tree_round():
+        srv.observe_tree(state, anchors, out, path_idx, a, logits)
+        buffered.append(len(srv.state.buffer))
+        return srv.take_round()
+
+    first = tree_round()  # not adapted yet: learned
+    assert buffered == [2] and first["learn_ms"] > 0 and first["online"] == {}
+    srv.state.adapted = True
+    recs = [tree_round() for _ in range(7)]  # empty record: the shipped tree; one round in 3 learned
+    assert buffered == [2, 4, 4, 4, 6, 6, 6, 8]
+    assert [r["online"].get("backed_off", 0) for r in recs] == [0, 1, 1, 0, 1, 1, 0]
+    assert all(r["learn_ms"] == 0 for r in recs if r["online"].get("backed_off"))
+    srv.state.gate.extend([1])  # the record in favour of the adapted copy: every round again
+    for _ in range(3):
+        tree_round()
+    assert buffered[-3:] == [10, 12, 14]
+    srv.state.gate.extend([-1, -1])  # against again: the count starts over (its first round learned)
+    for _ in range(3):
+        tree_round()
+    assert buffered[-3:] == [16, 16, 16] and srv.learner.stats["backed_off"] == 6
+    srv.observe(*planted_round(srv, B=2, gen=gen))  # a chain round: never backed off
+    assert len(srv.state.buffer) == 18
+    assert "6 tree rounds skipped by the back-off" in srv.describe_stats()
+    for opts in ({"backoff": 1}, {"backoff": 3, "tree_gate": 0}):  # off: every tree round learned
+        full = serving(drafter(tiny_target), drafts_are_model=False, params="norm", update_every=10**6,
+                       watchdog_window=0, **opts)
+        full.state.adapted = True
+        for _ in range(4):
+            full.observe_tree(state, anchors, out, path_idx, a, logits)
+        assert len(full.state.buffer) == 8 and full.learner.stats["backed_off"] == 0
+    with pytest.raises(DLiteConfigError, match="backoff"):
+        OnlineConfig(backoff=0)
+
+
 def test_errors_disable_learning_instead_of_raising(tiny_target, monkeypatch, caplog):
     shipped = drafter(tiny_target)
     srv = serving(shipped, params="head", update_every=1, watchdog_window=0)

@@ -29,7 +29,9 @@ adapted chain's acceptance with the shipped drafter's and reverts to the shipped
 window of compared rounds says the adapted one is worse (at server scope one round in 8 is
 compared: ``watchdog_every``); under token trees (the served hybrid) a tree gate instead drafts the
 adapted or the shipped tree, whichever would have accepted more over the last ``tree_gate`` judged rounds
-(``OnlineDrafter``; the sglang worker's tree rounds alike); the buffer is bounded; a seed makes every update
+(``OnlineDrafter``; the sglang worker's tree rounds alike), and while it drafts the shipped tree the
+learner takes one tree round in ``backoff`` (``learns_tree_round``: learning costs little where its drafts
+are not used); the buffer is bounded; a seed makes every update
 deterministic (``max_update_ms`` is then the one source of run-to-run variation: off by default; at
 server scope it also paces the updates, an update past it delaying the next).
 
