@@ -38,7 +38,9 @@ never sees its own recorded answer, and nothing carries over between requests or
 Noise: on a 2-core machine one run's tokens/s moves by 10-15 % (the scheduler's two torch threads
 share the cores with the tokenizer and detokenizer processes). ``--repeats R`` runs every mode R
 times (a fresh engine each time, the mode order rotated between repeats so drift hits every mode
-alike) and reports the MEDIAN wall time per (mode, concurrency), with the min-max spread.
+alike) and reports the MEDIAN wall time per (mode, concurrency), with the min-max spread, and every
+mode against the first one repeat by repeat (``paired``: the median of the same-repeat tokens/s ratios,
+which cancels the machine's slow drift that each mode's own median keeps).
 
 Precision: the default ``--dtype`` is what a deployment on this machine runs: bfloat16 on a GPU
 and on a CPU with bf16 arithmetic (avx512_bf16 / AMX), float32 on a CPU without it (oneDNN emulates
@@ -72,7 +74,7 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_dlite.benchmarking.sglang_runs import (ATTENTION, aggregate, build_requests, level_row,
+from sglang_dlite.benchmarking.sglang_runs import (ATTENTION, aggregate, build_requests, level_row, paired,
                                                    prefill_attention, reference_meta, remembers_requests,
                                                    run_sglang)
 from sglang_dlite.divergence import DEFAULT_TIE_MARGIN, Fp32LogitGap, classify_divergences, is_mismatch
@@ -274,7 +276,16 @@ def main(argv=None) -> int:
         if k.startswith("nospec@"):
             print(f"floor: {k}: {len(reqs) - len(div)}/{len(reqs)} identical, "
                   f"{sum(x['tie'] for x in div)} precision ties, {sum(not x['tie'] for x in div)} beyond the margin")
-    result.update(table=table, divergences=divergences)
+    pairs = paired(runs, modes[0]) if args.repeats > 1 else []
+    if pairs:
+        print(f"\n| mode | concurrency | vs {modes[0]}: median of same-repeat tok/s ratios (min-max) | "
+              "draft / verify / learn ms per round (medians) |")
+        print("|---|---|---|---|")
+        for p in pairs:
+            print(f"| {p['mode']} | {p['concurrency']} | {p['paired_ratio']}x ({p['paired_min']}-{p['paired_max']}) | "
+                  f"{p.get('draft_ms_per_round_median')} / {p.get('verify_ms_per_round_median')} / "
+                  f"{p.get('learn_ms_per_round_median', '-')} |")
+    result.update(table=table, divergences=divergences, paired=pairs)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
         print(f"wrote {args.out}")

@@ -374,3 +374,45 @@ def test_e2e_percentile_is_nearest_rank():
     xs = list(range(1, 101))  # 1..100
     assert pct(xs, 50) == 50 and pct(xs, 99) == 99 and pct(xs, 100) == 100 and pct(xs, 0) == 1
     assert pct([7.0], 99) == 7.0 and pct([], 50) is None
+
+
+def test_e2e_paired_ratios_cancel_the_machines_drift():
+    """``paired``: each mode against the first, repeat by repeat: a machine that slows by 30 % over the
+    benchmark moves both modes' medians, not the same-repeat ratio."""
+    from sglang_dlite.benchmarking.sglang_runs import paired
+
+    def row(tps, **k):
+        return {"concurrency": 1, "tokens_per_s": tps, "draft_ms_per_round": 10.0, "verify_ms_per_round": 100.0, **k}
+
+    slow = [1.0, 0.85, 0.7]  # the machine's speed in repeats 1..3
+    runs = {"dlite": [[row(50 * f)] for f in slow],
+            "dlite-online": [[row(49 * f, learn_ms_per_round=1.0)] for f in slow]}
+    (p,) = paired(runs, "dlite")
+    assert p["mode"] == "dlite-online" and p["vs"] == "dlite" and p["repeats"] == 3
+    assert p["paired_ratio"] == p["paired_min"] == p["paired_max"] == 0.98
+    assert p["learn_ms_per_round_median"] == 1.0 and p["verify_ms_per_round_median"] == 100.0
+    assert "learn_ms_per_round_median" not in paired({"a": runs["dlite"], "b": runs["dlite"]}, "a")[0]
+
+
+def test_e2e_online_round_log_fields_and_fresh_engines():
+    """The round log's online fields sum per level (``online_stats``); modes that remember the requests
+    they served (NGRAM, online learning) get a fresh engine per level (``remembers_requests``)."""
+    from sglang_dlite.benchmarking.sglang_runs import online_stats, remembers_requests, round_stats
+
+    assert online_stats([{"draft_ms": 1}]) == {}
+    recs = [{"learn_ms": 2.0, "online": {"updates": 1, "backed_off": 0}}, {"learn_ms": 0.0, "online": {"backed_off": 1}},
+            {"learn_ms": 1.0, "online": {}}, {"draft_ms": 1}]
+    assert online_stats(recs) == {"learn_ms_per_round": 0.75, "online": {"updates": 1, "backed_off": 1}}
+    import json as _json
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        for r in recs[:3]:
+            f.write(_json.dumps({"bs": 1, "width": 4, "draft_ms": 1.0, "verify_ms": 2.0, **r}) + "\n")
+    st = round_stats(f.name, 0)
+    assert st["learn_ms_per_round"] == 1.0 and st["online"] == {"updates": 1, "backed_off": 1}
+    os.unlink(f.name)
+    assert [remembers_requests(m) for m in ("ngram", "ngram:8", "dlite-online", "dlite+online=backoff=1",
+                                            "dlite-online@tp2")] == [True] * 5
+    assert [remembers_requests(m) for m in ("dlite", "nospec", "eagle3", "dlite+online=null",
+                                            "dlite-online+online=false", "dlite+tree_max_batch_size=0")] == [False] * 6
+

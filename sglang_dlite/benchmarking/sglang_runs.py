@@ -378,3 +378,29 @@ def aggregate(runs):
         )
         rows.append(row)
     return rows
+
+
+def paired(runs: dict, ref_mode: str) -> list:
+    """Every other mode against ``ref_mode``, repeat by repeat: ``runs`` {mode: [[row per level] per
+    repeat]} (``bench/e2e.py``, modes rotated between repeats) -> one row per (mode, level): the median
+    over repeats of tokens/s(mode, repeat r) / tokens/s(ref_mode, repeat r), its min-max, and the
+    per-round medians (draft, verify, the online learner's ms). Runs of one repeat follow one another
+    within minutes, so a drift of the machine's speed over the whole benchmark (on a shared 2-core VM,
+    10-25 %) cancels in each ratio that the medians of each mode's own tokens/s keep."""
+    out = []
+    for mode, reps in runs.items():
+        if mode == ref_mode:
+            continue
+        for lv, level_rows in enumerate(zip(*reps)):
+            ref = [rep[lv] for rep in runs[ref_mode][:len(level_rows)]]
+            ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(level_rows, ref) if b["tokens_per_s"]]
+            if not ratios:
+                continue
+            per_round = {f"{k}_median": round(median([r[k] for r in level_rows]), 2)
+                         for k in ("draft_ms_per_round", "verify_ms_per_round", "learn_ms_per_round")
+                         if all(r.get(k) is not None for r in level_rows)}
+            out.append({"mode": mode, "vs": ref_mode, "concurrency": level_rows[0]["concurrency"],
+                        "paired_ratio": round(median(ratios), 3), "paired_min": round(min(ratios), 3),
+                        "paired_max": round(max(ratios), 3), "repeats": len(ratios), **per_round})
+    return out
+
