@@ -18,7 +18,8 @@ from sglang_dlite.errors import DLiteConfigError, DLiteInputError
 from sglang_dlite.lookup.drafters import HybridEngineDrafter
 from sglang_dlite.lookup.tree_drafters import TreeEngineDrafter
 from sglang_dlite.model import DLiteDrafter
-from sglang_dlite.online import STATE_KEY, OnlineConfig, OnlineDrafter, OnlineLearner, chain_accepted
+from sglang_dlite.online import STATE_KEY, OnlineConfig, OnlineLearner, chain_accepted
+from sglang_dlite.online_drafter import OnlineDrafter
 from sglang_dlite.registry import served_hybrid
 
 EOS = 2

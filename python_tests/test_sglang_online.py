@@ -265,6 +265,7 @@ def test_backoff_skips_tree_rounds_while_the_gate_drafts_the_shipped_tree(tiny_t
     srv.observe(*planted_round(srv, B=2, gen=gen))  # a chain round: never backed off
     assert len(srv.state.buffer) == 18
     assert "6 tree rounds skipped by the back-off" in srv.describe_stats()
+    assert "tree gate 8, back-off 1/3 while the gate holds the shipped tree" in srv.learner.describe()
     for opts in ({"backoff": 1}, {"backoff": 3, "tree_gate": 0}):  # off: every tree round learned
         full = serving(drafter(tiny_target), drafts_are_model=False, params="norm", update_every=10**6,
                        watchdog_window=0, **opts)

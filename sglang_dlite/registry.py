@@ -26,7 +26,8 @@ from .errors import DLiteInputError
 from .lookup.drafters import HybridEngineDrafter, SuffixEngineDrafter
 from .lookup.corpus import SharedCorpus
 from .lookup.tree_drafters import BRANCHINGS, DEFAULT_TREE_NODES, SERVED_TREE_NODES, TreeEngineDrafter
-from .online import OnlineDrafter, OnlineLearner
+from .online import OnlineLearner
+from .online_drafter import OnlineDrafter
 from .online_config import OnlineConfig
 
 TREE_NAMES = ("dlite-tree", "hybrid-tree", "suffix-tree")

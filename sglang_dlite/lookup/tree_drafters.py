@@ -152,7 +152,7 @@ class TreeEngineDrafter:
     ``corpus.SharedCorpus`` (off: None) whose earlier requests branch the lookup's nodes too, fed by
     ``finish_request`` (the reference engine calls it after each speculative ``generate``)."""
 
-    drafts_trees = True  # its proposals carry a DraftTree (online.OnlineDrafter's tree gate reads this)
+    drafts_trees = True  # its proposals carry a DraftTree (online_drafter.OnlineDrafter's tree gate reads this)
 
     def __init__(self, dlite: Optional[DLiteEngineDrafter] = None, lookup: bool = True,
                  num_drafts: int = DEFAULT_TREE_NODES, branches: int = DEFAULT_BRANCHES,

@@ -167,7 +167,7 @@ class OnlineServing:
         return rec
 
     def tree_gate(self, requests: int) -> Optional[tuple]:
-        """A tree round's gate over its ``requests`` trees (``tree_gate``, ``online.OnlineDrafter``'s rule at server scope): None
+        """A tree round's gate over its ``requests`` trees (``tree_gate``, ``online_drafter.OnlineDrafter``'s rule at server scope): None
         (off, learning disabled or not adapted yet: the working copy drafts) or (draft with the adapted
         copy?, judge this round? -- one round in ``watch_every`` also grows the other tree)."""
         cfg = self.learner.cfg
