@@ -7,9 +7,9 @@ concurrency, over workloads x output lengths x dtypes, three fresh-engine runs p
 
 Every run is ``benchmarking.sglang_runs.run_sglang``, as in ``bench/e2e.py`` (one engine per mode and repeat, every level on it,
 the radix cache flushed between levels; sglang's NGRAM and DLITE with online learning get a fresh engine
-per level: its corpus, their adapted drafter, remember the requests of the level before; on a CPU, no speculation's decode forwards read the KV cache
-through the same attention code as DLITE's verify, and every mode's prefill through the project's,
-unless ``--baseline-attention sglang``). Level c runs the first ``max(--min-requests, 2c)`` of
+per level: NGRAM's corpus and the adapted drafter remember the requests of the level before; on a CPU,
+no speculation's decode forwards read the KV cache through the same attention code as DLITE's verify,
+and every mode's prefill through the project's, unless ``--baseline-attention sglang``). Level c runs the first ``max(--min-requests, 2c)`` of
 ``--requests`` requests (capped there), so a level stays full for most of its run while c = 1
 does not take hours on a CPU; the modes of a repeat run in rotated order (drift hits all alike).
 

@@ -290,7 +290,8 @@ def round_stats(path, offset):
     worker's round log (``SGLANG_DLITE_ROUND_LOG``) after ``offset``; {} when there is none (no
     speculation); with the setting ``online``, ``online_stats``' fields. ``rounds_by_position``: {bucket
     start: [request-rounds, tokens committed]} for the request-rounds whose output length before the
-    round falls in [start, start + POSITION_BUCKET): tau at that depth of the answer = committed / request-rounds (``tau_by_position``)."""
+    round falls in [start, start + POSITION_BUCKET): tau at that depth of the answer = committed /
+    request-rounds (``tau_by_position``)."""
     recs = list(jsonl_after(path, offset))
     if not recs:
         return {}
@@ -311,7 +312,7 @@ def round_stats(path, offset):
 def online_stats(recs) -> dict:
     """The online learner's share of the round log's records ``recs`` (the setting ``online``; else {}):
     ``learn_ms_per_round`` and ``online``, its counts summed over these rounds (``online_serving.ROUND_COUNTS``:
-    updates, tree-gate rounds on the adapted / the shipped tree, verdicts better / worse)."""
+    updates, tree-gate rounds on the adapted / the shipped tree, verdicts better / worse, rounds backed off)."""
     if not any("online" in r for r in recs):
         return {}
     counts = {}
@@ -403,4 +404,3 @@ def paired(runs: dict, ref_mode: str) -> list:
                         "paired_ratio": round(median(ratios), 3), "paired_min": round(min(ratios), 3),
                         "paired_max": round(max(ratios), 3), "repeats": len(ratios), **per_round})
     return out
-

@@ -27,10 +27,9 @@ API for drafting code (e.g. a hybrid suffix-lookup / DLite drafter), safe to cal
 round to PATH: ``{"bs", "width", "tree", "draft_ms", "verify_ms", "pos", "acc"}`` (TP rank 0; width: tokens
 verified per request; pos / acc: each request's output length before the round and the drafts it
 accepted; with the setting ``online`` on, ``learn_ms``: the round's host time in the online learner, and
-its running counts ``online``: [updates, tree-gate rounds on the adapted tree, on the shipped tree,
-verdicts better, worse]),
-e.g. for ``bench/e2e.py``'s per-mode draft / verify split and tau by output position, or an
-offline engine that has no ``/metrics``.
+``online``: what it counted in the round, {name: count} of ``online_serving.ROUND_COUNTS``), e.g. for
+``bench/e2e.py``'s per-mode draft / verify split and tau by output position, or an offline engine that
+has no ``/metrics``.
 
 Request-rounds of a round that no ``record_source`` call claimed are counted as ``"dlite"`` when
 the worker finishes the round, so the per-source share is

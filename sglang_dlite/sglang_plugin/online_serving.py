@@ -53,7 +53,8 @@ from .info import unpack_context
 logger = logging.getLogger(__name__)
 
 LOG_EVERY = 512  # rounds between two one-line summaries in the log
-ROUND_COUNTS = ("updates", "gate_adapted", "gate_shipped", "gate_better", "gate_worse", "backed_off")  # round log "online"
+# the learner's counts per round in the round log's "online" (``take_round``)
+ROUND_COUNTS = ("updates", "gate_adapted", "gate_shipped", "gate_better", "gate_worse", "backed_off")
 
 
 def _as_probs(rows: torch.Tensor) -> torch.Tensor:
@@ -86,8 +87,7 @@ class OnlineServing:
         self.thread = LearnerThread(self) if cfg.background else None
         self.learner.watch_paths = not cfg.tree_gate  # tree rounds: judged by the tree gate, not the chain watchdog
         self._gate_rounds = 0  # tree rounds drafted under the gate (one in watch_every judged)
-        self.round_ms = 0.0  # this round's time in the learner so far (``take_round``: the round log's learn_ms)
-        self._counted = [0] * len(ROUND_COUNTS)  # the learner's counts at the last ``take_round``
+        self._taken: dict = {}  # the learner's time and counts at the last ``take_round``
 
     @classmethod
     def attach(cls, options, drafter: DLiteDrafter, lookup=None):
@@ -149,27 +149,25 @@ class OnlineServing:
         self._spent(t0)
 
     def _spent(self, t0: float) -> None:
-        ms = (time.perf_counter() - t0) * 1e3
-        self.learner.stats["observe_ms"] += ms
-        self.round_ms += ms
+        self.learner.stats["observe_ms"] += (time.perf_counter() - t0) * 1e3
 
     def take_round(self) -> dict:
         """The round log's fields (``metrics.RoundTimer``) for the round just finished: ``learn_ms`` the
         learner's time in it (pairs, watchdog, updates, the gate's verdicts; the gate's second tree is
         drafting time) and ``online``, what it counted in it (``ROUND_COUNTS``: updates, tree-gate rounds
-        on the adapted tree, on the shipped tree, verdicts better, worse, tree rounds the back-off skipped); both
-        reset for the next round."""
+        on the adapted tree, on the shipped tree, verdicts better, worse, tree rounds the back-off skipped):
+        the learner's stats since the last call."""
         s = self.learner.stats
-        now = [s[k] for k in ROUND_COUNTS]
-        rec = {"learn_ms": round(self.round_ms, 3),
-               "online": {k: b - a for k, a, b in zip(ROUND_COUNTS, self._counted, now) if b != a}}
-        self.round_ms, self._counted = 0.0, now
-        return rec
+        now = {k: s[k] for k in ("observe_ms",) + ROUND_COUNTS}
+        last, self._taken = self._taken, now
+        return {"learn_ms": round(now["observe_ms"] - last.get("observe_ms", 0.0), 3),
+                "online": {k: now[k] - last.get(k, 0) for k in ROUND_COUNTS if now[k] != last.get(k, 0)}}
 
     def tree_gate(self, requests: int) -> Optional[tuple]:
-        """A tree round's gate over its ``requests`` trees (``tree_gate``, ``online_drafter.OnlineDrafter``'s rule at server scope): None
-        (off, learning disabled or not adapted yet: the working copy drafts) or (draft with the adapted
-        copy?, judge this round? -- one round in ``watch_every`` also grows the other tree)."""
+        """A tree round's gate over its ``requests`` trees (``tree_gate``, ``online_drafter.OnlineDrafter``'s
+        rule at server scope): None (off, learning disabled or not adapted yet: the working copy drafts) or
+        (draft with the adapted copy?, judge this round? -- one round in ``watch_every`` also grows the
+        other tree)."""
         cfg = self.learner.cfg
         if not (self.enabled and cfg.tree_gate and self.state.adapted):
             return None
