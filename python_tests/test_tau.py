@@ -416,3 +416,17 @@ def test_e2e_online_round_log_fields_and_fresh_engines():
     assert [remembers_requests(m) for m in ("dlite", "nospec", "eagle3", "dlite+online=null",
                                             "dlite-online+online=false", "dlite+tree_max_batch_size=0")] == [False] * 6
 
+
+
+
+def test_e2e_rows_count_what_the_radix_cache_served():
+    """A row reports how much of its prompts the radix cache served (sglang's ``prompt_tokens`` /
+    ``cached_tokens``): the prefill's work is the difference; the reference engine has no such counts."""
+    from sglang_dlite.benchmarking import sglang_runs as R
+
+    metas = [{"completion_tokens": 5, "spec_verify_ct": 2, "prompt_tokens": 100, "cached_tokens": 60},
+             {"completion_tokens": 5, "spec_verify_ct": 2, "prompt_tokens": 50, "cached_tokens": 0}]
+    row = R.level_row("dlite", 2, metas, 1.0, [0.5, 0.5])
+    assert (row["prompt_tokens"], row["cached_prompt_tokens"], row["prefilled_tokens"]) == (150, 60, 90)
+    ref = R.level_row("dlite", 1, [R.reference_meta(GenerationResult(prompt_len=3, output_ids=[1, 2]))], 1.0, [1.0])
+    assert "prefilled_tokens" not in ref and ref["output_tokens"] == 2

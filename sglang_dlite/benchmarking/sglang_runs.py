@@ -345,7 +345,11 @@ def level_row(mode, concurrency, metas, wall, lat, ttft=(), itl=()) -> dict:
     or the reference engine's same counts (``reference_meta``); tau is ``speculation.tau.tau_of_sglang``."""
     toks = sum(int(m["completion_tokens"]) for m in metas)
     t = tau_of_sglang(metas)
-    return {"mode": mode, "concurrency": concurrency, "requests": len(metas), "output_tokens": toks,
+    prefix = {}  # sglang's prompt accounting: how much of the prompts the radix cache served
+    if metas and all("prompt_tokens" in m and "cached_tokens" in m for m in metas):
+        prompt, cached = sum(int(m["prompt_tokens"]) for m in metas), sum(int(m["cached_tokens"]) for m in metas)
+        prefix = {"prompt_tokens": prompt, "cached_prompt_tokens": cached, "prefilled_tokens": prompt - cached}
+    return {"mode": mode, "concurrency": concurrency, "requests": len(metas), "output_tokens": toks, **prefix,
             "verify_rounds": sum(int(m.get("spec_verify_ct") or 0) for m in metas),
             "wall_s": round(wall, 3), "tokens_per_s": round(toks / wall, 2),
             "mean_latency_s": round(sum(lat) / len(lat), 3),
