@@ -417,8 +417,6 @@ def test_e2e_online_round_log_fields_and_fresh_engines():
                                             "dlite-online+online=false", "dlite+tree_max_batch_size=0")] == [False] * 6
 
 
-
-
 def test_e2e_rows_count_what_the_radix_cache_served():
     """A row reports how much of its prompts the radix cache served (sglang's ``prompt_tokens`` /
     ``cached_tokens``): the prefill's work is the difference; the reference engine has no such counts."""
