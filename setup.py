@@ -11,12 +11,15 @@ setup(
     name="sglang-dlite",
     version="0.1.0",
     description="DLite: a history-free speculative-decoding drafter for SGLang, with custom kernels",
+    # The product only. The lab (dlite_lab/: reference engine, training, baselines, workloads,
+    # benchmarking, the EAGLE-3 baseline checkpoint) stays in the source checkout, where the
+    # Makefile puts it on the venv's path; python_tests/test_boundaries.py checks the wheel.
     packages=find_packages(include=["sglang_dlite", "sglang_dlite.*"]),
-    # the shipped drafters, and the CPU stand-ins that let sglang run on a CPU (`sglang-dlite serve
-    # --cpu`): data, put on the sglang child processes' PYTHONPATH by sglang_dlite.cpu_launch
-    package_data={"sglang_dlite": ["checkpoints/*/*", "lookup/calibration.json", "cpu_support/*.py",
-                                   "cpu_support/*.md", "cpu_support/sglang_cpu/*.py",
-                                   "cpu_support/sglang_cpu/sgl_kernel/*.py"]},
+    # the shipped drafter, and the CPU stand-ins that let sglang run on a CPU (`sglang-dlite serve
+    # --cpu`): data, put on the sglang child processes' PYTHONPATH by sglang_dlite.serving.cpu_launch
+    package_data={"sglang_dlite": ["checkpoints/*/*", "drafting/calibration.json", "serving/cpu_support/*.py",
+                                   "serving/cpu_support/*.md", "serving/cpu_support/sglang_cpu/*.py",
+                                   "serving/cpu_support/sglang_cpu/sgl_kernel/*.py"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "transformers>=4.57", "safetensors", "tqdm"],
     extras_require={
@@ -26,6 +29,6 @@ setup(
     },
     entry_points={
         "console_scripts": ["sglang-dlite=sglang_dlite.cli:main"],
-        "sglang.srt.plugins": ["dlite=sglang_dlite.sglang_plugin:register"],
+        "sglang.srt.plugins": ["dlite=sglang_dlite.serving:register"],
     },
 )

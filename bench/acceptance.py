@@ -26,11 +26,11 @@ import warnings
 
 
 def parse_args(argv=None):
-    from sglang_dlite.workloads import BUILTIN_WORKLOADS
+    from dlite_lab.workloads import BUILTIN_WORKLOADS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", default="reference", choices=["reference"],
-                   help="reference: the HF speculative engine (sglang_dlite.engine).")
+                   help="reference: the HF speculative engine (dlite_lab.reference.engine).")
     p.add_argument("--drafter", default="dlite",
                    help="dlite[:PATH] (shipped default / random), hybrid[:PATH] (DLite + suffix lookup, one "
                         "token tree per round: what DLITE serves), hybrid-chain[:PATH] (one chain per round), "
@@ -89,12 +89,12 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(max(1, args.threads))
-    from sglang_dlite.registry import make_engine_drafter
-    from sglang_dlite.engine import ReferenceEngine
+    from dlite_lab.registry import make_engine_drafter
+    from dlite_lab.reference.engine import ReferenceEngine
     from sglang_dlite.errors import DLiteError
-    from sglang_dlite.target import load_target
-    from sglang_dlite.workloads import load_workload
-    from sglang_dlite.workloads.replay import eos_token_ids, replay
+    from sglang_dlite.model.bundled_target import load_target
+    from dlite_lab.workloads import load_workload
+    from dlite_lab.workloads.replay import eos_token_ids, replay
 
     try:
         convs = load_workload(args.workload, max_convs=args.max_convs)
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
             print(f"warning: {w}", file=sys.stderr)
         engine = ReferenceEngine(target, drafter, eos_token_ids=eos_token_ids(tok, target))
         greedy = args.temperature <= 0
-        from sglang_dlite.workloads.replay import ARCache
+        from dlite_lab.workloads.replay import ARCache
 
         ar_cache = ARCache(args.ar_cache, getattr(target.config, "_name_or_path", args.target)) if args.ar_cache else None
         stats = replay(engine, tok, convs, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

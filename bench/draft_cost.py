@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_dlite.benchmarking.draft_rounds import (
+from dlite_lab.benchmarking.draft_rounds import (
     COST_DRAFTERS, SMOLLM2, Conversation, build_drafter, draft_cost_table, human_bytes, plot_draft_cost,
 )
 

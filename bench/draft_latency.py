@@ -13,7 +13,7 @@ ratio per implementation.
 
 Implementations are switched with SGLANG_DLITE_OPS (torch = the reference ops, cpp = the C++
 kernels, cuda = the CUDA kernels); ``graph`` (CUDA, DLite) replays the drafter's CUDA graphs
-(``sglang_dlite/sglang_plugin/cuda_graphs.py``, one per batch-size bucket, captured on first use
+(``sglang_dlite/serving/cuda_graphs.py``, one per batch-size bucket, captured on first use
 over the CUDA kernels when built, else the torch ops; the gather of the last C positions stays
 eager); measurements interleave implementations round by round so a
 noisy shared machine affects them alike; medians are reported. Threads are pinned
@@ -43,10 +43,10 @@ from pathlib import Path
 import torch
 
 from sglang_dlite import ops
-from sglang_dlite.benchmarking.draft_rounds import latency_benches
-from sglang_dlite.config import DLiteConfig
-from sglang_dlite.model import DLiteDrafter
-from sglang_dlite.speculation.context import context_positions
+from dlite_lab.benchmarking.draft_rounds import latency_benches
+from sglang_dlite.model.config import DLiteConfig
+from sglang_dlite.model.dlite import DLiteDrafter
+from sglang_dlite.drafting.context import context_positions
 
 
 # ----------------------------------------------------------------------------- drafters
@@ -89,7 +89,7 @@ class DLiteBench:
 
     def graph_round(self, state):
         """``--impl graph``: the same round, the drafter replayed from its CUDA graphs."""
-        from sglang_dlite.sglang_plugin.cuda_graphs import DrafterCudaGraphs
+        from sglang_dlite.serving.cuda_graphs import DrafterCudaGraphs
 
         buf, idx, valid, anchor = state
         ctx = buf[:, idx].permute(1, 0, 2, 3)

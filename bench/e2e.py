@@ -8,7 +8,7 @@ the same requests (every recorded turn of the first ``--max-convs`` conversation
 workload, rendered with the target's chat template) are run greedily at each concurrency:
 ``c`` requests in flight at a time (asyncio, ``Engine.async_generate``). Reported per
 (mode, concurrency): output tokens/s (all output tokens / wall time), mean latency per request,
-tau (``sglang_dlite/speculation/tau.py``: committed tokens per verify round, the prefill's token excluded;
+tau (``sglang_dlite/drafting/tau.py``: committed tokens per verify round, the prefill's token excluded;
 one function on the same counts for both engines: ``level_row``), the share of rounds per drafting
 source (hybrid modes: the worker's lookup trace), and whether the speculative outputs equal the
 no-speculation outputs (they must, greedy). ``ngram`` is sglang's own prompt-lookup drafter (its
@@ -17,7 +17,7 @@ the requests it served (``flush_cache`` flushes the radix cache, not the corpus)
 replays the same requests, so every level of an ngram mode runs on a fresh engine (so does every
 level of a mode with online learning: its adapted drafter has learned the requests it served). ``eagle3`` is
 sglang's own EAGLE3 worker running the project's EAGLE-3-style baseline (trained on the same data
-as DLite, exported by ``sglang_dlite.baselines.sglang_export``), a chain of W-1 = 7 drafts (topk 1;
+as DLite, exported by ``dlite_lab.baselines.sglang_export``), a chain of W-1 = 7 drafts (topk 1;
 on a CPU the stand-ins run its draft attention on torch_native, chains only): the same-budget
 trained peer with a draft KV cache. ``--engine reference`` runs the HF reference
 engine instead (concurrency 1 only).
@@ -25,11 +25,11 @@ engine instead (concurrency 1 only).
 DLITE modes: ``dlite`` is DLITE's default drafting, which is hybrid (DLite + the per-request suffix
 lookup, chosen per request every round); ``hybrid`` says so explicitly; ``hybrid-fixed`` verifies all W-1 drafts every round
 (``SGLANG_DLITE_VERIFY_WIDTH=fixed``; on a CPU the default picks each round's width from the
-chains' calibrated acceptance and the verify cost it has measured, ``speculation/verify_width.py``);
+chains' calibrated acceptance and the verify cost it has measured, ``drafting/budget.py``);
 ``dlite-only`` turns the
 lookup off (``SGLANG_DLITE_LOOKUP=0``: DLite alone, the previous release's drafting);
 ``dlite-chain`` is the hybrid with chains only (the setting ``tree_max_batch_size: 0``; by default a
-CPU drafts token trees for greedy batches of up to 16 requests, ``sglang_plugin/tree_round.py``);
+CPU drafts token trees for greedy batches of up to 16 requests, ``serving/tree_round.py``);
 ``dlite-online`` is ``dlite`` with online learning on (the setting ``online: true``, issue 47); any DLITE
 mode takes serving settings after ``+`` (``dlite+tree_max_batch_size=64+soft_batch_size=32``). The suffix
 lookup indexes only the request's own tokens (prompt + its output so far): a replayed request
@@ -74,11 +74,11 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_dlite.benchmarking.sglang_runs import (ATTENTION, aggregate, build_requests, level_row, paired,
+from dlite_lab.benchmarking.sglang_runs import (ATTENTION, aggregate, build_requests, level_row, paired,
                                                    prefill_attention, reference_meta, remembers_requests,
                                                    run_sglang)
-from sglang_dlite.divergence import DEFAULT_TIE_MARGIN, Fp32LogitGap, classify_divergences, is_mismatch
-from sglang_dlite.speculation.tau import TAU_DEFINITION
+from dlite_lab.divergence import DEFAULT_TIE_MARGIN, Fp32LogitGap, classify_divergences, is_mismatch
+from sglang_dlite.drafting.tau import TAU_DEFINITION
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,16 +135,16 @@ def parse_args(argv=None):
 def run_reference(mode, target, draft, reqs, max_new):
     import torch
 
-    from sglang_dlite.drafters import DLiteEngineDrafter
-    from sglang_dlite.engine import ReferenceEngine
-    from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.target import load_target
+    from dlite_lab.reference.drafters import DLiteEngineDrafter
+    from dlite_lab.reference.engine import ReferenceEngine
+    from sglang_dlite.model.dlite import DLiteDrafter
+    from sglang_dlite.model.bundled_target import load_target
 
     model, tok = load_target(str(target))
     d = DLiteDrafter.from_pretrained(draft).bind_hf_target(model)
     drafter = DLiteEngineDrafter(d)
     if mode.split(":")[0] in ("dlite", "hybrid", "hybrid-fixed", "dlite-chain"):  # DLITE's default drafting: hybrid
-        from sglang_dlite.registry import served_hybrid
+        from dlite_lab.registry import served_hybrid
 
         drafter = served_hybrid(drafter, chain=mode.split(":")[0] == "dlite-chain")
     eng = ReferenceEngine(model, drafter, eos_token_ids=[tok.eos_token_id])
@@ -169,8 +169,8 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from sglang_dlite.drafters import shipped_drafter_path
-    from sglang_dlite.target import resolve_target
+    from sglang_dlite.model.dlite import shipped_drafter_path
+    from sglang_dlite.model.bundled_target import resolve_target
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = resolve_target(args.model_path)
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     if draft is None:
         import tempfile
 
-        from sglang_dlite.benchmarking.random_models import save_random_dlite
+        from dlite_lab.benchmarking.random_models import save_random_dlite
 
         draft = save_random_dlite(os.path.join(tempfile.mkdtemp(), "random-dlite"), target)
         note = "no shipped drafter: a RANDOM DLite drafter was used (tau ~1)"

@@ -67,15 +67,15 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
 
     from sglang_dlite import ops
-    from sglang_dlite.target import load_target
-    from sglang_dlite.training.exactness import count_disagreements, first_disagreement, reference_greedy
-    from sglang_dlite.training.fast_regen import FastRegenerator
-    from sglang_dlite.training.hf_regen import Regenerator
-    from sglang_dlite.training.prompts import load_prompts
-    from sglang_dlite.target import resolve_target
-    from sglang_dlite.training.sglang_regen import SglangRegenerator, process_tree_cpu_seconds
-    from sglang_dlite.training.spec_regen import SpecRegenerator
-    from sglang_dlite.training.turns import TurnRules
+    from sglang_dlite.model.bundled_target import load_target
+    from dlite_lab.training.exactness import count_disagreements, first_disagreement, reference_greedy
+    from dlite_lab.training.fast_regen import FastRegenerator
+    from dlite_lab.training.hf_regen import Regenerator
+    from dlite_lab.training.prompts import load_prompts
+    from sglang_dlite.model.bundled_target import resolve_target
+    from dlite_lab.training.sglang_regen import SglangRegenerator, process_tree_cpu_seconds
+    from dlite_lab.training.spec_regen import SpecRegenerator
+    from dlite_lab.training.turns import TurnRules
 
     torch.set_num_threads(args.threads)
     layers = [int(x) for x in args.capture_layers.split(",")] if args.capture_layers else None

@@ -544,7 +544,7 @@ def step_train(check: GpuCheck, step: Step) -> dict:
     if not _python_has(check, "transformers"):
         return {"status": "skipped: transformers is not installed"}
     run_dir = check.work / "train"
-    rc, s = check.run([check.python, "-m", "sglang_dlite.training.smoke", "--out", run_dir, "--procs", "1",
+    rc, s = check.run([check.python, "-m", "dlite_lab.training.smoke", "--out", run_dir, "--procs", "1",
                        "--device", "cuda", "--steps", "100", "--hidden", "256", "--layers", "4"],
                       check.log_path("train.log"), step.budget_s)
     rec = _read_json(run_dir / "smoke.json") or {}

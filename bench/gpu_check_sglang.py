@@ -14,7 +14,7 @@ installed (the ``dlite`` plugin entry point). Checks, each recorded as pass/fail
 3. verify_in_graph    : DLITE's TARGET_VERIFY forwards replay the target's CUDA graphs
                         (``get_spec_info`` hook: FULL hidden-state capture inside the graph).
 4. speed              : output tokens/s at concurrency 1, 4, 16, DLITE vs no speculation, and tau
-                        (sglang_dlite/speculation/tau.py: committed tokens per verify round, prefill excluded).
+                        (sglang_dlite/drafting/tau.py: committed tokens per verify round, prefill excluded).
 Exit code 0 when every check passes.
 """
 
@@ -34,9 +34,9 @@ from pathlib import Path
 def _check_drafter_graphs(result):
     import torch
 
-    from sglang_dlite.config import DLiteConfig
-    from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.sglang_plugin.worker import DrafterCudaGraphs
+    from sglang_dlite.model.config import DLiteConfig
+    from sglang_dlite.model.dlite import DLiteDrafter
+    from sglang_dlite.serving.worker import DrafterCudaGraphs
 
     details = {}
     ok = True
@@ -88,7 +88,7 @@ def _check_engine(result, target, draft, budget_end):
 
     from transformers import AutoTokenizer
 
-    from sglang_dlite.speculation.tau import tau_of_sglang
+    from sglang_dlite.drafting.tau import tau_of_sglang
 
     tok = AutoTokenizer.from_pretrained(str(target))
     prompts = _prompts(tok)
@@ -163,13 +163,13 @@ def main(argv=None) -> int:
 
         result["sglang"] = getattr(sglang, "__version__", "?")
         _check_drafter_graphs(result)
-        from sglang_dlite.drafters import shipped_drafter_path
-        from sglang_dlite.target import prepare_default_target
+        from sglang_dlite.model.dlite import shipped_drafter_path
+        from sglang_dlite.model.bundled_target import prepare_default_target
 
         target = prepare_default_target(verbose=False)
         draft = args.draft or shipped_drafter_path()
         if draft is None:
-            from sglang_dlite.benchmarking.random_models import save_random_dlite
+            from dlite_lab.benchmarking.random_models import save_random_dlite
 
             draft = save_random_dlite(os.path.join(tempfile.mkdtemp(), "d"), str(target))
             result["note"] = "random drafter (none shipped): tau ~1"

@@ -7,7 +7,7 @@ one JSON record (``--out``) with ``"ok"`` and what it measured, and exits 0 only
                                                           # greedy output == the target's (--device cpu works too)
 
 ``graphs``: a random SmolLM2-sized DLite drafter (float32 and bfloat16) captured in CUDA graphs
-(``sglang_dlite/sglang_plugin/cuda_graphs.py``, which imports no sglang) for batch sizes up to 32;
+(``sglang_dlite/serving/cuda_graphs.py``, which imports no sglang) for batch sizes up to 32;
 at every bucket size the replayed tokens (and confidences, the hybrid drafting variant) must be
 bitwise equal to an eager ``propose`` of the same inputs through the same ops. ``engine``: a tiny
 random Llama target and a random DLite drafter in the reference engine on the device, greedy output
@@ -64,9 +64,9 @@ def graphs(args) -> dict:
     import torch
 
     from sglang_dlite import ops
-    from sglang_dlite.config import DLiteConfig
-    from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.sglang_plugin.cuda_graphs import DrafterCudaGraphs
+    from sglang_dlite.model.config import DLiteConfig
+    from sglang_dlite.model.dlite import DLiteDrafter
+    from sglang_dlite.serving.cuda_graphs import DrafterCudaGraphs
 
     if not torch.cuda.is_available():
         return {"ok": False, "error": "no CUDA device"}
@@ -139,12 +139,12 @@ def engine(args) -> dict:
     import torch
 
     from sglang_dlite import ops
-    from sglang_dlite.benchmarking.random_models import tiny_llama
-    from sglang_dlite.config import DLiteConfig
-    from sglang_dlite.drafters import DLiteEngineDrafter, OracleDrafter
-    from sglang_dlite.engine import ReferenceEngine
-    from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.speculation.tau import tau_of_requests
+    from dlite_lab.benchmarking.random_models import tiny_llama
+    from sglang_dlite.model.config import DLiteConfig
+    from dlite_lab.reference.drafters import DLiteEngineDrafter, OracleDrafter
+    from dlite_lab.reference.engine import ReferenceEngine
+    from sglang_dlite.model.dlite import DLiteDrafter
+    from sglang_dlite.drafting.tau import tau_of_requests
 
     def _rounded(x):
         return None if x is None else round(x, 3)

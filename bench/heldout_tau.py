@@ -37,17 +37,17 @@ import numpy as np
 import torch
 
 
-from sglang_dlite.baselines.registry import KV_BASELINES, load_kv_baseline
-from sglang_dlite.baselines.train import heldout_scores
-from sglang_dlite.drafters import load_dlite
-from sglang_dlite.model import DLiteDrafter
+from dlite_lab.baselines.registry import KV_BASELINES, load_kv_baseline
+from dlite_lab.baselines.train import heldout_scores
+from sglang_dlite.model.dlite import load_dlite
+from sglang_dlite.model.dlite import DLiteDrafter
 from sglang_dlite.errors import DLiteInputError
-from sglang_dlite.speculation.tau import tau_of_committed
-from sglang_dlite.training.precision import warn_if_emulated_bf16
-from sglang_dlite.target import load_target
-from sglang_dlite.training.data import MANIFEST, read_manifest, save_shard, shard_source, write_manifest
-from sglang_dlite.training.dataset import FeatureData, eval_groups
-from sglang_dlite.training.evaluation import greedy_scores
+from sglang_dlite.drafting.tau import tau_of_committed
+from dlite_lab.training.precision import warn_if_emulated_bf16
+from sglang_dlite.model.bundled_target import load_target
+from dlite_lab.training.data import MANIFEST, read_manifest, save_shard, shard_source, write_manifest
+from dlite_lab.training.dataset import FeatureData, eval_groups
+from dlite_lab.training.evaluation import greedy_scores
 
 
 def parse_args(argv=None):
@@ -161,8 +161,8 @@ def heldout_tau(model, data: FeatureData, groups, bf16: bool) -> dict:
 def drop_seen_prompts(data: FeatureData, data_dir: str, specs, seed: int) -> dict:
     """Keep only held-out sequences whose conversation is not among ``specs``' prompts (a clean
     A/B against a drafter trained on them); returns what was dropped."""
-    from sglang_dlite.training.data import read_manifest
-    from sglang_dlite.training.prompts import parse_source, prompt_ids, sequence_prompt_ids
+    from dlite_lab.training.data import read_manifest
+    from dlite_lab.training.prompts import parse_source, prompt_ids, sequence_prompt_ids
 
     names = {parse_source(s)[0] for s in specs}
     seen = prompt_ids(specs, seed, names=names)

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from sglang_dlite import ops
-    from sglang_dlite.training.fast_llama import FastLlama
+    from dlite_lab.training.fast_llama import FastLlama
 
     if not ops.kv_cache_attention_kernel_available(torch.float32, 64):
         raise SystemExit(f"the C++ kv_cache_attention kernel is not available ({ops.build_status()}); run `make build-ext`.")

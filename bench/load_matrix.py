@@ -20,7 +20,7 @@ writes the report from what is there.
 Report (``OUT_DIR/matrix.json``, a table printed): per (cell, mode, level) the medians over the
 repeats of tokens/s, TTFT p50, inter-token latency p50 / p99 and tau, and the speed-up over no
 speculation's median in the same cell and level; mismatches of the first repeat's outputs against
-no speculation's (``sglang_dlite.divergence``: bf16 ties are not mismatches; float32 must be
+no speculation's (``dlite_lab.divergence``: bf16 ties are not mismatches; float32 must be
 identical). PNGs: ``speedup_vs_concurrency.png`` (one panel per cell, a line per mode, the 1.0x
 line) and ``tau_by_position.png`` (tau by how far into the answer the round started, every level
 and repeat pooled, from the worker's round log).
@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 from statistics import median
 
-from sglang_dlite.benchmarking.sglang_runs import (ATTENTION, POSITION_BUCKET, build_requests, jsonl_after,
+from dlite_lab.benchmarking.sglang_runs import (ATTENTION, POSITION_BUCKET, build_requests, jsonl_after,
                                                    pool_rounds_by_position, prefill_attention, remembers_requests,
                                                    run_sglang, tau_by_position)
-from sglang_dlite.speculation.tau import TAU_DEFINITION
+from sglang_dlite.drafting.tau import TAU_DEFINITION
 
 REPO = Path(__file__).resolve().parents[1]
 STATS = ("tokens_per_s", "ttft_p50_s", "itl_p50_ms", "itl_p99_ms", "tau")
@@ -90,8 +90,8 @@ def load_runs(path: Path, attention: str) -> list:
 def measure(args, out_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from sglang_dlite.drafters import shipped_drafter_path
-    from sglang_dlite.target import resolve_target
+    from sglang_dlite.model.dlite import shipped_drafter_path
+    from sglang_dlite.model.bundled_target import resolve_target
 
     target, draft = resolve_target("default"), shipped_drafter_path()
     tok = AutoTokenizer.from_pretrained(target)
@@ -133,7 +133,7 @@ def measure(args, out_dir: Path) -> None:
 
 
 def report(args, out_dir: Path) -> dict:
-    from sglang_dlite.target import resolve_target
+    from sglang_dlite.model.bundled_target import resolve_target
 
     recs = load_runs(out_dir / "runs.jsonl", args.baseline_attention)
     if not recs:
@@ -183,10 +183,10 @@ def report(args, out_dir: Path) -> dict:
 
 def score_mismatches(rows, recs, target, args) -> None:
     """Mismatches of each mode's first-repeat outputs against no speculation's first repeat, same cell and
-    level (bf16: precision ties are not mismatches, ``sglang_dlite.divergence``)."""
+    level (bf16: precision ties are not mismatches, ``dlite_lab.divergence``)."""
     from transformers import AutoTokenizer
 
-    from sglang_dlite.divergence import DEFAULT_TIE_MARGIN, Fp32LogitGap, classify_divergences, is_mismatch
+    from dlite_lab.divergence import DEFAULT_TIE_MARGIN, Fp32LogitGap, classify_divergences, is_mismatch
 
     tok = AutoTokenizer.from_pretrained(target)
     first = {}

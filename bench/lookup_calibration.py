@@ -3,9 +3,9 @@
 
     python bench/lookup_calibration.py --prompts stdlib:16 sharegpt:16 bfcl:12 --max-new-tokens 128 \
         --threads 1 --out artifacts/results/lookup/calibration_run.json \
-        --write-calibration sglang_dlite/lookup/calibration.json --plot bench/plots/lookup_calibration.png
+        --write-calibration sglang_dlite/drafting/calibration.json --plot bench/plots/lookup_calibration.png
 
-Prompts come from gen-data's training sources (``sglang_dlite.training.prompts.load_prompts``:
+Prompts come from gen-data's training sources (``dlite_lab.training.prompts.load_prompts``:
 the sharegpt train split, stdlib files disjoint from agent-stdlib, bfcl single-turn categories).
 Each is generated greedily by the reference engine with hybrid drafting under the prior
 calibration, logging every round's candidates: the lookup's chain, DLite's greedy chain with its
@@ -58,13 +58,15 @@ def generate_log(args, log_path):
     import torch
     from tqdm.auto import tqdm
 
-    from sglang_dlite.drafters import DLiteEngineDrafter, load_dlite
-    from sglang_dlite.engine import ReferenceEngine
-    from sglang_dlite.lookup.chooser import Calibration
-    from sglang_dlite.lookup.drafters import HybridEngineDrafter
-    from sglang_dlite.target import load_target
-    from sglang_dlite.training.prompts import load_prompts
-    from sglang_dlite.workloads.replay import eos_token_ids
+    from dlite_lab.reference.drafters import DLiteEngineDrafter
+
+    from sglang_dlite.model.dlite import load_dlite
+    from dlite_lab.reference.engine import ReferenceEngine
+    from sglang_dlite.drafting.chooser import Calibration
+    from dlite_lab.reference.drafters import HybridEngineDrafter
+    from sglang_dlite.model.bundled_target import load_target
+    from dlite_lab.training.prompts import load_prompts
+    from dlite_lab.workloads.replay import eos_token_ids
 
     target, tok = load_target("default")
     rounds: list = []
@@ -99,7 +101,7 @@ def generate_log(args, log_path):
 
 def samples(recs, K):
     """Per round: candidate chains with their features and their true accepted lengths."""
-    from sglang_dlite.lookup.suffix import LookupStep
+    from sglang_dlite.drafting.suffix import LookupStep
 
     out = []
     for rec in recs:
@@ -118,7 +120,7 @@ def samples(recs, K):
 
 
 def fit(rounds):
-    from sglang_dlite.lookup.chooser import dlite_key, lookup_key
+    from sglang_dlite.drafting.chooser import dlite_key, lookup_key
 
     lk_cells, dl_cells = {}, {}
 
@@ -157,10 +159,10 @@ def fit(rounds):
 
 
 def simulate(rounds, cal, K):
-    """The chooser on the logged rounds: tau (``speculation/tau.py`` of the simulated rounds' accepted
+    """The chooser on the logged rounds: tau (``drafting/tau.py`` of the simulated rounds' accepted
     drafts), per-source rounds, calibration pairs."""
-    from sglang_dlite.lookup.chooser import expected_accepted
-    from sglang_dlite.speculation.tau import tau_of_rounds
+    from sglang_dlite.drafting.chooser import expected_accepted
+    from sglang_dlite.drafting.tau import tau_of_rounds
 
     accepted, per_src, pairs, skipped = [], {}, {"suffix": [], "dlite": [], "chosen": []}, 0
     for s in rounds:
@@ -231,7 +233,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(max(1, args.threads))
-    from sglang_dlite.lookup.chooser import Calibration
+    from sglang_dlite.drafting.chooser import Calibration
 
     K = 7
     log_path = args.log or os.path.splitext(args.out)[0] + "_rounds.jsonl"

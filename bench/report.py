@@ -25,8 +25,8 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
-from sglang_dlite.benchmarking.draft_rounds import draft_cost_table, plot_draft_cost
-from sglang_dlite.speculation.tau import TAU_DEFINITION, pool_tau
+from dlite_lab.benchmarking.draft_rounds import draft_cost_table, plot_draft_cost
+from sglang_dlite.drafting.tau import TAU_DEFINITION, pool_tau
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKETS = ("0-1k", "1-2k", "2-4k", "4-8k", ">=8k")
@@ -109,7 +109,7 @@ def load_draft_cost(results_dir: str):
 
 # ---------------------------------------------------------------------------- tables
 def pooled_by_context(rs):
-    """Tau per context bucket pooled over several result files (``speculation.tau.pool_tau``: their
+    """Tau per context bucket pooled over several result files (``drafting.tau.pool_tau``: their
     committed tokens over their rounds) -> {bucket: (tau, rounds)}."""
     parts = {}
     for r in rs:
@@ -372,7 +372,7 @@ def plot_e2e(results, plots: Path, plt) -> list:
 def plot_output_position(ref, plots: Path, plt, name: str = "tau_vs_output_position.png",
                          title: str = "tau vs position in the answer (all workloads pooled)") -> list:
     """tau vs how far into its answer a round starts (``tau_by_output_position``), per drafter, all
-    workloads pooled (``speculation.tau.pool_tau``): does acceptance decay over a long answer?
+    workloads pooled (``drafting.tau.pool_tau``): does acceptance decay over a long answer?
     ``ref``: {(engine, drafter, workload, temperature): an acceptance result}."""
     series = {}
     for k, r in ref.items():

@@ -8,7 +8,7 @@ mixed traffic plus a chaos client, bounded in time and in requests, stopping by 
 Traffic: ``--clients`` (default 16) concurrent clients, each looping over a seeded mix of greedy,
 sampled, penalty, json_schema, stop-string, logprob, streaming (native and OpenAI chat) requests,
 explicit aborts (``/abort_request``), client disconnects mid-stream, over-long prompts and invalid
-parameters; plus one chaos client that sends every input of ``sglang_dlite/benchmarking/bad_requests.py`` in a
+parameters; plus one chaos client that sends every input of ``dlite_lab/benchmarking/bad_requests.py`` in a
 loop. Every ``--sample-every`` seconds (default 10) it samples the resident memory (RSS) of the
 scheduler, tokenizer/HTTP and detokenizer processes and the KV pool's used tokens
 (``/v1/loads``). The load runs in ``--cycles`` cycles; after each it idles ``--idle`` seconds and
@@ -43,8 +43,8 @@ from pathlib import Path
 
 import requests
 
-from sglang_dlite.benchmarking.bad_requests import BAD_REQUESTS, LEAK_RE, error_message, send
-from sglang_dlite.benchmarking.soak_report import dlite_metrics, plot, plot_title, print_table, rss_summary, table
+from dlite_lab.benchmarking.bad_requests import BAD_REQUESTS, LEAK_RE, error_message, send
+from dlite_lab.benchmarking.soak_report import dlite_metrics, plot, plot_title, print_table, rss_summary, table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ def _free_port() -> int:
 # ----------------------------------------------------------------------------- the server
 class Server:
     def __init__(self, args, log_path: Path):
-        from sglang_dlite.sglang_plugin import serve
+        from sglang_dlite.serving import serve
 
         self.port = args.port or _free_port()
         self.base = f"http://127.0.0.1:{self.port}"

@@ -25,8 +25,8 @@ import shutil
 import subprocess
 import time
 
-from sglang_dlite.training.precision import cpu_native_bf16
-from sglang_dlite.training.smoke import train_command, training_throughput
+from dlite_lab.training.precision import cpu_native_bf16
+from dlite_lab.training.smoke import train_command, training_throughput
 
 CONFIG_RE = re.compile(r"^(fp32|bf16):(\d+)x(\d+)$")
 DEFAULT_TRAIN_ARGS = ["--single-stage", "--vocab-subset", "8192", "--stream-window", "8", "--eval-shards", "2",

@@ -1,4 +1,4 @@
-"""Transient host memory of one DLITE verify/accept step (sglang_plugin/verify_logits.py) per round.
+"""Transient host memory of one DLITE verify/accept step (serving/verify_logits.py) per round.
 
     python bench/verify_memory.py --batch 64 --width 8 --vocab 49152,151936 --out RESULT.json
 
@@ -82,7 +82,7 @@ def _torch_sampler(temps, top_ks, top_ps, simple: bool, inplace: bool):
 
 
 def one_round(case: str, B: int, W: int, V: int, inplace: bool = True) -> dict:
-    from sglang_dlite.sglang_plugin import verify_logits as VL
+    from sglang_dlite.serving import verify_logits as VL
 
     torch.manual_seed(0)
     pen = case.endswith("penalties")
@@ -121,7 +121,7 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from sglang_dlite.cpu_launch import activate_cpu_standins
+    from sglang_dlite.serving.cpu_launch import activate_cpu_standins
 
     activate_cpu_standins()  # sglang's sampler module imports on this CPU machine
     one_round("greedy", 2, args.width, 1024)  # warm-up: lazy initialisation is not a round's cost

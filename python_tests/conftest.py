@@ -13,7 +13,7 @@ TINY_VOCAB = 96
 
 def make_tiny_llama(seed: int = 0, vocab: int = TINY_VOCAB, hidden: int = 64, layers: int = 6):
     """A random-weight Llama small enough to decode in milliseconds (fp32, CPU, tied embeddings)."""
-    from sglang_dlite.benchmarking.random_models import tiny_llama
+    from dlite_lab.benchmarking.random_models import tiny_llama
 
     model = tiny_llama(seed, vocab, hidden, layers, tied=True, max_positions=512)
     for p in model.parameters():
@@ -28,8 +28,8 @@ def write_greedy_feature_shards(target, out_dir, layers, *, shards: int, seqs_pe
     at ``layers``, and the manifest. Returns the shard infos."""
     import numpy as np
 
-    from sglang_dlite.training.data import save_shard, write_manifest
-    from sglang_dlite.training.features import compute_features, save_features
+    from dlite_lab.training.data import save_shard, write_manifest
+    from dlite_lab.training.features import compute_features, save_features
 
     infos = []
     for k in range(shards):
@@ -51,7 +51,7 @@ def write_greedy_feature_shards(target, out_dir, layers, *, shards: int, seqs_pe
 
 
 def tiny_dlite_config(target, **overrides):
-    from sglang_dlite.config import DLiteConfig
+    from sglang_dlite.model.config import DLiteConfig
 
     c = target.config
     kw = dict(
@@ -78,7 +78,7 @@ def tiny_ckpt(tmp_path_factory):
     """A random-weight Llama with SmolLM2's vocabulary and chat template, saved as a HF folder."""
     from transformers import AutoTokenizer
 
-    from sglang_dlite.target import resolve_target
+    from sglang_dlite.model.bundled_target import resolve_target
 
     tok = AutoTokenizer.from_pretrained(resolve_target("default"))
     model = make_tiny_llama(seed=3, vocab=len(tok), hidden=64, layers=6)
@@ -125,6 +125,6 @@ def dlite_http_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_target():
     """The bundled SmolLM2-135M-Instruct (prepared once into the cache)."""
-    from sglang_dlite.target import load_target
+    from sglang_dlite.model.bundled_target import load_target
 
     return load_target("default")

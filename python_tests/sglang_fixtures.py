@@ -1,7 +1,7 @@
 """Shared helpers for the sglang tests (test_sglang_*.py): a copy-trained tiny drafter, the
 reference-engine oracle. The CPU launch environment (``cpu_environ``, ``start_engine``, ...) is the
-package's public ``sglang_dlite.cpu_launch`` and the random-weight models are
-``sglang_dlite.benchmarking.random_models``, both re-exported here for the tests.
+package's public ``sglang_dlite.serving.cpu_launch`` and the random-weight models are
+``dlite_lab.benchmarking.random_models``, both re-exported here for the tests.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_dlite.cpu_launch import (  # noqa: F401  (the CPU launch environment lives in the package)
+from sglang_dlite.serving.cpu_launch import (  # noqa: F401  (the CPU launch environment lives in the package)
     CPU_STANDINS, activate_cpu_standins, cpu_environ, engine_kwargs, start_engine,
 )
-from sglang_dlite.cpu_launch import cpu_engine as engine  # noqa: F401
+from sglang_dlite.serving.cpu_launch import cpu_engine as engine  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout (tests run from it)
-from sglang_dlite.benchmarking.random_models import (  # noqa: F401  (tiny random-weight targets and drafters)
+from dlite_lab.benchmarking.random_models import (  # noqa: F401  (tiny random-weight targets and drafters)
     save_random_dlite, save_tiny_llama, save_tiny_qwen3,
 )
 
@@ -31,7 +31,7 @@ def train_copy_dlite(path, target_path, steps: int = 40, seed: int = 0) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sglang_dlite.model import DLiteDrafter
+    from sglang_dlite.model.dlite import DLiteDrafter
 
     save_random_dlite(path, target_path, seed=seed)
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32)
@@ -44,7 +44,7 @@ def train_copy_dlite(path, target_path, steps: int = 40, seed: int = 0) -> str:
         anchors = torch.randint(0, cfg.vocab_size, (32,), generator=g)
         ctx = torch.randn(32, cfg.num_capture_layers, cfg.num_context_positions, cfg.target_hidden_size, generator=g)
         valid = torch.rand(32, cfg.num_context_positions, generator=g) > 0.2
-        logits = d(ctx, valid, anchors)
+        logits = d(ctx, valid, anchors, feedback_tokens=anchors[:, None].expand(-1, cfg.block_size))
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), anchors[:, None].expand(-1, cfg.block_size).reshape(-1))
         opt.zero_grad()
@@ -71,10 +71,10 @@ def reference_results(target_path, drafter_path, prompts, max_new_tokens, eos=()
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sglang_dlite.drafters import DLiteEngineDrafter
-    from sglang_dlite.engine import ReferenceEngine
-    from sglang_dlite.lookup.tree_drafters import TreeEngineDrafter
-    from sglang_dlite.model import DLiteDrafter
+    from dlite_lab.reference.drafters import DLiteEngineDrafter
+    from dlite_lab.reference.engine import ReferenceEngine
+    from dlite_lab.reference.drafters import TreeEngineDrafter
+    from sglang_dlite.model.dlite import DLiteDrafter
 
     key = (str(target_path), str(drafter_path), tuple(eos), tree_nodes)
     eng = _REF_ENGINES.get(key)
@@ -92,7 +92,7 @@ def default_target_chat_prompts(messages: list) -> tuple:
     """(bundled SmolLM2 target folder, [token ids of each user message in its chat template])."""
     from transformers import AutoTokenizer
 
-    from sglang_dlite.target import prepare_default_target
+    from sglang_dlite.model.bundled_target import prepare_default_target
 
     target = str(prepare_default_target(verbose=False))
     tok = AutoTokenizer.from_pretrained(target)
@@ -164,8 +164,8 @@ def start_dlite_http_server(workdir, extra_args=(), timeout: float = 600) -> Htt
     """The DLITE server on the real default target (SmolLM2-135M-Instruct, fp32, CPU) with the
     shipped drafter (a random one where none is shipped); returns once ``/health`` answers
     (start-up is ~30 s alone, minutes on a shared 2-core machine)."""
-    from sglang_dlite.drafters import shipped_drafter_path
-    from sglang_dlite.target import prepare_default_target
+    from sglang_dlite.model.dlite import shipped_drafter_path
+    from sglang_dlite.model.bundled_target import prepare_default_target
 
     target = str(prepare_default_target(verbose=False))
     draft = shipped_drafter_path() or save_random_dlite(os.path.join(workdir, "d"), target)

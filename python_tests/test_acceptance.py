@@ -39,7 +39,7 @@ def tiny_drafter(tiny_ckpt, tmp_path_factory):
     from transformers import AutoConfig
 
     from conftest import tiny_dlite_config
-    from sglang_dlite.model import DLiteDrafter
+    from sglang_dlite.model.dlite import DLiteDrafter
 
     class _Shape:  # tiny_dlite_config reads target.config
         config = AutoConfig.from_pretrained(tiny_ckpt)
@@ -100,7 +100,7 @@ def test_acceptance_sampling_marks_lossless_not_applicable(tiny_ckpt, tiny_draft
 
 
 def test_acceptance_drafter_for_another_target_is_a_clear_error(tiny_ckpt, workload_file, tmp_path, capsys):
-    from sglang_dlite.drafters import shipped_drafter_path
+    from sglang_dlite.model.dlite import shipped_drafter_path
 
     if shipped_drafter_path() is None:
         pytest.skip("no shipped drafter in this build")
@@ -120,9 +120,9 @@ def test_acceptance_bad_workload_is_a_clear_error(tiny_ckpt, tmp_path, capsys):
 def test_replay_metrics_with_oracle_drafter(tiny_target):
     """evaluate_tau / replay aggregation: an oracle drafter that knows the greedy continuation is
     fully accepted, so tau is K+1 except for the last partial round; per-position acceptance 1."""
-    from sglang_dlite.drafters import OracleDrafter
-    from sglang_dlite.engine import ReferenceEngine
-    from sglang_dlite.workloads.replay import bucket_of, evaluate_tau, replay
+    from dlite_lab.reference.drafters import OracleDrafter
+    from dlite_lab.reference.engine import ReferenceEngine
+    from dlite_lab.workloads.replay import bucket_of, evaluate_tau, replay
 
     class Tok:  # a minimal tokenizer: messages -> ids via a fixed rule (no template needed)
         eos_token_id = 2

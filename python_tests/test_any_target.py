@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from sglang_dlite.config import (
-    SUPPORTED_TARGET_ARCHITECTURES, DLiteConfig, default_layer_ids, drafter_config_for_target,
+from sglang_dlite.model.config import (
+    SUPPORTED_TARGET_ARCHITECTURES, DLiteConfig, proportional_layer_ids, drafter_config_for_target,
     low_mid_high_layer_ids, target_info,
 )
 from sglang_dlite.errors import DLiteConfigError
@@ -26,7 +26,7 @@ SMOLLM2 = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_si
 def _hf_config(arch: str, **kw):
     import transformers
 
-    from sglang_dlite.training.tiny_target import ARCHS
+    from dlite_lab.training.tiny_target import ARCHS
 
     cfg_name, model_name, extra = ARCHS[arch]
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
@@ -58,7 +58,7 @@ def test_every_supported_architecture_sizes_the_drafter_from_the_target(arch):
     assert (c.num_heads, c.num_kv_heads, c.intermediate_size) == (32, 8, 9728)
     assert c.head_dim == (128 if arch == "qwen3" else 80)
     assert c.rnn_rank == 320  # hidden / 8: the method's rank for Qwen3-4B
-    assert c.target_layer_ids == [12, 14]  # the method's layers for a 36-layer target
+    assert c.target_layer_ids == [2, 18, 33]  # low / mid / high (DLiteConfig.default_layer_ids) for 36 layers
     assert c.target_model_type == target_info(cfg).model_type == SUPPORTED_TARGET_ARCHITECTURES[target_info(cfg).architecture]
     assert c.history == "none"
 
@@ -69,7 +69,7 @@ def test_baselines_are_sized_by_the_same_derivation(name):
     each drafter's own default layers; an unsupported target is refused the same way."""
     import transformers
 
-    from sglang_dlite.baselines.registry import new_model
+    from dlite_lab.baselines.registry import new_model
 
     cfg = _hf_config("qwen3", hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
                      intermediate_size=512, num_hidden_layers=12)
@@ -82,13 +82,13 @@ def test_baselines_are_sized_by_the_same_derivation(name):
 
 def test_overrides_win_and_history_is_passed():
     c = drafter_config_for_target(SMOLLM2, history="full", target_layer_ids=[2, 15, 27], rnn_rank=16, num_layers=None)
-    assert (c.history, c.target_layer_ids, c.rnn_rank, c.num_layers) == ("full", [2, 15, 27], 16, 2)
+    assert (c.history, c.target_layer_ids, c.rnn_rank, c.num_layers) == ("full", [2, 15, 27], 16, 3)
 
 
 def test_derivation_from_a_folder_a_model_and_a_config_agree(tmp_path):
     import transformers
 
-    from sglang_dlite.training.tiny_target import save_tiny_target
+    from dlite_lab.training.tiny_target import save_tiny_target
 
     path = save_tiny_target(tmp_path / "t", "qwen3")
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
@@ -101,14 +101,14 @@ def test_derivation_from_a_folder_a_model_and_a_config_agree(tmp_path):
 def test_layer_choices_are_capturable_by_sglang(n):
     """Both layer choices stay inside 0..N-2 (sglang never captures the last layer's output),
     sorted and distinct, for every depth."""
-    for ids in (default_layer_ids(n), low_mid_high_layer_ids(n)):
+    for ids in (proportional_layer_ids(n), low_mid_high_layer_ids(n)):
         assert ids and ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] <= n - 2, (n, ids)
     if n >= 6:
         assert low_mid_high_layer_ids(n) == sorted({2, n // 2, n - 3})
 
 
 def test_known_layer_choices():
-    assert default_layer_ids(36) == [12, 14] and default_layer_ids(30) == [10, 12]
+    assert proportional_layer_ids(36) == [12, 14] and proportional_layer_ids(30) == [10, 12]
     assert low_mid_high_layer_ids(30) == [2, 15, 27]  # the shipped drafter's layers
 
 
@@ -147,9 +147,9 @@ def test_every_command_refuses_an_unsupported_target_folder(tmp_path, capsys):
 def pipeline(request, tmp_path_factory):
     """gen-data (hf engine) -> train (single-stage, 1 process) -> export, through the CLI."""
     from sglang_dlite.cli import main
-    from sglang_dlite.training import smoke
-    from sglang_dlite.training.recipe import export
-    from sglang_dlite.training.tiny_target import save_tiny_target
+    from dlite_lab.training import smoke
+    from dlite_lab.training.recipe import export
+    from dlite_lab.training.tiny_target import save_tiny_target
 
     arch = request.param
     d = tmp_path_factory.mktemp(f"any_{arch}")
@@ -165,14 +165,14 @@ def test_gen_data_captured_the_derived_layers(pipeline):
     arch, target, drafter, data = pipeline
     with open(os.path.join(data, "manifest.json")) as f:
         man = json.load(f)
-    assert man["recipe"]["feature_layers"] == default_layer_ids(6) == [2, 3]
+    assert man["recipe"]["feature_layers"] == low_mid_high_layer_ids(6) == [2, 3]
     cfg = DLiteConfig.from_pretrained(drafter)
     assert cfg.target_layer_ids == [2, 3] and cfg.target_model_type == arch
     assert sum(s["num_loss_tokens"] for s in man["shards"]) == 8 * 24  # every turn ran to its budget
 
 
 def test_reference_engine_is_lossless_with_the_trained_drafter(pipeline):
-    from sglang_dlite.training.smoke import check_lossless
+    from dlite_lab.training.smoke import check_lossless
 
     arch, target, drafter, _ = pipeline
     r = check_lossless(target, drafter, n_prompts=2, max_new_tokens=32)
@@ -196,7 +196,7 @@ def test_train_default_recipe_runs_on_any_target(pipeline, tmp_path):
     assert cfg.target_layer_ids == low_mid_high_layer_ids(6) == [2, 3] and cfg.draft_vocab_size == 64
     card = (dest / "README.md").read_text()
     assert card.startswith("# DLite drafter for target (`dlite-target`)")
-    assert f"K = {cfg.block_size} draft positions" in card and f"r = {cfg.rnn_rank})" in card and "layers 2, 3" in card
+    assert f"K = {cfg.block_size} draft positions" in card and f"r = {cfg.rnn_rank} fed the previous draft token" in card and "layers 2, 3" in card
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])
@@ -205,9 +205,9 @@ def test_reference_engine_is_lossless_on_the_other_architectures(arch, tmp_path)
     engine gives the target's own greedy output (hidden-state capture works for them)."""
     import torch
 
-    from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.training.smoke import check_lossless
-    from sglang_dlite.training.tiny_target import save_tiny_target
+    from sglang_dlite.model.dlite import DLiteDrafter
+    from dlite_lab.training.smoke import check_lossless
+    from dlite_lab.training.tiny_target import save_tiny_target
 
     target = save_tiny_target(tmp_path / arch, arch)
     torch.manual_seed(0)
@@ -222,7 +222,7 @@ def test_sglang_dlite_serves_the_trained_drafter_losslessly(pipeline):
     import sglang_fixtures as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sglang_dlite.training.smoke import chat_prompts, target_greedy
+    from dlite_lab.training.smoke import chat_prompts, target_greedy
 
     arch, target, drafter, _ = pipeline
     prompts = chat_prompts(AutoTokenizer.from_pretrained(target), 2)
@@ -240,9 +240,9 @@ def test_sglang_qwen2_target_captures_through_the_eagle3_setter(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.training.smoke import chat_prompts, target_greedy
-    from sglang_dlite.training.tiny_target import save_tiny_target
+    from sglang_dlite.model.dlite import DLiteDrafter
+    from dlite_lab.training.smoke import chat_prompts, target_greedy
+    from dlite_lab.training.tiny_target import save_tiny_target
 
     target = save_tiny_target(tmp_path / "qwen2", "qwen2")
     torch.manual_seed(0)

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from sglang_dlite.cli import main as cli_main
 from sglang_dlite.errors import DLiteInputError
-from sglang_dlite.model import DLiteDrafter
-from sglang_dlite.training import average, model_card
+from sglang_dlite.model.dlite import DLiteDrafter
+from dlite_lab.training import average, model_card
 
 
 def _save(target, path, seed, dtype=torch.float32, vocab=None, **overrides):

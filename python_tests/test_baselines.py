@@ -13,17 +13,18 @@ import pytest
 import torch
 
 from conftest import tiny_dlite_config
-from sglang_dlite.baselines.common import anchor_targets
-from sglang_dlite.baselines.ngram import NGramDrafter, lookup
-from sglang_dlite.baselines.registry import (
+from dlite_lab.baselines.common import anchor_targets
+from dlite_lab.baselines.ngram import NGramDrafter, lookup
+from dlite_lab.baselines.registry import (
     DLITE_ABLATIONS, DRAFTER_NAMES, engine_adapter, make_baseline_drafter, new_model,
 )
-from sglang_dlite.drafters import DLiteEngineDrafter, DraftRequest
-from sglang_dlite.registry import make_engine_drafter
-from sglang_dlite.engine import ReferenceEngine
+from dlite_lab.reference.drafters import DLiteEngineDrafter, DraftRequest
+from dlite_lab.registry import make_engine_drafter
+from dlite_lab.reference.engine import ReferenceEngine
 from sglang_dlite.errors import DLiteConfigError, DLiteInputError
-from sglang_dlite.model import DLiteDrafter
-from sglang_dlite.proposal import DraftProposal
+from sglang_dlite.model.dlite import DLiteDrafter
+from dlite_lab.ablations import build_drafter
+from sglang_dlite.model.proposal import DraftProposal
 
 EOS = 2
 KV_NAMES = ["eagle3", "dflash", "dspark"]
@@ -185,7 +186,7 @@ def test_ngram_accepts_repeats_in_engine(tiny_target):
 
 
 def test_registry_names_and_errors(tiny_target, tmp_path, monkeypatch):
-    import sglang_dlite.baselines.registry as registry
+    import dlite_lab.baselines.registry as registry
 
     monkeypatch.setenv("SGLANG_DLITE_BASELINES", str(tmp_path))
     monkeypatch.setattr(registry, "SHIPPED_BASELINES", {})  # the missing-checkpoint path
@@ -203,7 +204,7 @@ def test_registry_names_and_errors(tiny_target, tmp_path, monkeypatch):
     assert isinstance(make_engine_drafter("ngram", tiny_target), NGramDrafter)
     # DLite ablations: DLite checkpoints whose history matches the name
     torch.manual_seed(0)
-    DLiteDrafter(tiny_dlite_config(tiny_target, history="window:128")).save_pretrained(str(tmp_path / "dlite-window128"))
+    build_drafter(tiny_dlite_config(tiny_target, history="window:128")).save_pretrained(str(tmp_path / "dlite-window128"))
     d = make_engine_drafter("dlite-window128", tiny_target)
     assert isinstance(d, DLiteEngineDrafter) and d.hidden_rows_needed == 3 + 128
     DLiteDrafter(tiny_dlite_config(tiny_target)).save_pretrained(str(tmp_path / "dlite-teacher"))
@@ -251,9 +252,9 @@ def test_memory_per_request_grows_with_context_for_kv_baselines_not_dlite(tiny_t
 def test_reference_training_loop_learns_and_writes_a_loadable_checkpoint(tiny_target, tmp_path):
     """A few steps of the baselines' training loop on a tiny gen-data folder (features computed
     with the tiny target); the checkpoint loads through the registry."""
-    from sglang_dlite.baselines.train import sequence_inputs, train_kv_baseline
-    from sglang_dlite.training.data import save_shard, write_manifest
-    from sglang_dlite.training.train import FeatureData
+    from dlite_lab.baselines.train import sequence_inputs, train_kv_baseline
+    from dlite_lab.training.data import save_shard, write_manifest
+    from dlite_lab.training.train import FeatureData
 
     rng = random.Random(5)
     data = tmp_path / "data"
@@ -296,8 +297,8 @@ def test_reference_training_loop_learns_and_writes_a_loadable_checkpoint(tiny_ta
 def _check_export(src, data, tmp_path, target, prompt):
     from safetensors import safe_open
 
-    from sglang_dlite.baselines.export import export, main as export_main
-    from sglang_dlite.training.run_summary import read_training_json
+    from dlite_lab.baselines.export import export, main as export_main
+    from dlite_lab.training.run_summary import read_training_json
 
     acc = tmp_path / "acc.json"
     acc.write_text(json.dumps({"drafter": "eagle3", "workload": "agent-stdlib", "tau": 1.234, "lossless": True}))
@@ -325,7 +326,7 @@ def test_acceptance_harness_runs_baselines_and_report_renders(tmp_path):
     from transformers import AutoTokenizer
 
     from conftest import make_tiny_llama
-    from sglang_dlite.target import resolve_target
+    from sglang_dlite.model.bundled_target import resolve_target
     from test_acceptance import CONVS
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -407,11 +408,11 @@ def test_training_vocab_subset_selects_lm_head_rows(tiny_target, name):
 
 
 def test_ablation_cli_forwards_the_shared_training_options(monkeypatch, tmp_path):
-    """`python -m sglang_dlite.baselines.train --drafter-type dlite-window128 ...` runs DLite's own
+    """`python -m dlite_lab.baselines.train --drafter-type dlite-window128 ...` runs DLite's own
     trainer: lr, step counts, anchor tokens, vocabulary subset and the wall budget must reach it
     (regression: lr and steps were dropped, so an ablation stopped after the trainer's default
     300 steps at lr 1e-3)."""
-    import sglang_dlite.baselines.train as bt
+    import dlite_lab.baselines.train as bt
 
     seen = {}
 
@@ -432,7 +433,7 @@ def test_ablation_cli_forwards_the_shared_training_options(monkeypatch, tmp_path
 
 
 def test_default_checkpoint_prefers_trained_then_shipped(tmp_path, monkeypatch):
-    import sglang_dlite.baselines.registry as registry
+    import dlite_lab.baselines.registry as registry
 
     monkeypatch.setenv("SGLANG_DLITE_BASELINES", str(tmp_path))
     shipped = registry.shipped_checkpoint("eagle3")
@@ -451,8 +452,8 @@ def test_shipped_eagle3_checkpoint_is_small_bf16_and_lossless(real_target, monke
     trained one in the baselines folder) and drafts losslessly for the bundled target."""
     from safetensors import safe_open
 
-    import sglang_dlite.baselines.registry as registry
-    from sglang_dlite.commands.generate import chat_ids
+    import dlite_lab.baselines.registry as registry
+    from dlite_lab.commands.generate import chat_ids
 
     path = registry.shipped_checkpoint("eagle3")
     if path is None:

@@ -30,7 +30,7 @@ def test_train_throughput_configs_are_parsed_and_bad_ones_refused():
 def test_train_throughput_runs_configs_side_by_side(tiny_ckpt, tmp_path, capsys):
     from types import SimpleNamespace
 
-    from sglang_dlite.training import gen_data
+    from dlite_lab.training import gen_data
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}: " + "word " * (4 + 3 * i)}]})

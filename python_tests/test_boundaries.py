@@ -1,11 +1,15 @@
-"""Architecture boundaries that the code review of issue 16 asked for, checked on the source.
+"""Architecture boundaries that the code reviews of issues 16 and 63 asked for, checked on the source.
 
-- The package never imports the tests and never edits ``sys.path`` (the CPU launch environment is
-  the package's own ``sglang_dlite.cpu_launch``).
-- Pure-torch model code (config, model, ops, engine, drafters, lookup) imports no sglang.
+- Two packages: the product ``sglang_dlite`` (the wheel: what ``pip install`` and
+  ``--speculative-algorithm DLITE`` need) and the lab ``dlite_lab`` (reference engine, training,
+  baselines, workloads, benchmarking: the source checkout only). The product never imports the lab,
+  and its wheel holds no lab module and no baseline checkpoint.
+- Neither package imports the tests or edits ``sys.path`` (the CPU launch environment is the
+  product's own ``sglang_dlite.serving.cpu_launch``).
+- Pure-torch code (the drafter network, drafting, the ops, the reference engine) imports no sglang.
 - ``sglang-dlite serve --cpu`` gets its environment from ``cpu_launch``.
-- bench scripts use the installed package's public API: no ``sys.path`` edits, no imports of each
-  other or of the tests (shared helpers live in ``sglang_dlite.benchmarking``), no private names.
+- bench scripts use the installed packages' public API: no ``sys.path`` edits, no imports of each
+  other or of the tests (shared helpers live in ``dlite_lab.benchmarking``), no private names.
 """
 
 from __future__ import annotations
@@ -20,17 +24,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PKG = REPO / "sglang_dlite"
-PURE_TORCH = ["config.py", "model.py", "model_variants.py", "layers.py", "proposal.py", "engine.py", "drafters.py",
-              "ops", "lookup", "speculation"]
-# The product: what `pip install` + `--speculative-algorithm DLITE` needs (ARCHITECTURE.md, "serving").
-SERVING = ["__init__.py", "__main__.py", "cli.py", "errors.py", "config.py", "drafter_config.py", "model.py",
-           "model_variants.py", "layers.py", "proposal.py", "target.py", "target_support.py", "target_binding.py",
-           "drafters.py", "cpu_launch.py", "ops",
-           "speculation", "lookup", "sglang_plugin", "cpu_support"]
-# The lab: regeneration, training, baselines, benchmarking, workloads, the reference engine and its
-# drafter registry, the CLI's lab commands. The serving tree imports none of it.
-LAB = {"training", "baselines", "benchmarking", "workloads", "commands", "engine", "registry", "divergence"}
+PKG = REPO / "sglang_dlite"  # the product
+LAB = REPO / "dlite_lab"  # the lab
+PACKAGES = {"sglang_dlite": PKG, "dlite_lab": LAB}
+PURE_TORCH = [PKG / "model", PKG / "drafting", PKG / "ops", LAB / "reference", LAB / "ablations.py"]
 BENCH = REPO / "bench"
 TESTS = REPO / "python_tests"
 # bench scripts exempted while another change still owns them (none now); the test fails once one
@@ -39,8 +36,8 @@ BENCH_PENDING: set = set()
 
 
 def _py_files(*roots):
-    for r in roots:
-        p = PKG / r if not Path(r).is_absolute() else Path(r)
+    for p in roots:
+        p = Path(p)
         if p.is_file():
             yield p
         elif p.is_dir():
@@ -58,10 +55,10 @@ def _imports(path: Path) -> set:
     return out
 
 
-def test_package_does_not_import_tests_or_edit_sys_path():
+def test_packages_do_not_import_tests_or_edit_sys_path():
     """Only cpu_launch may put a folder on sys.path: the CPU stand-ins, for the engine's own process."""
     bad = []
-    for f in _py_files(PKG):
+    for f in _py_files(PKG, LAB):
         text = f.read_text()
         if "sglang_fixtures" in _imports(f):
             bad.append(f"{f.relative_to(REPO)}: imports the tests")
@@ -71,9 +68,10 @@ def test_package_does_not_import_tests_or_edit_sys_path():
 
 
 def _package_imports(path: Path) -> set:
-    """Modules of sglang_dlite that ``path`` imports (absolute or relative), as dotted names under it."""
-    rel = path.relative_to(PKG).with_suffix("").parts
-    pkg = list(rel[:-1]) if rel[-1] != "__init__" else list(rel[:-1])
+    """Modules of either package that ``path`` imports (absolute or relative, at any depth of the
+    file: function-local imports too), as dotted names."""
+    rel = path.relative_to(REPO).with_suffix("").parts
+    pkg = list(rel[:-1])
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level:
@@ -82,24 +80,26 @@ def _package_imports(path: Path) -> set:
                 out.add(".".join(base + node.module.split(".")))
             else:
                 out |= {".".join(base + [a.name]) for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang_dlite."):
-            out.add(node.module[len("sglang_dlite."):])
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
+            out.add(node.module)
+            if node.module in PACKAGES:  # `from sglang_dlite import ops`: the module ops
+                out |= {f"{node.module}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Import):
-            out |= {a.name[len("sglang_dlite."):] for a in node.names if a.name.startswith("sglang_dlite.")}
+            out |= {a.name for a in node.names if a.name.split(".")[0] in PACKAGES}
     return out
 
 
-def test_serving_tree_imports_nothing_from_the_lab():
-    bad = {str(f.relative_to(REPO)): sorted(m for m in _package_imports(f) if m.split(".")[0] in LAB)
-           for f in _py_files(*SERVING)}
+def test_product_imports_nothing_from_the_lab():
+    bad = {str(f.relative_to(REPO)): sorted(m for m in _package_imports(f) if m.split(".")[0] == "dlite_lab")
+           for f in _py_files(PKG)}
     bad = {k: v for k, v in bad.items() if v}
     assert not bad, bad
-    # and the check sees relative imports at any depth
-    probe = PKG / "sglang_plugin" / "_probe_boundary.py"
+    # and the check sees relative and function-local imports at any depth
+    probe = PKG / "serving" / "_probe_boundary.py"
     assert not probe.exists()
     try:
-        probe.write_text("from ..training import loop\nfrom . import worker\n")
-        assert _package_imports(probe) == {"training", "sglang_plugin.worker"}
+        probe.write_text("from ..drafting import tau\nfrom . import worker\ndef f():\n    import dlite_lab.training\n")
+        assert _package_imports(probe) == {"sglang_dlite.drafting", "sglang_dlite.serving.worker", "dlite_lab.training"}
     finally:
         probe.unlink()
 
@@ -107,12 +107,13 @@ def test_serving_tree_imports_nothing_from_the_lab():
 def test_pure_torch_modules_import_no_sglang():
     bad = [f"{f.relative_to(REPO)}: {sorted(m for m in _imports(f) if m.split('.')[0] == 'sglang')}"
            for f in _py_files(*PURE_TORCH) if any(m.split(".")[0] == "sglang" for m in _imports(f))]
+    assert len(list(_py_files(*PURE_TORCH))) > 20
     assert not bad, bad
 
 
 def test_serve_cpu_uses_the_cpu_launch_environment(tmp_path):
-    from sglang_dlite import cpu_launch
-    from sglang_dlite.sglang_plugin import serve
+    from sglang_dlite.serving import cpu_launch
+    from sglang_dlite.serving import serve
 
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
@@ -124,7 +125,7 @@ def test_serve_cpu_uses_the_cpu_launch_environment(tmp_path):
 
 
 def test_missing_standins_say_what_to_do(monkeypatch, tmp_path):
-    from sglang_dlite import cpu_launch
+    from sglang_dlite.serving import cpu_launch
     from sglang_dlite.errors import MissingDependencyError
 
     monkeypatch.setattr(cpu_launch, "CPU_STANDINS", tmp_path / "nowhere")
@@ -188,9 +189,10 @@ def test_boundary_checks_catch_what_they_look_for():
 
 
 def test_wheel_serves_without_the_source_tree(tmp_path):
-    """`pip install .` as a wheel, used from another folder: the package carries its shipped drafters,
-    the lookup's calibration and the CPU stand-ins (package data), and `sglang-dlite serve --cpu` builds
-    a launch whose PYTHONPATH loads the installed stand-ins, not the checkout's."""
+    """`pip install .` as a wheel, used from another folder: the package carries its shipped drafter,
+    the lookup's calibration and the CPU stand-ins (package data), and no lab module and no baseline
+    checkpoint; every product module imports with the lab made unimportable; and `sglang-dlite serve
+    --cpu` builds a launch whose PYTHONPATH loads the installed stand-ins, not the checkout's."""
     import json
     import os
     import subprocess
@@ -203,11 +205,15 @@ def test_wheel_serves_without_the_source_tree(tmp_path):
                     str(wheels), str(REPO)], check=True, capture_output=True, cwd=elsewhere)
     whl = next(wheels.glob("sglang_dlite-*.whl"))
     names = set(zipfile.ZipFile(whl).namelist())
-    for need in ("sglang_dlite/cpu_support/sglang_cpu/sitecustomize.py",
-                 "sglang_dlite/cpu_support/sglang_cpu/sgl_kernel/__init__.py",
-                 "sglang_dlite/cpu_support/torchvision_schemas.py", "sglang_dlite/lookup/calibration.json",
+    for need in ("sglang_dlite/serving/cpu_support/sglang_cpu/sitecustomize.py",
+                 "sglang_dlite/serving/cpu_support/sglang_cpu/sgl_kernel/__init__.py",
+                 "sglang_dlite/serving/cpu_support/torchvision_schemas.py", "sglang_dlite/drafting/calibration.json",
                  "sglang_dlite/checkpoints/dlite-smollm2-135m/model.safetensors"):
         assert need in names, need
+    lab = sorted(n for n in names if n.startswith("dlite_lab/") or "eagle3" in n or "/baselines/" in n
+                 or "/training/" in n)
+    assert not lab, f"the wheel holds lab files: {lab[:10]}"
+    assert not [n for n in names if n.endswith(".safetensors") and "dlite-smollm2-135m" not in n]
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
                     str(site), str(whl)], check=True, capture_output=True)
     env = dict(os.environ, PYTHONPATH=str(site))
@@ -215,16 +221,29 @@ def test_wheel_serves_without_the_source_tree(tmp_path):
                           str(tmp_path)], capture_output=True, text=True, cwd=elsewhere, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"--speculative-draft-model-path {site}/sglang_dlite/checkpoints/dlite-smollm2-135m" in out.stdout
-    probe = ("import json, sys; from sglang_dlite.sglang_plugin import serve; import argparse\n"
+    probe = ("import json, sys; from sglang_dlite.serving import serve; import argparse\n"
              "p = argparse.ArgumentParser(); serve.add_arguments(p)\n"
              f"cmd, env = serve.build_command(p.parse_args(['--model-path', {str(tmp_path)!r}, '--cpu']))\n"
              "print(json.dumps(env['PYTHONPATH']))")
     pp = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=elsewhere,
                                    env=env, check=True).stdout)
+    # every product module from the wheel, with the lab blocked (the venv's checkout path would find it),
+    # on the CPU launch's path (the installed stand-ins: sglang's runtime modules need them here)
+    walk = ("import importlib, pkgutil, sys; sys.modules['dlite_lab'] = None\n"
+            "import sglang_dlite\n"
+            "mods = [m.name for m in pkgutil.walk_packages(sglang_dlite.__path__, 'sglang_dlite.')"
+            "        if not m.name.endswith('__main__')]\n"
+            "[importlib.import_module(m) for m in mods]\n"
+            "assert sglang_dlite.__file__.startswith(sys.argv[1]), sglang_dlite.__file__\n"
+            "print(len(mods))")
+    walked = subprocess.run([sys.executable, "-c", walk, str(site)], capture_output=True, text=True, cwd=elsewhere,
+                            env=dict(os.environ, PYTHONPATH=pp))
+    assert walked.returncode == 0, walked.stderr[-3000:]
+    assert int(walked.stdout.split()[-1]) > 40
     child = subprocess.run([sys.executable, "-c", "import sgl_kernel, dlite_cpu_verify_hook; print(sgl_kernel.__file__)"],
                            capture_output=True, text=True, cwd=elsewhere, env=dict(os.environ, PYTHONPATH=pp))
     assert child.returncode == 0, child.stderr[-3000:]
-    assert child.stdout.strip().startswith(f"{site}/sglang_dlite/cpu_support/sglang_cpu/sgl_kernel")
+    assert child.stdout.strip().startswith(f"{site}/sglang_dlite/serving/cpu_support/sglang_cpu/sgl_kernel")
 
 
 # ------------------------------------------------------------------------------ ARCHITECTURE.md
@@ -241,7 +260,7 @@ def _architecture_layers() -> list:
             break
         if in_table:
             cells = [c.strip() for c in line.strip("|").split("|")]
-            paths = [p for p in re.findall(r"`([^`]+)`", cells[1]) if p.startswith("sglang_dlite/")]
+            paths = [p for p in re.findall(r"`([^`]+)`", cells[1]) if p.split("/")[0] in PACKAGES]
             rows.append((cells[0], paths))
     return rows
 
@@ -260,18 +279,19 @@ def _layer_of(rel: str, rows) -> list:
 
 
 def _module_file(name: str):
-    parts = name.split(".") if name else []
-    while parts:
-        for cand in (PKG.joinpath(*parts).with_suffix(".py"), PKG.joinpath(*parts, "__init__.py")):
+    """The file of a dotted module name of either package (``from pkg import name``: the package's)."""
+    parts = name.split(".")
+    while len(parts) > 1:
+        for cand in (REPO.joinpath(*parts).with_suffix(".py"), REPO.joinpath(*parts, "__init__.py")):
             if cand.is_file():
                 return cand
-        parts = parts[:-1]  # `from pkg import name`: a name of the package's __init__
-    return PKG / "__init__.py"
+        parts = parts[:-1]
+    return REPO / parts[0] / "__init__.py"
 
 
 def _layer_problems(rows) -> list:
     layer, problems = {}, []
-    for f in sorted(PKG.rglob("*.py")):
+    for f in _py_files(PKG, LAB):
         rel = str(f.relative_to(REPO))
         hits = _layer_of(rel, rows)
         if len(hits) != 1:
@@ -302,11 +322,11 @@ def test_architecture_layers_match_the_import_graph():
 
 
 def test_module_and_function_sizes():
-    """No package module over 500 lines; no function of the serving tree over 80 lines."""
-    big = [f"{f.relative_to(REPO)}: {n} lines" for f in sorted(PKG.rglob("*.py"))
+    """No module of either package over 500 lines; no function of the product over 80 lines."""
+    big = [f"{f.relative_to(REPO)}: {n} lines" for f in _py_files(PKG, LAB)
            if (n := len(f.read_text().splitlines())) > 500]
     long_fns = [f"{f.relative_to(REPO)}:{n.lineno} {n.name}: {n.end_lineno - n.lineno + 1} lines"
-                for f in _py_files(*SERVING) for n in ast.walk(ast.parse(f.read_text()))
+                for f in _py_files(PKG) for n in ast.walk(ast.parse(f.read_text()))
                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80]
     assert not big and not long_fns, big + long_fns
 
@@ -340,12 +360,12 @@ def test_function_local_imports_say_why():
     """An import inside a function is for an optional dependency, a process boundary (or an
     environment set up first), an import cycle, or the start-up cost of a light module (the CLI,
     sglang's plugin entry point), and says which in a comment on its line or the line above;
-    everything else is imported at the module's top. cpu_support/ is exempt: sglang's child
-    processes load its files by path."""
+    everything else is imported at the module's top. serving/cpu_support/ is exempt: sglang's
+    child processes load its files by path."""
     offenders = {}
-    for f in sorted(PKG.rglob("*.py")):
-        rel = f.relative_to(PKG).as_posix()
-        if rel.startswith("cpu_support/"):
+    for f in _py_files(PKG, LAB):
+        rel = f.relative_to(REPO).as_posix()
+        if rel.startswith("sglang_dlite/serving/cpu_support/"):
             continue
         found = _unexplained_local_imports(f.read_text())
         if found and not any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in LOCAL_IMPORT_PENDING):

@@ -1,4 +1,4 @@
-"""The optional cross-request corpus (issue 46 item 5, ``lookup/corpus.py``): bounded memory with the
+"""The optional cross-request corpus (issue 46 item 5, ``drafting/corpus.py``): bounded memory with the
 oldest documents evicted, per-tenant isolation, its continuations as tree branches where the
 request's own index has none, off by default (today's trees exactly), lossless greedy in the
 reference engine with it on, the DLITE worker's ``BatchLookup`` feeding it as requests leave."""
@@ -13,15 +13,16 @@ import pytest
 import torch
 
 from conftest import tiny_dlite_config
-from sglang_dlite.drafters import DLiteEngineDrafter
-from sglang_dlite.engine import ReferenceEngine
+from dlite_lab.reference.drafters import DLiteEngineDrafter
+from dlite_lab.reference.engine import ReferenceEngine
 from sglang_dlite.errors import DLiteConfigError, DLiteInputError
-from sglang_dlite.lookup.batch import BatchLookup
-from sglang_dlite.lookup.chooser import CORPUS_CONTESTED_SCALE, default_calibration
-from sglang_dlite.lookup.corpus import CorpusView, SharedCorpus
-from sglang_dlite.lookup.suffix import LookupStep, SuffixIndex
-from sglang_dlite.lookup.tree_drafters import TreeEngineDrafter, grow_round_tree
-from sglang_dlite.model import DLiteDrafter
+from sglang_dlite.drafting.hybrid import BatchLookup
+from sglang_dlite.drafting.chooser import CORPUS_CONTESTED_SCALE, default_calibration
+from sglang_dlite.drafting.corpus import CorpusView, SharedCorpus
+from sglang_dlite.drafting.suffix import LookupStep, SuffixIndex
+from sglang_dlite.drafting.hybrid_tree import grow_round_tree
+from dlite_lab.reference.drafters import TreeEngineDrafter
+from sglang_dlite.model.dlite import DLiteDrafter
 
 EOS = 2
 
@@ -164,8 +165,8 @@ def _tiny_dlite(target):
 
 
 def test_off_by_default(tiny_target, tmp_path):
-    from sglang_dlite.registry import make_engine_drafter
-    from sglang_dlite.sglang_plugin.options import ServingOptions
+    from dlite_lab.registry import make_engine_drafter
+    from sglang_dlite.settings import ServingOptions
 
     assert TreeEngineDrafter(None).corpus is None
     DLiteDrafter(tiny_dlite_config(tiny_target, head_input="token")).save_pretrained(str(tmp_path / "d"))
@@ -249,7 +250,7 @@ def test_batch_lookup_without_the_corpus_is_unchanged():
 
 
 def test_the_serving_setting():
-    from sglang_dlite.sglang_plugin.options import ServingOptions
+    from sglang_dlite.settings import ServingOptions
 
     o = ServingOptions.from_env({"SGLANG_DLITE_CONFIG": '{"corpus_tokens": 200000}'})
     assert o.corpus_tokens == 200_000 and json.loads(o.describe())["corpus_tokens"] == 200_000

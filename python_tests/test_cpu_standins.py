@@ -19,7 +19,7 @@ import torch
 
 from sglang_dlite.ops import cpu_linear
 
-STANDINS = Path(__file__).resolve().parents[1] / "sglang_dlite" / "cpu_support" / "sglang_cpu"
+STANDINS = Path(__file__).resolve().parents[1] / "sglang_dlite" / "serving" / "cpu_support" / "sglang_cpu"
 
 
 def _load(name):

@@ -3,7 +3,7 @@ wait for the host.
 
 What runs in CUDA graphs on a GPU deployment:
 
-* draft: ``DrafterCudaGraphs`` (sglang_plugin/cuda_graphs.py) captures ``DLiteDrafter.propose``
+* draft: ``DrafterCudaGraphs`` (serving/cuda_graphs.py) captures ``DLiteDrafter.propose``
   (greedy, ``num_drafts`` = the worker's DLite drafts, with or without the confidences hybrid
   drafting reads) once per batch-size bucket. Its ops take the CUDA kernels (``SGLANG_DLITE_OPS``
   auto, CUDA library built) or else the torch reference: both paths are checked here.
@@ -55,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import sglang_dlite
 from sglang_dlite import ops
-from sglang_dlite.drafters import shipped_drafter_path
+from sglang_dlite.model.dlite import shipped_drafter_path
 from sglang_dlite.ops import _ext
 
 SHIPPED = shipped_drafter_path()
@@ -253,18 +253,20 @@ class _RecordOps(TorchDispatchMode):
 def _drafter(head_input: str = "token", dtype=torch.bfloat16, seed: int = 0):
     """The shipped drafter (config + weights; ``head_input='hidden'``: its config with the hidden
     RNN head, random weights) bound to a target embedding / LM head of SmolLM2's shape."""
-    from sglang_dlite.model import DLiteDrafter
+    from sglang_dlite.model.dlite import DLiteDrafter
 
     if head_input == "token":
         m = DLiteDrafter.from_pretrained(SHIPPED, dtype=dtype)
         assert m.config.head_input == "token" and m.config.draft_vocab_size == 8192  # the shipped config
     else:
-        from sglang_dlite.config import DLiteConfig
+        from sglang_dlite.model.config import DLiteConfig
+
+        from dlite_lab.ablations import AblationDrafter
 
         cfg = DLiteConfig.from_pretrained(SHIPPED)
         cfg.head_input = head_input
         torch.manual_seed(seed)
-        m = DLiteDrafter(cfg).to(dtype).eval()
+        m = AblationDrafter(cfg).to(dtype).eval()
     g = torch.Generator().manual_seed(seed)
     emb = (torch.randn(m.config.vocab_size, m.config.target_hidden_size, generator=g) * 0.05).to(dtype)
     return m.bind_target(emb, emb)
@@ -343,12 +345,12 @@ def test_audit_catches_host_sync_on_fake_cuda(case):
 @need_shipped
 def test_audit_names_the_line_in_sglang_dlite(monkeypatch):
     """A sync planted in the drafter is caught and located (the audit can fail on propose)."""
-    from sglang_dlite import model as model_mod
+    from sglang_dlite.model import dlite as model_mod
 
     monkeypatch.setattr(model_mod.DLiteDrafter, "_draft_ids", lambda self, idx: self.draft_vocab[idx.tolist()])
     m = _drafter(dtype=torch.float32)
     ctx, valid, anchor = _inputs(m.config, 2)
-    with no_host_sync(), pytest.raises(HostSyncError, match=r"\.tolist\(\) -- at sglang_dlite/model\.py:"):
+    with no_host_sync(), pytest.raises(HostSyncError, match=r"\.tolist\(\) -- at sglang_dlite/model/dlite\.py:"):
         m.propose(ctx, valid, anchor, return_confidence=True)
 
 
@@ -458,7 +460,7 @@ def _spy_propose(monkeypatch, m, log):
 def test_drafter_graph_capture_on_fake_cuda_has_no_host_sync(monkeypatch, path, conf):
     """DrafterCudaGraphs as the worker builds it (num_drafts, confidences for hybrid drafting),
     every bucket captured on fake CUDA tensors with the audit armed inside each capture."""
-    from sglang_dlite.sglang_plugin.cuda_graphs import DrafterCudaGraphs
+    from sglang_dlite.serving.cuda_graphs import DrafterCudaGraphs
 
     if path == "cuda-kernels":
         if not HAVE_LIB:
@@ -491,8 +493,8 @@ def test_drafter_graph_capture_on_fake_cuda_has_no_host_sync(monkeypatch, path, 
 def test_drafter_graph_capture_fails_on_a_planted_sync(monkeypatch):
     """The capture audit is live: a `.item()` in propose passes the warm-ups (eager, real CPU
     tensors) and fails the capture."""
-    from sglang_dlite import model as model_mod
-    from sglang_dlite.sglang_plugin.cuda_graphs import DrafterCudaGraphs
+    from sglang_dlite.model import dlite as model_mod
+    from sglang_dlite.serving.cuda_graphs import DrafterCudaGraphs
 
     real = model_mod.DLiteDrafter.greedy_drafts
     calls = []
@@ -505,7 +507,7 @@ def test_drafter_graph_capture_fails_on_a_planted_sync(monkeypatch):
     monkeypatch.setenv(ops.ENV, "torch")
     _fake_cuda_graph_api(monkeypatch, [])
     m = _drafter(dtype=torch.float32)
-    with pytest.raises(HostSyncError, match=r"\.item\(\) -- at sglang_dlite/model\.py"):
+    with pytest.raises(HostSyncError, match=r"\.item\(\) -- at sglang_dlite/model/dlite\.py"):
         DrafterCudaGraphs(m, 2, "cpu", torch.float32)
     assert len(calls) == 2 * m.config.block_size  # both warm-ups ran it; the capture stopped at the first
 
@@ -532,7 +534,7 @@ def test_drafter_graphs_glue_pads_and_replays(monkeypatch):
     """DrafterCudaGraphs.propose (real CPU tensors, graph API stubbed): inputs land in the static
     buffers, rows past the batch are padded invalid, the smallest fitting bucket replays, and the
     caller gets that bucket's outputs cut to its batch; a batch past the largest bucket -> None."""
-    from sglang_dlite.sglang_plugin.cuda_graphs import DrafterCudaGraphs
+    from sglang_dlite.serving.cuda_graphs import DrafterCudaGraphs
 
     monkeypatch.setenv(ops.ENV, "torch")
     log = []
@@ -593,7 +595,7 @@ def sglang_side():
     F.activate_cpu_standins()
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_dlite.sglang_plugin import register
+    from sglang_dlite.serving import register
 
     register()
     return SpeculativeAlgorithm.from_string("DLITE")
@@ -622,7 +624,7 @@ def _verify_batch(bs, W):
     """The worker's TARGET_VERIFY input (worker._forward_decode) as ForwardBatch.init_new carries it."""
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
-    from sglang_dlite.sglang_plugin.info import DLiteVerifyInput
+    from sglang_dlite.serving.info import DLiteVerifyInput
 
     block = torch.randint(0, 100, (bs, W))
     positions = (torch.arange(bs)[:, None] * 10 + torch.arange(W)[None]).reshape(-1)
@@ -640,7 +642,7 @@ def test_spec_info_hook_is_registered_on_the_graph_runner(sglang_side):
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_dlite.sglang_plugin import _get_spec_info_hook
+    from sglang_dlite.serving import _get_spec_info_hook
 
     hooks = HookRegistry._hooks.get(HOOK_TARGET, [])
     assert any(ht == HookType.AROUND and fn is _get_spec_info_hook for ht, fn, _ in hooks)
@@ -652,8 +654,8 @@ def test_spec_info_hook_captures_dlite_verify_graphs(sglang_side):
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, get_required_capture_hidden_mode
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
-    from sglang_dlite.sglang_plugin import _get_spec_info_hook
-    from sglang_dlite.sglang_plugin.info import DLiteVerifyInput
+    from sglang_dlite.serving import _get_spec_info_hook
+    from sglang_dlite.serving.info import DLiteVerifyInput
 
     # sglang's own method: another test of this process may have registered the plugin, which wraps it
     original = inspect.unwrap(DecodeCudaGraphRunner.get_spec_info)
@@ -675,7 +677,7 @@ def test_graph_runner_accepts_a_dlite_verify_batch(sglang_side):
         ragged_verify_compact_graphs_enabled,
     )
 
-    from sglang_dlite.sglang_plugin import _get_spec_info_hook
+    from sglang_dlite.serving import _get_spec_info_hook
 
     algo = sglang_side
     assert not ragged_verify_compact_graphs_enabled(algo)  # the uniform-width path below is the one used
@@ -708,7 +710,7 @@ def _server_args(**kw):
 
 
 def test_verified_attention_backends_pass():
-    from sglang_dlite.sglang_plugin.algorithm import VERIFY_ATTENTION_BACKENDS, check_deployment
+    from sglang_dlite.serving.algorithm import VERIFY_ATTENTION_BACKENDS, check_deployment
 
     assert set(VERIFY_ATTENTION_BACKENDS) == {"flashinfer", "fa3", "triton", "torch_native"}
     for name in VERIFY_ATTENTION_BACKENDS:
@@ -719,7 +721,7 @@ def test_verified_attention_backends_pass():
 @pytest.mark.parametrize("name", ["intel_amx", "trtllm_mha", "fa4", "flex_attention", "aiter", "flashmla"])
 def test_unverified_attention_backend_refused_at_launch(name):
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.sglang_plugin.algorithm import VERIFY_ATTENTION_BACKENDS, check_deployment
+    from sglang_dlite.serving.algorithm import VERIFY_ATTENTION_BACKENDS, check_deployment
 
     with pytest.raises(DLiteConfigError) as ei:
         check_deployment(_server_args(attention_backend=name))
@@ -730,7 +732,7 @@ def test_unverified_attention_backend_refused_at_launch(name):
 
 def test_verify_backend_follows_speculative_attention_mode():
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.sglang_plugin.algorithm import check_deployment
+    from sglang_dlite.serving.algorithm import check_deployment
 
     split = dict(prefill_attention_backend="triton", decode_attention_backend="trtllm_mha")
     check_deployment(_server_args(**split))  # TARGET_VERIFY runs on the prefill backend by default
@@ -746,7 +748,7 @@ def test_scheduler_check_sees_sglangs_resolved_backend(monkeypatch, sglang_side)
     import sglang.srt.runtime_context as rc
 
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.sglang_plugin.algorithm import check_deployment
+    from sglang_dlite.serving.algorithm import check_deployment
 
     monkeypatch.setattr(rc, "attention_backends", lambda: ("fa3", "fa3"))
     check_deployment(_server_args())
@@ -758,7 +760,7 @@ def test_scheduler_check_sees_sglangs_resolved_backend(monkeypatch, sglang_side)
 @need_shipped
 def test_launch_validation_refuses_unverified_backend():
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.sglang_plugin.algorithm import validate_server_args
+    from sglang_dlite.serving.algorithm import validate_server_args
 
     args = _server_args(model_path=None, speculative_draft_model_path=SHIPPED, speculative_num_draft_tokens=None,
                         speculative_num_steps=None, speculative_eagle_topk=None)
@@ -777,8 +779,8 @@ def test_verified_gpu_backends_run_dflash_verify_without_a_custom_mask(sglang_si
     from sglang.srt.speculative.dflash_info import DFlashVerifyInput
     from sglang.srt.speculative.dflash_utils import _DFLASH_VERIFY_SKIP_CUSTOM_MASK_BACKENDS as NO_MASK
 
-    from sglang_dlite.sglang_plugin.info import DLiteVerifyInput
-    from sglang_dlite.sglang_plugin.algorithm import VERIFY_ATTENTION_BACKENDS
+    from sglang_dlite.serving.info import DLiteVerifyInput
+    from sglang_dlite.serving.algorithm import VERIFY_ATTENTION_BACKENDS
 
     assert issubclass(DLiteVerifyInput, DFlashVerifyInput)
     classes = {"flashinfer": "FlashInferAttnBackend", "fa3": "FlashAttentionBackend", "triton": "TritonAttnBackend"}

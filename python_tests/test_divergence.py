@@ -1,4 +1,4 @@
-"""sglang_dlite/divergence.py (bf16 precision ties vs real mismatches) and bench/e2e.py's
+"""dlite_lab/divergence.py (bf16 precision ties vs real mismatches) and bench/e2e.py's
 median-of-repeats aggregation."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from sglang_dlite.divergence import (Fp32LogitGap, classify_divergences, first_divergence, is_mismatch,
+from dlite_lab.divergence import (Fp32LogitGap, classify_divergences, first_divergence, is_mismatch,
                                      top2_gap_change)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -102,7 +102,7 @@ def test_fp32_logit_gap_is_the_targets_logit_difference(tmp_path):
 
 
 def test_e2e_aggregate_takes_the_median_of_repeats():
-    from sglang_dlite.benchmarking import sglang_runs as e2e
+    from dlite_lab.benchmarking import sglang_runs as e2e
 
     def row(c, tps, tau):
         return {"mode": "dlite", "concurrency": c, "tokens_per_s": tps, "wall_s": 100 / tps,
@@ -121,7 +121,7 @@ def test_e2e_aggregate_takes_the_median_of_repeats():
 def test_e2e_round_stats_reads_the_round_log_after_an_offset(tmp_path):
     """bench/e2e.py's per-level draft / verify split: only the rounds logged after the level began
     (the file offset), a torn last line skipped; no log (no speculation) gives {}."""
-    from sglang_dlite.benchmarking import sglang_runs as e2e
+    from dlite_lab.benchmarking import sglang_runs as e2e
     log = tmp_path / "rounds.jsonl"
     log.write_text('{"bs": 1, "draft_ms": 50.0, "verify_ms": 500.0}\n')
     mark = log.stat().st_size
@@ -142,7 +142,7 @@ def _bench(name):
 def test_e2e_tau_by_output_position_from_the_round_log(tmp_path):
     """The round log's per-request output position and accepted drafts give tau per 32-token bucket
     of the answer: committed tokens (accepted + 1) over request-rounds, pooled over levels."""
-    from sglang_dlite.benchmarking import sglang_runs as e2e
+    from dlite_lab.benchmarking import sglang_runs as e2e
     log = tmp_path / "rounds.jsonl"
     log.write_text('{"bs": 2, "draft_ms": 1, "verify_ms": 2, "pos": [1, 40], "acc": [3, 0]}\n'
                    '{"bs": 2, "draft_ms": 1, "verify_ms": 2, "pos": [5, 41], "acc": [1, 2]}\n'
@@ -155,7 +155,7 @@ def test_e2e_tau_by_output_position_from_the_round_log(tmp_path):
 
 
 def test_e2e_mode_settings_parse_and_refuse_a_bad_pair():
-    from sglang_dlite.benchmarking import sglang_runs as e2e
+    from dlite_lab.benchmarking import sglang_runs as e2e
     assert e2e.parse_settings("dlite:8+tree_max_batch_size=64+online=true+drafter_dtype=bfloat16") == (
         "dlite:8", {"tree_max_batch_size": 64, "online": True, "drafter_dtype": "bfloat16"})
     assert e2e.parse_settings("nospec") == ("nospec", {})

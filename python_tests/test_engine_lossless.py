@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import tiny_dlite_config
-from sglang_dlite.drafters import DLiteEngineDrafter, DraftRequest, OracleDrafter
-from sglang_dlite.engine import ReferenceEngine
+from dlite_lab.reference.drafters import DLiteEngineDrafter, DraftRequest, OracleDrafter
+from dlite_lab.ablations import build_drafter
+from dlite_lab.reference.engine import ReferenceEngine
 from sglang_dlite.errors import DLiteInputError
-from sglang_dlite.model import DLiteDrafter
-from sglang_dlite.proposal import DraftProposal
+from sglang_dlite.model.proposal import DraftProposal
 
 EOS = 2
 
@@ -38,7 +38,7 @@ def prompts(n, vocab, seed=0):
 
 def dlite(target, **kw):
     torch.manual_seed(0)
-    return DLiteDrafter(tiny_dlite_config(target, **kw)).bind_hf_target(target)
+    return build_drafter(tiny_dlite_config(target, **kw)).bind_hf_target(target)
 
 
 @pytest.mark.parametrize("variant", [
@@ -46,7 +46,7 @@ def dlite(target, **kw):
     {"block_attention": "causal", "num_context_positions": 1},
     {"history": "full"},
     {"history": "window:8"},
-    {"head_input": "token", "block_size": 7},
+    {"head_input": "hidden", "block_size": 7},
 ])
 def test_untrained_dlite_is_lossless(tiny_target, variant):
     eng = ReferenceEngine(tiny_target, DLiteEngineDrafter(dlite(tiny_target, **variant)), [EOS])
@@ -164,8 +164,8 @@ def test_generation_stops_at_limit_and_eos(tiny_target):
 
 def test_real_target_lossless(real_target):
     """The bundled SmolLM2-135M-Instruct: DLite (untrained or shipped) and the oracle drafter."""
-    from sglang_dlite.commands.generate import chat_ids
-    from sglang_dlite.drafters import load_dlite
+    from dlite_lab.commands.generate import chat_ids
+    from sglang_dlite.model.dlite import load_dlite
 
     model, tok = real_target
     eos = [tok.eos_token_id]

@@ -16,11 +16,11 @@ import torch
 
 
 from sglang_dlite import ops
-from sglang_dlite.training.exactness import count_disagreements, first_disagreement, reference_greedy, relabel
+from dlite_lab.training.exactness import count_disagreements, first_disagreement, reference_greedy, relabel
 from sglang_dlite.ops.cpu_linear import MklPackedLinear, mkl_available
-from sglang_dlite.training.fast_llama import FastLlama
-from sglang_dlite.training.fast_regen import FastRegenerator
-from sglang_dlite.training.turns import TurnRules
+from dlite_lab.training.fast_llama import FastLlama
+from dlite_lab.training.fast_regen import FastRegenerator
+from dlite_lab.training.turns import TurnRules
 
 LAYERS = [1, 2]  # (not the last layer: HF reports the final-norm output as hidden_states[-1])
 
@@ -245,8 +245,8 @@ def _seven_prompts(tmp_path):
 def _assert_same_shards(got, want):
     """Every shard of gen-data folder ``want`` is in ``got`` with the same ids, masks and offsets,
     and features within float rounding."""
-    from sglang_dlite.training.data import load_shard, read_manifest
-    from sglang_dlite.training.features import load_features
+    from dlite_lab.training.data import load_shard, read_manifest
+    from dlite_lab.training.features import load_features
 
     for sh in read_manifest(str(want))["shards"]:
         a_ids, a_mask, a_off = load_shard(str(got / sh["file"]))
@@ -260,8 +260,8 @@ def _assert_same_shards(got, want):
 
 
 def test_gen_data_fast_engine_matches_hf_engine_and_resumes(tiny_ckpt, tmp_path):
-    from sglang_dlite.training import gen_data
-    from sglang_dlite.training.data import DataError, read_manifest
+    from dlite_lab.training import gen_data
+    from dlite_lab.training.data import DataError, read_manifest
 
     prompts = _seven_prompts(tmp_path)
     fast, hf = tmp_path / "fast", tmp_path / "hf"
@@ -311,9 +311,9 @@ def test_gen_data_fast_engine_keeps_finished_conversations_of_a_stopped_run(tiny
     """A run stopped mid-shard leaves its finished conversations in <shard>.parts/; the rerun reads
     them back, generates only the others, writes the same shards as an uninterrupted run and
     removes the parts. Parts made under other generation settings are not reused."""
-    from sglang_dlite.training import gen_data
-    from sglang_dlite.training.data import DataError, read_manifest
-    from sglang_dlite.training.shard_parts import conversation_key, load_parts
+    from dlite_lab.training import gen_data
+    from dlite_lab.training.data import DataError, read_manifest
+    from dlite_lab.training.shard_parts import conversation_key, load_parts
 
     prompts = _seven_prompts(tmp_path)
     ref, out, other = tmp_path / "ref", tmp_path / "out", tmp_path / "other"
@@ -358,8 +358,8 @@ def test_gen_data_fast_engine_keeps_finished_conversations_of_a_stopped_run(tiny
 def test_gen_data_only_sources_keeps_the_full_plan(tiny_ckpt, tmp_path):
     """--only-sources generates just that source's planned shards (same names as the full plan);
     a later run without it fills in the rest and leaves them alone; an unknown source is refused."""
-    from sglang_dlite.training import gen_data
-    from sglang_dlite.training.data import DataError, read_manifest
+    from dlite_lab.training import gen_data
+    from dlite_lab.training.data import DataError, read_manifest
 
     files = []
     for name in ("a", "b"):
@@ -395,7 +395,7 @@ def test_gen_data_sort_window_claims_shards_as_it_reads_ahead(tiny_ckpt, tmp_pat
     after its first conversation has claimed only that shard; the default window (64) has read,
     and claimed, all three. A window below 1 is refused before anything is written."""
     from sglang_dlite.errors import DLiteInputError
-    from sglang_dlite.training import gen_data
+    from dlite_lab.training import gen_data
 
     prompts = _seven_prompts(tmp_path)
     with pytest.raises(DLiteInputError, match=r"--sort-window 0: must be >= 1"):
@@ -412,7 +412,7 @@ def test_gen_data_sort_window_claims_shards_as_it_reads_ahead(tiny_ckpt, tmp_pat
 
 def test_gen_data_fast_engine_refuses_sampling(tiny_ckpt, tmp_path):
     from sglang_dlite.errors import DLiteInputError
-    from sglang_dlite.training import gen_data
+    from dlite_lab.training import gen_data
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
@@ -422,8 +422,8 @@ def test_gen_data_fast_engine_refuses_sampling(tiny_ckpt, tmp_path):
 
 def test_agent_prompt_source_avoids_eval_sources():
     """agent traces: several turns each, never over an evaluation package or agent-stdlib module."""
-    from sglang_dlite.training.prompt_code import EVAL_PACKAGES, _eval_stdlib_files
-    from sglang_dlite.training.prompts import load_prompts
+    from dlite_lab.training.prompt_code import EVAL_PACKAGES, _eval_stdlib_files
+    from dlite_lab.training.prompts import load_prompts
 
     name, convs = load_prompts("agent:12", 0, 3)
     assert name == "agent" and len(convs) == 12
@@ -442,8 +442,8 @@ def test_codegen_prompt_source_is_signature_and_docstring_only():
     (no evaluation package, no agent-stdlib module), under one of the instructions; deterministic."""
     import ast
 
-    from sglang_dlite.training.prompt_code import CODEGEN_INSTRUCTIONS, EVAL_PACKAGES, _eval_stdlib_files
-    from sglang_dlite.training.prompts import load_prompts
+    from dlite_lab.training.prompt_code import CODEGEN_INSTRUCTIONS, EVAL_PACKAGES, _eval_stdlib_files
+    from dlite_lab.training.prompts import load_prompts
 
     name, convs = load_prompts("codegen:10", 0, 3)
     assert name == "codegen" and len(convs) == 10
@@ -467,8 +467,8 @@ def test_toolchat_prompt_source_renders_tools_like_the_workloads():
     import json
 
     pytest.importorskip("bfcl_eval")
-    from sglang_dlite.training.prompts import load_prompts
-    from sglang_dlite.workloads.render import DEFAULT_TOOL_SYSTEM, TOOLS_SYSTEM_FOOTER, TOOLS_SYSTEM_HEADER
+    from dlite_lab.training.prompts import load_prompts
+    from dlite_lab.workloads.render import DEFAULT_TOOL_SYSTEM, TOOLS_SYSTEM_FOOTER, TOOLS_SYSTEM_HEADER
 
     name, convs = load_prompts("toolchat:8", 0, 3)
     assert name == "toolchat" and len(convs) == 8
@@ -488,7 +488,7 @@ def test_toolchat_prompt_source_renders_tools_like_the_workloads():
 def test_attention_choice_errors(tiny, monkeypatch):
     """attention='kernel' without the C++ op says what is missing; an unknown choice is named."""
     from sglang_dlite.errors import DLiteInputError, MissingDependencyError
-    from sglang_dlite.training import fast_llama
+    from dlite_lab.training import fast_llama
 
     with pytest.raises(DLiteInputError, match="attention must be one of"):
         FastLlama(tiny, 2, 32, attention="flash")

@@ -282,8 +282,8 @@ def run_without_sglang(code: str, timeout=180):
 
 
 def test_drafter_cuda_graphs_import_without_sglang():
-    p = run_without_sglang("from sglang_dlite.sglang_plugin.cuda_graphs import DrafterCudaGraphs\n"
-                           "import sglang_dlite.sglang_plugin\n"
+    p = run_without_sglang("from sglang_dlite.serving.cuda_graphs import DrafterCudaGraphs\n"
+                           "import sglang_dlite.serving\n"
                            "assert not any(m == 'sglang' or m.startswith('sglang.') for m in sys.modules if sys.modules[m])\n"
                            "print('ok')")
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
@@ -306,7 +306,7 @@ def test_engine_check_runs_on_the_cpu_without_sglang(tmp_path):
 
 # ------------------------------------------------------------------------------ the engine's device
 class TorchSpy:
-    """Stands in for ``torch`` inside sglang_dlite.engine: records the device of every tensor and
+    """Stands in for ``torch`` inside dlite_lab.reference.engine: records the device of every tensor and
     generator the engine itself creates."""
 
     def __init__(self):
@@ -325,10 +325,10 @@ class TorchSpy:
 
 
 def tiny_engine_parts():
-    from sglang_dlite.benchmarking.random_models import tiny_llama
-    from sglang_dlite.config import DLiteConfig
-    from sglang_dlite.drafters import DLiteEngineDrafter
-    from sglang_dlite.model import DLiteDrafter
+    from dlite_lab.benchmarking.random_models import tiny_llama
+    from sglang_dlite.model.config import DLiteConfig
+    from dlite_lab.reference.drafters import DLiteEngineDrafter
+    from sglang_dlite.model.dlite import DLiteDrafter
 
     target = tiny_llama(seed=0, vocab=96, hidden=64, layers=4, tied=True, max_positions=512)
     for p in target.parameters():
@@ -343,7 +343,7 @@ def tiny_engine_parts():
 
 
 def test_engine_makes_every_tensor_on_the_targets_device(monkeypatch):
-    from sglang_dlite import engine as engine_mod
+    from dlite_lab.reference import engine as engine_mod
 
     target, drafter = tiny_engine_parts()
     moved = []
@@ -367,7 +367,7 @@ def test_engine_makes_every_tensor_on_the_targets_device(monkeypatch):
 
 
 def test_engine_device_defaults_to_the_targets_and_moves_target_and_drafter(monkeypatch):
-    from sglang_dlite.engine import ReferenceEngine
+    from dlite_lab.reference.engine import ReferenceEngine
 
     target, drafter = tiny_engine_parts()
     calls = []
@@ -388,7 +388,7 @@ def test_gen_data_device_is_checked_before_anything_runs(monkeypatch):
     from argparse import Namespace
 
     from sglang_dlite.errors import DLiteConfigError, DLiteInputError
-    from sglang_dlite.training import gen_data
+    from dlite_lab.training import gen_data
 
     assert gen_data._generation_device(Namespace(device="cpu", engine="fast")) == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -420,7 +420,7 @@ if a[:2] == ["-m", "pytest"]:
     with open(val("--junitxml"), "w") as f:
         f.write('<testsuites><testsuite tests="5" failures="0" errors="0" skipped="1"/></testsuites>')
     sys.exit(0)
-if a[:2] == ["-m", "sglang_dlite.training.smoke"]:
+if a[:2] == ["-m", "dlite_lab.training.smoke"]:
     os.makedirs(val("--out"), exist_ok=True)
     with open(os.path.join(val("--out"), "smoke.json"), "w") as f:
         json.dump({"lossless": True, "tau": 2.0, "training": {"steps": int(val("--steps")), "device": val("--device")}}, f)

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import pytest
 
-from sglang_dlite.lookup.suffix import SuffixIndex
+from sglang_dlite.drafting.suffix import SuffixIndex
 
 
 # the index's oracles: what it must answer, by brute force
@@ -109,7 +109,7 @@ def test_quoted_continuation_is_proposed_in_full():
 
 
 # ---------------------------------------------------------------------------- chooser
-from sglang_dlite.lookup.chooser import Calibration, choose, expected_accepted, lookup_only  # noqa: E402
+from sglang_dlite.drafting.chooser import Calibration, choose, expected_accepted, lookup_only  # noqa: E402
 
 
 def test_expected_accepted_is_sum_of_prefix_products():
@@ -172,10 +172,10 @@ def test_min_reach_cuts_the_chain():
 import torch  # noqa: E402
 
 from conftest import make_tiny_llama, tiny_dlite_config  # noqa: E402
-from sglang_dlite.drafters import DLiteEngineDrafter  # noqa: E402
-from sglang_dlite.engine import ReferenceEngine  # noqa: E402
-from sglang_dlite.lookup.drafters import HybridEngineDrafter, SuffixEngineDrafter  # noqa: E402
-from sglang_dlite.model import DLiteDrafter  # noqa: E402
+from dlite_lab.reference.drafters import DLiteEngineDrafter  # noqa: E402
+from dlite_lab.reference.engine import ReferenceEngine  # noqa: E402
+from dlite_lab.reference.drafters import HybridEngineDrafter, SuffixEngineDrafter  # noqa: E402
+from sglang_dlite.model.dlite import DLiteDrafter  # noqa: E402
 
 EOS = 2
 
@@ -235,7 +235,7 @@ def test_lookup_drafters_are_lossless_greedy(tiny_target, which):
 def test_hybrid_sampling_keeps_target_distribution():
     """Empirical law of the second output token (the first one a round drafts) with hybrid
     drafting at temperature 0.8 vs the target's exact law, on an 8-token vocabulary."""
-    from sglang_dlite.speculation.sampling import logits_to_probs
+    from sglang_dlite.model.sampling import logits_to_probs
 
     target = make_tiny_llama(seed=3, vocab=8, hidden=32, layers=2)
     prompt = [1, 5, 6, 7, 5, 6, 7, 5, 6]
@@ -260,7 +260,7 @@ def test_hybrid_sampling_keeps_target_distribution():
 
 
 # ---------------------------------------------------------------------------- serving state
-from sglang_dlite.lookup.batch import BatchLookup, lookup_enabled  # noqa: E402
+from sglang_dlite.drafting.hybrid import BatchLookup, lookup_enabled  # noqa: E402
 
 
 class _Req:
@@ -309,10 +309,12 @@ def test_lookup_switch(monkeypatch):
     assert lookup_enabled({"SGLANG_DLITE_LOOKUP": "1"})
 
 
-@pytest.mark.parametrize("variant", [{}, {"head_input": "token"}])
+@pytest.mark.parametrize("variant", [{"head_input": "hidden"}, {}])
 def test_dlite_confidence_is_the_softmax_of_its_greedy_draft(tiny_target, variant):
+    from dlite_lab.ablations import build_drafter
+
     torch.manual_seed(0)
-    m = DLiteDrafter(tiny_dlite_config(tiny_target, **variant)).bind_hf_target(tiny_target).eval()
+    m = build_drafter(tiny_dlite_config(tiny_target, **variant)).bind_hf_target(tiny_target).eval()
     cfg = m.config
     ctx = torch.randn(3, cfg.num_capture_layers, cfg.num_context_positions, cfg.target_hidden_size)
     valid = torch.ones(3, cfg.num_context_positions, dtype=torch.bool)
@@ -321,7 +323,7 @@ def test_dlite_confidence_is_the_softmax_of_its_greedy_draft(tiny_target, varian
     withc = m.propose(ctx, valid, anchor, return_confidence=True)
     assert torch.equal(fused.tokens, withc.tokens)
     with torch.no_grad():
-        if variant:
+        if m.config.head_input == "token":
             logits = m(ctx, valid, anchor, feedback_tokens=withc.tokens)
         else:
             logits = m(ctx, valid, anchor)
@@ -362,7 +364,7 @@ def test_skip_dlite_scores_the_lookup_over_dlites_length():
         assert need is want, (horizon, s7, s15)
     # the reference engine's hybrid drafter follows the same rule (chooser.needs_dlite): chains of
     # 15 past DLite's K = 7 run DLite here; with K = 15 the lookup's whole chain skips it
-    from sglang_dlite.drafters import DraftRequest
+    from dlite_lab.reference.drafters import DraftRequest
 
     for k, want in ((7, True), (15, False)):
         calls = []

@@ -9,18 +9,30 @@ import pytest
 import torch
 
 from conftest import tiny_dlite_config
-from sglang_dlite.config import DLiteConfig, default_layer_ids
-from sglang_dlite.drafters import DLiteEngineDrafter, DraftRequest
+from sglang_dlite.model.config import DLiteConfig, proportional_layer_ids
+from dlite_lab.reference.drafters import DLiteEngineDrafter, DraftRequest
 from sglang_dlite.errors import DLiteConfigError, DLiteInputError
-from sglang_dlite.model import DLiteDrafter
+from sglang_dlite.model.dlite import DLiteDrafter
+from dlite_lab.ablations import AblationDrafter
 
 
 def _drafter(target, **kw):
+    """The served drafter, or the lab's ``AblationDrafter`` for an ablation's config."""
     torch.manual_seed(0)
-    m = DLiteDrafter(tiny_dlite_config(target, **kw)).bind_hf_target(target)
+    ablation = kw.get("history", "none") != "none" or kw.get("head_input") == "hidden"
+    m = (AblationDrafter if ablation else DLiteDrafter)(tiny_dlite_config(target, **kw)).bind_hf_target(target)
     with torch.no_grad():  # a non-trivial head, so the test covers it
         m.head.out_proj.weight.normal_(0, 0.5)
     return m
+
+
+def _forward(m, ctx, valid, anchor, history=None, round_offset=None):
+    """The training forward (logits [B, K, V]): history rows only for the lab's ablations, and the
+    token-fed head fed fixed tokens (teacher forcing, the same in every call)."""
+    kw = {} if history is None else {"history": history, "round_offset": round_offset}
+    if m.config.head_input == "token":
+        kw["feedback_tokens"] = (torch.arange(m.config.block_size) * 7 % m.config.vocab_size).expand(anchor.shape[0], -1)
+    return m(ctx, valid, anchor, **kw)
 
 
 def _logits_after_history(model, hist_len, local):
@@ -32,7 +44,7 @@ def _logits_after_history(model, hist_len, local):
     req = DraftRequest(tokens=[5] * (hist_len + C + 1), hidden=hidden, hidden_start=0)
     ctx, valid, hist, offset = DLiteEngineDrafter(model).context_inputs(req)
     with torch.no_grad():
-        return model(ctx, valid, torch.tensor([7]), history=hist, round_offset=offset)
+        return _forward(model, ctx, valid, torch.tensor([7]), hist, offset)
 
 
 def test_dlite_is_history_free(tiny_target):
@@ -63,7 +75,7 @@ def test_window_variant_ignores_history_beyond_its_window(tiny_target):
         req = DraftRequest(tokens=[5] * (hidden.shape[1] + 1), hidden=hidden, hidden_start=100 - old_len)
         ctx, valid, hist, offset = DLiteEngineDrafter(m).context_inputs(req)
         with torch.no_grad():
-            return m(ctx, valid, torch.tensor([7]), history=hist, round_offset=offset)
+            return _forward(m, ctx, valid, torch.tensor([7]), hist, offset)
 
     torch.testing.assert_close(run(5), run(30), rtol=1e-5, atol=1e-5)
 
@@ -75,7 +87,7 @@ def test_invalid_context_slots_are_ignored(tiny_target):
     other = ctx.clone()
     other[:, :, 0] = 123.0  # garbage in an invalid slot
     with torch.no_grad():
-        torch.testing.assert_close(m(ctx, valid, torch.tensor([4])), m(other, valid, torch.tensor([4])))
+        torch.testing.assert_close(_forward(m, ctx, valid, torch.tensor([4])), _forward(m, other, valid, torch.tensor([4])))
 
 
 def test_batched_forward_equals_per_request(tiny_target):
@@ -85,9 +97,9 @@ def test_batched_forward_equals_per_request(tiny_target):
     valid = torch.rand(B, 3) > 0.3
     anchors = torch.randint(0, tiny_target.config.vocab_size, (B,))
     with torch.no_grad():
-        full = m(ctx, valid, anchors)
+        full = _forward(m, ctx, valid, anchors)
         for b in range(B):
-            torch.testing.assert_close(m(ctx[b:b + 1], valid[b:b + 1], anchors[b:b + 1]), full[b:b + 1],
+            torch.testing.assert_close(_forward(m, ctx[b:b + 1], valid[b:b + 1], anchors[b:b + 1]), full[b:b + 1],
                                        rtol=1e-5, atol=1e-5)
 
 
@@ -99,7 +111,7 @@ def test_save_and_load_round_trip(tiny_target, tmp_path):
     ctx = torch.randn(2, 2, 3, tiny_target.config.hidden_size)
     valid = torch.ones(2, 3, dtype=torch.bool)
     with torch.no_grad():
-        torch.testing.assert_close(m(ctx, valid, torch.tensor([3, 4])), m2(ctx, valid, torch.tensor([3, 4])))
+        torch.testing.assert_close(_forward(m, ctx, valid, torch.tensor([3, 4])), _forward(m2, ctx, valid, torch.tensor([3, 4])))
     # The target's embedding / LM head are not stored in the drafter checkpoint.
     from safetensors.torch import load_file
     assert not any("embed_weight" in k or "lm_head" in k for k in load_file(str(tmp_path / "model.safetensors")))
@@ -122,10 +134,25 @@ def test_config_errors(kw, msg):
         DLiteConfig(**kw)
 
 
-def test_default_layer_ids_are_proportional():
-    assert default_layer_ids(36) == [12, 14]
-    assert default_layer_ids(30) == [10, 12]
-    assert DLiteConfig(target_num_layers=30).target_layer_ids == [10, 12]
+def test_proportional_layer_ids_are_proportional():
+    assert proportional_layer_ids(36) == [12, 14]
+    assert proportional_layer_ids(30) == [10, 12]
+
+
+def test_default_config_is_the_shipped_design():
+    """``DLiteConfig()`` builds the shipped drafter's design: every field of its config.json but the
+    drafting vocabulary (a property of its training data) and transformers' bookkeeping."""
+    import json
+
+    from sglang_dlite.model.dlite import SHIPPED_DRAFTER_DIR
+
+    with open(f"{SHIPPED_DRAFTER_DIR}/config.json") as f:
+        shipped = json.load(f)
+    got = DLiteConfig().to_dict()
+    skip = {"draft_vocab_size", "transformers_version", "target_model_type"}  # the data's, the library's, the target's
+    diff = {k: (got.get(k), v) for k, v in shipped.items() if k not in skip and got.get(k) != v}
+    assert not diff, diff
+    assert DLiteConfig(target_num_layers=30).target_layer_ids == [2, 15, 27]
 
 
 def test_drafter_for_another_target_is_refused(tiny_target):
@@ -334,7 +361,7 @@ def test_training_vocab_subset_logits_are_the_full_logits_columns(tiny_target, h
     """The training-time vocabulary subset (``forward(..., vocab=ids)``, what ``--vocab-subset``
     trains on) gives exactly the full logits' columns ``ids``, for both heads (regression: the
     token-feedback head ignored the subset, so its logits and the subset labels disagreed)."""
-    from sglang_dlite.training.evaluation import model_forward
+    from dlite_lab.training.evaluation import model_forward
 
     m = _drafter(tiny_target, head_input=head_input)
     ctx, valid, anchor = _round_inputs(m)
@@ -380,7 +407,7 @@ def test_float32_drafter_on_a_bf16_target_drafts_as_on_its_fp32_copy(tiny_target
 
 
 def test_drafter_dtype_follows_the_device_and_the_env(monkeypatch):
-    from sglang_dlite.sglang_plugin.worker import ENV_DRAFTER_DTYPE, drafter_dtype
+    from sglang_dlite.serving.worker import ENV_DRAFTER_DTYPE, drafter_dtype
 
     from sglang_dlite import ops
 

@@ -1,4 +1,4 @@
-"""Online adaptation (``sglang_dlite/online.py``, issue 47) on tiny random-weight models: it learns a
+"""Online adaptation (``sglang_dlite/drafting/online.py``, issue 47) on tiny random-weight models: it learns a
 planted repetitive stream, the watchdog reverts a worse adapter, per-session state starts from the
 shipped weights and is freed with its session, the output stays the target's greedy output, the
 shipped drafter is never written, and a seed makes a run reproducible."""
@@ -12,15 +12,16 @@ import pytest
 import torch
 
 from conftest import tiny_dlite_config
-from sglang_dlite.drafters import DLiteEngineDrafter
-from sglang_dlite.engine import ReferenceEngine
+from dlite_lab.reference.drafters import DLiteEngineDrafter
+from dlite_lab.reference.engine import ReferenceEngine
 from sglang_dlite.errors import DLiteConfigError, DLiteInputError
-from sglang_dlite.lookup.drafters import HybridEngineDrafter
-from sglang_dlite.lookup.tree_drafters import TreeEngineDrafter
-from sglang_dlite.model import DLiteDrafter
-from sglang_dlite.online import STATE_KEY, OnlineConfig, OnlineLearner, chain_accepted
-from sglang_dlite.online_drafter import OnlineDrafter
-from sglang_dlite.registry import served_hybrid
+from dlite_lab.reference.drafters import HybridEngineDrafter
+from dlite_lab.reference.drafters import TreeEngineDrafter
+from sglang_dlite.model.dlite import DLiteDrafter
+from dlite_lab.ablations import AblationDrafter
+from sglang_dlite.drafting.online import STATE_KEY, OnlineConfig, OnlineLearner, chain_accepted
+from dlite_lab.reference.drafters import OnlineDrafter
+from dlite_lab.registry import served_hybrid
 
 EOS = 2
 # a tiny random target continues this prompt with one token repeated: the planted stream
@@ -170,7 +171,7 @@ def test_tree_rounds_teach_their_accepted_path(tiny_target):
 def test_online_registry_names(tiny_target, tmp_path):
     """``--drafter hybrid-online`` learns under the served tree, ``hybrid-chain-online`` under the
     chain hybrid, ``dlite-online`` alone; every one drafts from the learner's working copy."""
-    from sglang_dlite.registry import make_engine_drafter
+    from dlite_lab.registry import make_engine_drafter
 
     torch.manual_seed(0)
     DLiteDrafter(tiny_dlite_config(tiny_target, head_input="token")).save_pretrained(str(tmp_path / "d"))
@@ -229,7 +230,7 @@ def test_bad_settings_say_what_is_wrong(tiny_target):
     assert OnlineConfig.parse("params=head, scope=server,lr=1e-2,max_update_ms=none") == OnlineConfig(
         params="head", scope="server", lr=1e-2)
     with pytest.raises(DLiteConfigError, match="token-fed"):
-        OnlineLearner(DLiteDrafter(tiny_dlite_config(tiny_target, head_input="hidden")).bind_hf_target(tiny_target))
+        OnlineLearner(AblationDrafter(tiny_dlite_config(tiny_target, head_input="hidden")).bind_hf_target(tiny_target))
 
 
 def test_update_budget_caps_the_steps(tiny_target):
@@ -283,7 +284,7 @@ def test_backoff_learns_one_tree_round_in_n_while_the_gate_drafts_the_shipped_tr
     draft, want, got = d.draft, [], []
 
     def spy(req):  # the rule, stated apart from the code: which rounds must be learned
-        st = learner.state_for(req)
+        st = learner.state_for(req.state)
         held = st.adapted and sum(st.gate) <= 0
         spy.run = spy.run + 1 if held else 0
         want.append(not held or spy.run % 3 == 1)
@@ -310,7 +311,7 @@ def test_tree_gate_verifies_the_winning_tree(tiny_target):
     eng.generate(REPETITIVE, 40, session=sess)
     st = sess.drafter_state[STATE_KEY]
     assert st.adapted
-    from sglang_dlite.drafters import DraftRequest
+    from dlite_lab.reference.drafters import DraftRequest
     req = DraftRequest(tokens=sess.tokens, hidden=sess.hidden, hidden_start=sess.hidden_start, temperature=0.0,
                        top_p=1.0, generator=None, state=sess.drafter_state)
     for record, use in (([1, 1, -1], True), ([1, -1], False), ([], False), ([-1, 0], False)):
@@ -321,7 +322,7 @@ def test_tree_gate_verifies_the_winning_tree(tiny_target):
         assert used is use and prop.tree is (adapted if use else shipped_tree)
         assert adapted.drafts == d.inner.draft(req).tree.drafts and shipped_tree.drafts == d.shadow.draft(req).tree.drafts
     # the verdict on the tree not verified, from what the round committed ([4, 5] + bonus 6: 2 accepted)
-    from sglang_dlite.speculation.tree import DraftTree
+    from sglang_dlite.drafting.tree import DraftTree
     holds_all, holds_one, holds_two = (DraftTree((9, 4, 5, 6), (-1, 0, 1, 2)), DraftTree.chain(9, [4, 7]),
                                        DraftTree.chain(9, [4, 5, 8]))
     logits = torch.zeros(3, tiny_target.config.vocab_size)

@@ -365,14 +365,16 @@ def test_forced_cpp_rejects_other_devices(monkeypatch):
 
 # ----------------------------------------------------------------------------- model level
 @needs_cpp
-@pytest.mark.parametrize("block_attention", ["bidirectional", "causal"])
-def test_drafter_same_with_cpp_and_torch(monkeypatch, tiny_target, block_attention):
+@pytest.mark.parametrize("block_attention, head_input", [("bidirectional", "token"), ("causal", "token"),
+                                                        ("bidirectional", "hidden")])
+def test_drafter_same_with_cpp_and_torch(monkeypatch, tiny_target, block_attention, head_input):
+    """The served drafter (token-fed head) and the hidden-head ablation (the low-rank RNN scan)."""
     from conftest import tiny_dlite_config
-    from sglang_dlite.model import DLiteDrafter
+    from dlite_lab.ablations import build_drafter
 
     torch.manual_seed(0)
-    cfg = tiny_dlite_config(tiny_target, block_attention=block_attention)
-    m = DLiteDrafter(cfg).eval().bind_hf_target(tiny_target)
+    cfg = tiny_dlite_config(tiny_target, block_attention=block_attention, head_input=head_input)
+    m = build_drafter(cfg).eval().bind_hf_target(tiny_target)
     torch.nn.init.normal_(m.head.out_proj.weight, std=0.05)
     B, L, C, H = 5, cfg.num_capture_layers, cfg.num_context_positions, cfg.target_hidden_size
     ctx = torch.randn(B, L, C, H)
@@ -382,7 +384,8 @@ def test_drafter_same_with_cpp_and_torch(monkeypatch, tiny_target, block_attenti
     for mode in ("torch", "cpp"):
         monkeypatch.setenv(ops.ENV, mode)
         with torch.no_grad():
-            out[mode] = (m(ctx, valid, anchor), m.propose(ctx, valid, anchor).tokens)
+            fb = m.propose(ctx, valid, anchor).tokens if head_input == "token" else None
+            out[mode] = (m(ctx, valid, anchor, feedback_tokens=fb), m.propose(ctx, valid, anchor).tokens)
         assert ops.last_impl("round_attention") == mode and ops.last_impl("lm_head_argmax") == mode
     close(out["cpp"][0], out["torch"][0], torch.float32)
     assert torch.equal(out["cpp"][1], out["torch"][1])

@@ -55,13 +55,15 @@ def test_fake_kernel_matches_real_output(name, args):
     assert fake.shape == real.shape and fake.dtype == real.dtype and fake.device == real.device
 
 
-def test_draft_round_compiles_fullgraph(monkeypatch, tiny_target):
+@pytest.mark.parametrize("head_input, head_op", [("token", "lm_head_argmax"), ("hidden", "lowrank_rnn_scan")])
+def test_draft_round_compiles_fullgraph(monkeypatch, tiny_target, head_input, head_op):
+    """The served drafter's round (the token-fed head) and the hidden-head ablation's (the scan)."""
     from conftest import tiny_dlite_config
-    from sglang_dlite.model import DLiteDrafter
+    from dlite_lab.ablations import build_drafter
 
     monkeypatch.setenv(ops.ENV, "cpp")
     torch.manual_seed(0)
-    m = DLiteDrafter(tiny_dlite_config(tiny_target)).eval().bind_hf_target(tiny_target)
+    m = build_drafter(tiny_dlite_config(tiny_target, head_input=head_input)).eval().bind_hf_target(tiny_target)
     cfg = m.config
     B = 4
     ctx = torch.randn(B, cfg.num_capture_layers, cfg.num_context_positions, cfg.target_hidden_size)
@@ -75,6 +77,6 @@ def test_draft_round_compiles_fullgraph(monkeypatch, tiny_target):
     torch._dynamo.reset()
     with torch.no_grad():
         eager = round_tokens(ctx, valid, anchor)
-        assert ops.last_impl("lowrank_rnn_scan") == "cpp"
+        assert ops.last_impl(head_op) == "cpp"
         compiled = torch.compile(round_tokens, backend="aot_eager", fullgraph=True)(ctx, valid, anchor)
     assert torch.equal(compiled, eager)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_dlite.engine import rejection_sample
+from dlite_lab.reference.engine import rejection_sample
 
 V, K, N = 4, 3, 20000
 TOL = 0.03

@@ -1,5 +1,5 @@
 """sglang's own EAGLE3 worker on this CPU, running the project's EAGLE-3-style baseline exported to
-the checkpoint format sglang reads (``sglang_dlite.baselines.sglang_export``): the export's layout,
+the checkpoint format sglang reads (``dlite_lab.baselines.sglang_export``): the export's layout,
 its refusals, the CPU stand-ins it needs (draft attention on torch_native, the tree-build kernel),
 and, on the real bundled target, that sglang's ``LlamaForCausalLMEagle3`` loaded from the export
 drafts what the baseline drafts in the reference engine: the same outputs (== the target's greedy
@@ -21,8 +21,8 @@ F.activate_cpu_standins()
 
 
 def test_export_renames_every_weight_and_writes_an_eagle3_llama_config(tmp_path):
-    from sglang_dlite.baselines.registry import shipped_checkpoint
-    from sglang_dlite.baselines.sglang_export import KEY_MAP, export_sglang_eagle3
+    from dlite_lab.baselines.registry import shipped_checkpoint
+    from dlite_lab.baselines.sglang_export import KEY_MAP, export_sglang_eagle3
 
     src = shipped_checkpoint("eagle3")
     out = export_sglang_eagle3(None, str(tmp_path / "e3"), dtype=torch.float32)
@@ -41,8 +41,8 @@ def test_export_renames_every_weight_and_writes_an_eagle3_llama_config(tmp_path)
 
 
 def test_export_refuses_a_checkpoint_that_is_not_the_eagle3_baseline(tmp_path):
-    from sglang_dlite.baselines.sglang_export import export_sglang_eagle3
-    from sglang_dlite.drafters import shipped_drafter_path
+    from dlite_lab.baselines.sglang_export import export_sglang_eagle3
+    from sglang_dlite.model.dlite import shipped_drafter_path
     from sglang_dlite.errors import DLiteConfigError
 
     with pytest.raises(DLiteConfigError, match="EAGLE-3 baseline"):
@@ -97,9 +97,9 @@ def real_prompts():
 def test_sglang_eagle3_from_the_export_drafts_what_the_baseline_drafts(real_prompts, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from sglang_dlite.baselines.sglang_export import export_sglang_eagle3
-    from sglang_dlite.engine import ReferenceEngine
-    from sglang_dlite.registry import make_engine_drafter
+    from dlite_lab.baselines.sglang_export import export_sglang_eagle3
+    from dlite_lab.reference.engine import ReferenceEngine
+    from dlite_lab.registry import make_engine_drafter
 
     target, prompts = real_prompts
     n_new, K = 32, 7

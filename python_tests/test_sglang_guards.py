@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from sglang_dlite.benchmarking.bad_requests import BAD_REQUESTS, LEAK_RE, error_message, send
+from dlite_lab.benchmarking.bad_requests import BAD_REQUESTS, LEAK_RE, error_message, send
 
 requests = pytest.importorskip("requests")
 
@@ -22,7 +22,7 @@ GREEDY = {"text": "The capital of France is", "sampling_params": {"temperature":
 
 # ----------------------------------------------------------------------------- pure checks
 def _guards():
-    from sglang_dlite.sglang_plugin import guards
+    from sglang_dlite.serving import guards
 
     return guards
 
@@ -115,7 +115,7 @@ def test_tokenizer_hook_refuses_zero_tokens_and_out_of_vocab_ids():
 
 def test_metrics_api_counts_rounds_and_sources():
     prometheus_client = pytest.importorskip("prometheus_client")
-    from sglang_dlite.sglang_plugin import metrics as M
+    from sglang_dlite.serving import metrics as M
 
     assert M.enable(num_context_positions=4)
     reg = prometheus_client.REGISTRY
@@ -171,7 +171,7 @@ def test_round_log_records_every_round_without_metrics(tmp_path, monkeypatch):
     import argparse
     import json
 
-    from sglang_dlite.sglang_plugin import metrics as M
+    from sglang_dlite.serving import metrics as M
 
     log = tmp_path / "rounds.jsonl"
     args = argparse.Namespace(enable_metrics=False)
@@ -197,7 +197,7 @@ def test_serve_cpu_fixes_the_malloc_mmap_threshold(tmp_path, monkeypatch):
     the caller set is kept."""
     import argparse
 
-    from sglang_dlite.sglang_plugin import serve
+    from sglang_dlite.serving import serve
 
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
@@ -216,8 +216,8 @@ def test_serve_cpu_binds_a_core_list_per_rank(tmp_path, monkeypatch, capsys):
     when ranks outnumber NUMA nodes), splitting the cores evenly over TP x DP; a value set wins."""
     import argparse
 
-    from sglang_dlite import cpu_launch
-    from sglang_dlite.sglang_plugin import serve
+    from sglang_dlite.serving import cpu_launch
+    from sglang_dlite.serving import serve
 
     assert cpu_launch.omp_threads_bind(2, ncpu=2) == "0|1"
     assert cpu_launch.omp_threads_bind(2, ncpu=16) == "0-7|8-15"

@@ -16,8 +16,8 @@ import torch
 
 import sglang_fixtures as F
 from sglang_dlite.errors import DLiteConfigError
-from sglang_dlite.sglang_plugin.load_policy import LoadPolicy, opted_out
-from sglang_dlite.sglang_plugin.options import ServingOptions
+from sglang_dlite.serving.load_policy import LoadPolicy, opted_out
+from sglang_dlite.settings import ServingOptions
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]]
 MAX_NEW = [24, 20, 28]
@@ -75,8 +75,8 @@ def test_opt_out_reads_custom_params():
 
 def test_a_zero_draft_round_runs_no_drafter():
     """n = 0: no drafter pass, no lookup (the index only takes the anchors), an empty [B, 0] block."""
-    from sglang_dlite.lookup.batch import BatchLookup
-    from sglang_dlite.sglang_plugin.worker import DLiteWorker
+    from sglang_dlite.drafting.hybrid import BatchLookup
+    from sglang_dlite.serving.worker import DLiteWorker
 
     def boom(*a, **k):
         raise AssertionError("the drafter ran")

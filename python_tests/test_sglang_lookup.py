@@ -48,7 +48,7 @@ def _events(path):
 
 
 def test_hybrid_equals_nospec_and_frees_lookup_state(tmp_path, monkeypatch):
-    from sglang_dlite.drafters import shipped_drafter_path
+    from sglang_dlite.model.dlite import shipped_drafter_path
 
     drafter = shipped_drafter_path()
     if drafter is None:
@@ -109,7 +109,7 @@ def test_hybrid_equals_nospec_and_frees_lookup_state(tmp_path, monkeypatch):
 
 def test_serving_options_resolve_every_switch_once():
     """The worker's SGLANG_DLITE_* switches: one object, the documented defaults, the same names."""
-    from sglang_dlite.sglang_plugin.options import ServingOptions
+    from sglang_dlite.settings import ServingOptions
 
     assert ServingOptions.from_env({}) == ServingOptions()
     o = ServingOptions.from_env({

@@ -116,7 +116,7 @@ def test_padded_batch_attention_equals_the_reference(monkeypatch):
     continues a cached prompt + answer (a radix-cache hit, its new tokens over the cached prefix) is
     also the reference's. The default target (a tiny random one barely reads its context: swapping two
     requests' attention outputs left its greedy tokens unchanged)."""
-    from sglang_dlite.drafters import shipped_drafter_path
+    from sglang_dlite.model.dlite import shipped_drafter_path
 
     drafter = shipped_drafter_path()
     if drafter is None:
@@ -168,7 +168,7 @@ def test_real_target_shipped_drafter_rounds_equal_reference(monkeypatch, trees):
     chains (the setting tree_max_batch_size: 0), or token trees of W - 1 = K nodes branching along
     DLite's greedy chain (tree_round.py; the reference engine's TreeEngineDrafter(branching="chain")),
     whose rounds also depend on which path the tree verify accepted and which rows it carried."""
-    from sglang_dlite.drafters import shipped_drafter_path
+    from sglang_dlite.model.dlite import shipped_drafter_path
 
     monkeypatch.setenv("SGLANG_DLITE_LOOKUP", "0")
     monkeypatch.setenv("SGLANG_DLITE_VERIFY_WIDTH", "fixed")  # every round W wide (no draft gate), as the reference
@@ -192,8 +192,8 @@ def test_dlite_bf16_parts_from_nospec_only_at_precision_ties(llama):
     """bfloat16, what deployments run. A verify pass computes a token's logits in a W-token GEMM, a
     decode step in a 1-token GEMM; bf16 rounds the two differently, so greedy outputs may part at
     an exact or near tie. Every divergence from no speculation (bf16 too) must be such a tie of
-    the float32 target (sglang_dlite/divergence.py), and the drafter must still be accepted."""
-    from sglang_dlite.divergence import Fp32LogitGap, classify_divergences
+    the float32 target (dlite_lab/divergence.py), and the drafter must still be accepted."""
+    from dlite_lab.divergence import Fp32LogitGap, classify_divergences
 
     target, drafter, _ = llama
     with F.engine(target, skip_tokenizer_init=True, dtype="bfloat16") as e:

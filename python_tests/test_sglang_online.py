@@ -1,4 +1,4 @@
-"""Online learning in the sglang DLITE worker (issue 47; ``sglang_plugin/online_serving.py``, the
+"""Online learning in the sglang DLITE worker (issue 47; ``serving/online_serving.py``, the
 setting ``online``): the serving learner on a tiny random-weight drafter fed synthetic verify rounds
 (it learns a planted stream, the time budget caps every update, errors disable it instead of
 raising, opted-out rows are skipped, a bf16 drafter trains float32 masters and its prepacked CPU
@@ -20,12 +20,12 @@ import torch
 
 from conftest import tiny_dlite_config
 from sglang_dlite.errors import DLiteConfigError
-from sglang_dlite.model import DLiteDrafter
-from sglang_dlite.online import OnlineConfig
+from sglang_dlite.model.dlite import DLiteDrafter
+from sglang_dlite.drafting.online import OnlineConfig
 from sglang_dlite.ops import cpu_linear
-from sglang_dlite.sglang_plugin.info import pack_context, unpack_context
-from sglang_dlite.sglang_plugin.online_serving import OnlineServing, _as_probs
-from sglang_dlite.sglang_plugin.options import ServingOptions
+from sglang_dlite.serving.info import pack_context, unpack_context
+from sglang_dlite.serving.online_serving import OnlineServing, _as_probs
+from sglang_dlite.settings import ServingOptions
 
 NEXT = {5: 9, 9: 13, 13: 5}  # the planted stream: the target continues 5 -> 9 -> 13 -> 5 ...
 
@@ -167,7 +167,7 @@ def test_tree_round_pairs_are_the_accepted_paths(tiny_target):
     assert torch.allclose(p0.top_p[2], torch.softmax(logits[0, 5, :V], -1).topk(p0.top_p.shape[-1]).values)
     assert len(p0.labels) == K
     # the watchdog's scores: chains judged on the path's drafts and the path's target rows only
-    from sglang_dlite.online import chain_accepted
+    from sglang_dlite.drafting.online import chain_accepted
     ctx, valid = unpack_context(state, cfg.num_capture_layers, cfg.target_hidden_size)
     with torch.no_grad():
         chains = srv.learner.shipped.propose(ctx.contiguous(), valid, anchors).tokens.tolist()
@@ -182,8 +182,8 @@ def test_tree_gate_drafts_the_winning_model_and_judges_the_other(tiny_target):
     the other model's trees, and ``judge_trees`` scores them against what the round committed."""
     from types import SimpleNamespace
 
-    from sglang_dlite.sglang_plugin.tree_round import TreeRounds
-    from sglang_dlite.speculation.tree import DraftTree
+    from sglang_dlite.serving.tree_round import TreeRounds
+    from sglang_dlite.drafting.tree import DraftTree
 
     srv = serving(drafter(tiny_target), drafts_are_model=False, params="last", tree_gate=8, watchdog_every=2)
     assert not srv.learner.watch_paths  # tree rounds: the gate judges them, not the chain watchdog
@@ -324,7 +324,7 @@ def test_background_thread_learns_the_planted_stream_and_publishes_between_round
 def test_background_rounds_never_wait_on_an_update(tiny_target, monkeypatch):
     """A slow update (1 s) on the thread: every round returns at once; rounds that find the bounded
     queue full drop their pairs instead of waiting; the updates land afterwards."""
-    from sglang_dlite.sglang_plugin.online_serving import LearnerThread
+    from sglang_dlite.serving.online_serving import LearnerThread
 
     monkeypatch.setattr(LearnerThread, "QUEUE", 2)
     srv = serving(drafter(tiny_target), params="head", update_every=1, watchdog_window=0, background=1)

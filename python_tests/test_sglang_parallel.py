@@ -93,7 +93,7 @@ def test_parallel_equals_nospec_and_tp1_rounds(llama, monkeypatch, parallel):
                                         ("pp_size", "--pp-size")])
 def test_unsupported_parallelism_refused_with_alternative(field, flag):
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.sglang_plugin.algorithm import check_deployment
+    from sglang_dlite.serving.algorithm import check_deployment
 
     args = SimpleNamespace(tp_size=2, dp_size=1, pp_size=1, disaggregation_mode="null", attn_dp_size=1,
                            attn_cp_size=1, enable_dp_attention=False)

@@ -20,14 +20,14 @@ def test_entry_point_declared():
     from importlib.metadata import entry_points
 
     eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
-    assert eps.get("dlite") == "sglang_dlite.sglang_plugin:register"
+    assert eps.get("dlite") == "sglang_dlite.serving:register"
 
 
 def test_register_is_idempotent_and_registers_dlite():
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_dlite.sglang_plugin import register
-    from sglang_dlite.sglang_plugin.algorithm import DLiteSpecAlgo
+    from sglang_dlite.serving import register
+    from sglang_dlite.serving.algorithm import DLiteSpecAlgo
 
     register()
     register()
@@ -36,7 +36,7 @@ def test_register_is_idempotent_and_registers_dlite():
     assert not algo.has_draft_kv() and not algo.need_topk() and not algo.carries_draft_hidden_states()
     from transformers import AutoConfig
 
-    from sglang_dlite.config import DLiteConfig
+    from sglang_dlite.model.config import DLiteConfig
 
     assert AutoConfig.for_model("dlite").__class__ is DLiteConfig
 
@@ -44,7 +44,7 @@ def test_register_is_idempotent_and_registers_dlite():
 @pytest.mark.parametrize("version", ["0.5.22", "0.5.24", "0.6.0", "1.0.0"])
 def test_register_rejects_unsupported_sglang(monkeypatch, version):
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.sglang_plugin import SUPPORTED_SGLANG, register, versions
+    from sglang_dlite.serving import SUPPORTED_SGLANG, register, versions
 
     monkeypatch.setattr(versions, "installed_sglang_version", lambda: version)
     with pytest.raises(DLiteConfigError) as exc:
@@ -54,7 +54,7 @@ def test_register_rejects_unsupported_sglang(monkeypatch, version):
 
 
 def test_supported_range_accepts_installed_and_patch_builds():
-    from sglang_dlite.sglang_plugin.versions import check_sglang_version
+    from sglang_dlite.serving.versions import check_sglang_version
 
     assert check_sglang_version() == check_sglang_version()
     for ok in ("0.5.23", "0.5.23.post1", "0.5.23+cu129"):
@@ -66,7 +66,7 @@ def test_conformance_with_sglang_algorithm_enum():
     scheduler duck-types plugin algorithms against the enum)."""
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_dlite.sglang_plugin.algorithm import DLiteSpecAlgo
+    from sglang_dlite.serving.algorithm import DLiteSpecAlgo
 
     enum_methods = {
         name for name, value in vars(SpeculativeAlgorithm).items()
@@ -95,7 +95,7 @@ def _args(target, drafter, **kw):
 
 
 def _validate(args):
-    from sglang_dlite.sglang_plugin.algorithm import validate_server_args
+    from sglang_dlite.serving.algorithm import validate_server_args
 
     validate_server_args(args)
 
@@ -127,7 +127,7 @@ def test_drafter_for_another_target_fails(tiny, field, value, needle):
 
 def test_k_inconsistent_with_num_draft_tokens_fails(tiny, monkeypatch):
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.sglang_plugin.algorithm import HYBRID_MAX_DRAFT_TOKENS as W_MAX
+    from sglang_dlite.serving.algorithm import HYBRID_MAX_DRAFT_TOKENS as W_MAX
 
     _, target, drafter = tiny  # K = 4
     # hybrid drafting (the default): the lookup may continue a chain past DLite's K drafts
@@ -155,7 +155,7 @@ def test_default_num_draft_tokens(tiny, monkeypatch):
     """Unset --speculative-num-draft-tokens: 16 on a CPU with hybrid drafting and the per-round
     width; K + 1 on a GPU, with the lookup off, with a fixed width, or under TP; and what
     handle_server_args writes back (steps = W - 1, top-k 1)."""
-    from sglang_dlite.sglang_plugin.algorithm import CPU_HYBRID_DRAFT_TOKENS, DLiteSpecAlgo, default_num_draft_tokens
+    from sglang_dlite.serving.algorithm import CPU_HYBRID_DRAFT_TOKENS, DLiteSpecAlgo, default_num_draft_tokens
 
     _, target, drafter = tiny  # K = 4
     monkeypatch.delenv("SGLANG_DLITE_LOOKUP", raising=False)
@@ -250,7 +250,7 @@ def test_serve_wrapper_explains_disabled_plugin(tiny, monkeypatch):
     import argparse
 
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.sglang_plugin import serve
+    from sglang_dlite.serving import serve
 
     _, target, drafter = tiny
     p = argparse.ArgumentParser()
@@ -273,7 +273,7 @@ def test_plugin_never_loads_the_cpu_standins():
     plugin loads none of cpu_support/sglang_cpu."""
     code = (
         "import sys\n"
-        "from sglang_dlite.sglang_plugin import register\n"
+        "from sglang_dlite.serving import register\n"
         "register()\n"
         "from sglang.srt.speculative.spec_info import SpeculativeAlgorithm\n"
         "assert SpeculativeAlgorithm.from_string('DLITE').name == 'DLITE'\n"

@@ -23,7 +23,7 @@ pytest.importorskip("sglang")
 
 @pytest.fixture(scope="module")
 def sgl_engine(tiny_ckpt):  # noqa: F811
-    from sglang_dlite.cpu_launch import start_engine
+    from sglang_dlite.serving.cpu_launch import start_engine
 
     e = start_engine(tiny_ckpt, skip_tokenizer_init=True, max_running_requests=8, max_total_tokens=8192)
     yield e
@@ -41,9 +41,9 @@ def _prompts(tmp_path, n=7):
 
 
 def test_gen_data_sglang_equals_fast_engine_and_resumes(tiny_ckpt, sgl_engine, tmp_path):  # noqa: F811
-    from sglang_dlite.training import gen_data
-    from sglang_dlite.training.data import load_shard, read_manifest
-    from sglang_dlite.training.features import load_features
+    from dlite_lab.training import gen_data
+    from dlite_lab.training.data import load_shard, read_manifest
+    from dlite_lab.training.features import load_features
 
     prompts = _prompts(tmp_path)
     sg, fast = tmp_path / "sglang", tmp_path / "fast"
@@ -77,8 +77,8 @@ def test_turn_stopped_at_another_eos_is_resumed(tiny_ckpt, sgl_engine):  # noqa:
     from stopping, i.e. the fast engine's)."""
     from transformers import AutoTokenizer
 
-    from sglang_dlite.training.sglang_regen import SglangRegenerator
-    from sglang_dlite.training.turns import TurnRules
+    from dlite_lab.training.sglang_regen import SglangRegenerator
+    from dlite_lab.training.turns import TurnRules
 
     tok = AutoTokenizer.from_pretrained(tiny_ckpt)
     conv = {"users": ["Tell me something about word word word."]}

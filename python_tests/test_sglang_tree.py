@@ -1,4 +1,4 @@
-"""Tree rounds in sglang's DLITE worker (``sglang_plugin/tree_round.py``).
+"""Tree rounds in sglang's DLITE worker (``serving/tree_round.py``).
 
 The verify layout (padded trees, positions, the CPU's draft-only mask and the prefix + tree mask)
 against ``DraftTree``; which rounds are tree rounds; and in a real sglang engine on the CPU
@@ -19,9 +19,9 @@ import torch
 
 import sglang_fixtures as F
 from sglang_dlite.errors import DLiteConfigError
-from sglang_dlite.sglang_plugin.options import ServingOptions
-from sglang_dlite.sglang_plugin.tree_round import TreeRounds, tree_arrays, verify_mask
-from sglang_dlite.speculation.tree import DraftTree, greedy_tree_accept
+from sglang_dlite.settings import ServingOptions
+from sglang_dlite.serving.tree_round import TreeRounds, tree_arrays, verify_mask
+from sglang_dlite.drafting.tree import DraftTree, greedy_tree_accept
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]]
 MAX_NEW = [24, 20, 28]
@@ -71,8 +71,8 @@ def test_the_tree_layout_is_what_sglangs_tree_contract_reads():
     next-sibling links the tree round's grammar traversal walks (``verify_logits.tree_links``)."""
     import random
 
-    from sglang_dlite.cpu_support.sglang_cpu.sgl_kernel.speculative import reconstruct_indices_from_tree_mask
-    from sglang_dlite.sglang_plugin.verify_logits import tree_links
+    from sglang_dlite.serving.cpu_support.sglang_cpu.sgl_kernel.speculative import reconstruct_indices_from_tree_mask
+    from sglang_dlite.serving.verify_logits import tree_links
 
     rng = random.Random(0)
     trees = [_tree(), DraftTree.chain(3, [1, 2, 4, 5, 6])]
@@ -101,10 +101,10 @@ def test_padding_rows_are_never_accepted():
 def test_the_cost_model_cuts_trees_to_their_best_nodes():
     """Best-first trees list their nodes by falling reach: the first n are a tree and the best n.
     A cost model where every row costs as much as the round's fixed part picks few rows."""
-    from sglang_dlite.lookup.tree_drafters import ChainBranches, grow_round_tree
-    from sglang_dlite.lookup.chooser import default_calibration
-    from sglang_dlite.sglang_plugin.tree_round import expected_by_rows, first_nodes
-    from sglang_dlite.speculation.verify_width import VerifyWidthPolicy
+    from sglang_dlite.drafting.hybrid_tree import ChainBranches, grow_round_tree
+    from sglang_dlite.drafting.chooser import default_calibration
+    from sglang_dlite.serving.tree_round import expected_by_rows, first_nodes
+    from sglang_dlite.drafting.budget import VerifyWidthPolicy
 
     top_t = [[10 + i, 20 + i, 30 + i] for i in range(4)]
     top_p = [[0.9, 0.05, 0.02], [0.6, 0.3, 0.05], [0.5, 0.2, 0.1], [0.4, 0.3, 0.2]]

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import sglang_fixtures as F
-from sglang_dlite.cpu_launch import SERVER_CPU_ARGS
+from sglang_dlite.serving.cpu_launch import SERVER_CPU_ARGS
 
 requests = pytest.importorskip("requests")
 
@@ -134,7 +134,7 @@ def _run_all(base, reqs):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from sglang_dlite.drafters import shipped_drafter_path
+    from sglang_dlite.model.dlite import shipped_drafter_path
 
     draft = shipped_drafter_path()
     if draft is None:
@@ -265,7 +265,7 @@ def tiny(tmp_path_factory):
 
 
 def _validate(target, drafter, **kw):
-    from sglang_dlite.sglang_plugin.algorithm import validate_server_args
+    from sglang_dlite.serving.algorithm import validate_server_args
 
     a = dict(model_path=target, speculative_draft_model_path=drafter, speculative_num_draft_tokens=None,
              speculative_num_steps=None, speculative_eagle_topk=None, tp_size=1, pp_size=1,
@@ -295,7 +295,7 @@ def test_launch_refusals_say_what_to_use_instead(tiny):
     (hybrid / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DLiteConfigError, match=r"Mamba / linear-attention.*linear_attention.*without --speculative-algorithm"):
         _validate(str(hybrid), drafter)
-    from sglang_dlite.sglang_plugin.algorithm import hybrid_reason
+    from sglang_dlite.serving.algorithm import hybrid_reason
 
     assert hybrid_reason(types.SimpleNamespace(model_type="qwen3_next")) == "model_type 'qwen3_next'"
     assert hybrid_reason(types.SimpleNamespace(model_type="llama", layer_types=["full_attention"] * 4)) is None
@@ -307,7 +307,7 @@ def test_serve_cpu_sizes_the_kv_pool_to_the_machine_and_sleeps_when_idle(tiny, c
     printed with how to change it; the idle scheduler sleeps. The user's own flags win."""
     import argparse
 
-    from sglang_dlite.sglang_plugin import serve
+    from sglang_dlite.serving import serve
 
     _, target, drafter = tiny
     p = argparse.ArgumentParser()

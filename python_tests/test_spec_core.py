@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_dlite import speculation as spec
+from sglang_dlite import drafting as spec
 
 
 def _brute_greedy(drafts, target):
@@ -134,7 +134,7 @@ def test_filters():
 def test_roll_last_rows_is_last_rows_of_the_committed_sequence():
     """The sglang worker's carry (a fixed window rolled by each round's committed rows) equals the
     reference engine's context (the last C rows of every committed position, ``last_rows``)."""
-    from sglang_dlite.speculation.context import roll_last_rows
+    from sglang_dlite.drafting.context import roll_last_rows
 
     g = torch.Generator().manual_seed(0)
     B, C, W, D = 3, 4, 5, 2
@@ -149,7 +149,7 @@ def test_roll_last_rows_is_last_rows_of_the_committed_sequence():
 
 
 def test_expected_accepted_is_the_sum_of_prefix_products():
-    from sglang_dlite.speculation.accept import expected_accepted, expected_accepted_prefixes
+    from sglang_dlite.drafting.accept import expected_accepted, expected_accepted_prefixes
 
     ps = [0.5, 0.4, 0.9]
     assert expected_accepted([]) == 0.0

@@ -10,8 +10,8 @@ import torch
 
 from test_fast_regen import LAYERS, _convs, _fast, hf_greedy_conv, tiny  # noqa: F401  (fixture)
 
-from sglang_dlite.training.fast_llama import FastLlama
-from sglang_dlite.training.spec_regen import SpecRegenerator
+from dlite_lab.training.fast_llama import FastLlama
+from dlite_lab.training.spec_regen import SpecRegenerator
 
 
 def _spec(model, eos, batch_size, num_drafts=4, min_reach=0.0, max_new=24, max_len=256, layers=LAYERS,
@@ -128,7 +128,7 @@ def test_select_draft_budget_vs_brute_force(tiny):
 def test_spec_bf16_runs_and_relabel_makes_it_greedy(tiny):
     """gen-data --dtype bfloat16 with --spec-drafts: runs; after the relabel cut every generated
     token is the float32 target's greedy choice."""
-    from sglang_dlite.training.exactness import count_disagreements, reference_greedy, relabel
+    from dlite_lab.training.exactness import count_disagreements, reference_greedy, relabel
 
     convs, eos = _convs(tiny, 4, seed=3)
     fr = _spec(tiny, eos, 4, max_new=30, dtype=torch.bfloat16)
@@ -142,7 +142,7 @@ def test_spec_bf16_runs_and_relabel_makes_it_greedy(tiny):
 def test_fixed_rows_follow_the_attention_path(tiny):
     """The step-cost model's default: per-slot attention (the C++ kernel) leaves a larger fixed
     share than chunked SDPA, whose cost grows with the verified rows."""
-    from sglang_dlite.training.spec_regen import FIXED_ROWS
+    from dlite_lab.training.spec_regen import FIXED_ROWS
 
     _, eos = _convs(tiny, 1)
     for attention in ("auto", "sdpa"):

@@ -14,7 +14,7 @@ import torch
 
 from conftest import make_tiny_llama, tiny_dlite_config, write_greedy_feature_shards
 
-from sglang_dlite.training.stream import ShardStream, is_heldout
+from dlite_lab.training.stream import ShardStream, is_heldout
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_stream_epoch_covers_every_anchor_once_within_window(shard_dir):
     # the shards each loaded once in epoch 0, then epoch 1 began
     assert sorted(f for e, f in st.opened_log if e == 0) == sorted(files)
     # every (non-held-out) generated anchor exactly once in epoch 0
-    from sglang_dlite.training.data import load_shard
+    from dlite_lab.training.data import load_shard
 
     want = set()
     for f in files:
@@ -93,7 +93,7 @@ def test_stream_resume_continues_same_batches_without_reopening(shard_dir):
 
 
 def test_stream_state_must_match_options(shard_dir):
-    from sglang_dlite.training.data import DataError
+    from dlite_lab.training.data import DataError
 
     d, layers, files = shard_dir
     b = ShardStream(d, layers, files, window=2, per=8)
@@ -105,7 +105,7 @@ def test_stream_state_must_match_options(shard_dir):
 
 
 def _opts(**kw):
-    from sglang_dlite.training.train import TrainOptions
+    from dlite_lab.training.train import TrainOptions
 
     c = tiny_dlite_config(make_tiny_llama())
     ov = dict(num_context_positions=c.num_context_positions, block_size=c.block_size, num_layers=2, num_heads=4,
@@ -121,9 +121,9 @@ def test_train_resume_mid_run_equals_uninterrupted_run(shard_dir, target, tmp_pa
     """A run paused after 6 steps and resumed ends with the same weights as one uninterrupted run
     (fails if resume restarted from step 0, changed the schedule, or drew other data), and the
     resumed process does not reopen the shards finished before the pause."""
-    from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.training import stream as stream_mod
-    from sglang_dlite.training.train import train_pipeline
+    from sglang_dlite.model.dlite import DLiteDrafter
+    from dlite_lab.training import stream as stream_mod
+    from dlite_lab.training.train import train_pipeline
 
     d, layers, files = shard_dir
     full = train_pipeline(target, d, str(tmp_path / "a"), _opts())
@@ -161,9 +161,9 @@ def test_ema_is_updated_each_step_resumed_and_is_what_the_run_saves(shard_dir, t
     """--ema-decay: after every step the average moves toward the new weights by the warmed-up
     decay (checked by hand across a pause/resume boundary), the paused + resumed run ends with the
     uninterrupted run's weights, and the saved drafter is the average, not the last raw weights."""
-    from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.training.ema import warmed_decay
-    from sglang_dlite.training.train import train_pipeline
+    from sglang_dlite.model.dlite import DLiteDrafter
+    from dlite_lab.training.ema import warmed_decay
+    from dlite_lab.training.train import train_pipeline
 
     d, _, _ = shard_dir
     full = train_pipeline(target, d, str(tmp_path / "a"), _opts(ema_decay=0.9))
@@ -192,8 +192,8 @@ def test_ema_is_updated_each_step_resumed_and_is_what_the_run_saves(shard_dir, t
     ref = DLiteDrafter.from_pretrained(full["stabilize"]).state_dict()
     for k in ref:
         torch.testing.assert_close(ref[k], saved[k], atol=1e-6, rtol=1e-5, msg=f"{k} differs after resume")
-    from sglang_dlite.training.model_card import render_card
-    from sglang_dlite.training.run_summary import summarize
+    from dlite_lab.training.model_card import render_card
+    from dlite_lab.training.run_summary import summarize
 
     assert "exponential moving average, decay 0.9" in render_card(summarize(run, d))
 
@@ -202,10 +202,10 @@ def test_training_json_written_and_read_back_by_the_card(shard_dir, target, tmp_
     """training.json lands beside the model's config.json (data + run + held-out tau with CI and
     every command of a run resumed across invocations), the export copies it, and the model card
     renders it."""
-    from sglang_dlite.training import model_card
-    from sglang_dlite.training.recipe import export
-    from sglang_dlite.training.run_summary import summarize
-    from sglang_dlite.training.train import train_pipeline
+    from dlite_lab.training import model_card
+    from dlite_lab.training.recipe import export
+    from dlite_lab.training.run_summary import summarize
+    from dlite_lab.training.train import train_pipeline
 
     d, layers, files = shard_dir
     out = tmp_path / "run"
@@ -288,7 +288,7 @@ def test_compare_runs_puts_runs_on_one_compute_axis(tmp_path, capsys):
 
 
 def test_select_shards_by_source_range_glob_and_refuses_a_spec_that_picks_nothing():
-    from sglang_dlite.training.data import DataError, select_shards
+    from dlite_lab.training.data import DataError, select_shards
 
     shards = [{"file": f"{s}_{i:05d}.npz"} for s in ("sharegpt", "codegen", "agent") for i in range(6)]
     names = lambda specs: [sh["file"] for sh in select_shards(shards, specs)]  # noqa: E731
@@ -307,10 +307,10 @@ def test_select_shards_by_source_range_glob_and_refuses_a_spec_that_picks_nothin
 def test_train_on_a_shard_subset_streams_and_evaluates_only_those_shards(shard_dir, target, tmp_path, monkeypatch):
     """``train --shards``: the stream opens only the selected shards, the held-out view is built from
     them, train_info.json records the selection, and the CLI parses the specs into the options."""
-    from sglang_dlite.training import stages as stages_mod
-    from sglang_dlite.training import stream as stream_mod
-    from sglang_dlite.training.options import add_arguments, options_from_args
-    from sglang_dlite.training.train import train_pipeline
+    from dlite_lab.training import stages as stages_mod
+    from dlite_lab.training import stream as stream_mod
+    from dlite_lab.training.options import add_arguments, options_from_args
+    from dlite_lab.training.train import train_pipeline
 
     d, layers, files = shard_dir
     picked = files[2:5]
@@ -356,7 +356,7 @@ def test_train_on_a_shard_subset_streams_and_evaluates_only_those_shards(shard_d
     add_arguments(p)
     args = p.parse_args(["--data", d, "--out", str(out), "--shards", "tiny:2-4", "tiny_00007.npz"])
     assert options_from_args(args).shards == ["tiny:2-4", "tiny_00007.npz"]
-    from sglang_dlite.training.data import DataError
+    from dlite_lab.training.data import DataError
 
     with pytest.raises(DataError, match="'sharegpt' matches none"):
         train_pipeline(target, d, str(tmp_path / "bad"), _opts(shards=["sharegpt"]))

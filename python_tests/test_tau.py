@@ -1,4 +1,4 @@
-"""τ, the acceptance length (sglang_dlite/speculation/tau.py): the formula on hand values, one function for
+"""τ, the acceptance length (sglang_dlite/drafting/tau.py): the formula on hand values, one function for
 the whole project (a source scan of sglang_dlite/ and bench/), and bench/e2e.py's two engines
 reporting the same τ for the same run."""
 
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_dlite.drafters import OracleDrafter
-from sglang_dlite.engine import GenerationResult, ReferenceEngine, RoundRecord
-from sglang_dlite.speculation import tau as T
+from dlite_lab.reference.drafters import OracleDrafter
+from dlite_lab.reference.engine import GenerationResult, ReferenceEngine, RoundRecord
+from sglang_dlite.drafting import tau as T
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -186,22 +186,22 @@ def tau_computations(source: str, filename: str = "<src>") -> list:
 
 
 def _project_files():
-    for top in ("sglang_dlite", "bench"):
+    for top in ("sglang_dlite", "dlite_lab", "bench"):
         for p in sorted((ROOT / top).rglob("*.py")):
             yield p.relative_to(ROOT).as_posix(), p
 
 
 def test_no_module_computes_tau_by_itself():
-    """Every τ of sglang_dlite/ and bench/ comes from speculation/tau.py: no other module divides,
+    """Every τ of sglang_dlite/, dlite_lab/ and bench/ comes from drafting/tau.py: no other module divides,
     averages or re-weights one."""
-    found = {rel: hits for rel, p in _project_files() if rel != "sglang_dlite/speculation/tau.py"
+    found = {rel: hits for rel, p in _project_files() if rel != "sglang_dlite/drafting/tau.py"
              for hits in [tau_computations(p.read_text(encoding="utf-8"), rel)] if hits}
-    assert found == {}, f"tau computed outside sglang_dlite/speculation/tau.py (use its functions): {found}"
+    assert found == {}, f"tau computed outside sglang_dlite/drafting/tau.py (use its functions): {found}"
 
 
 def test_spec_tau_has_one_formula():
-    """In speculation/tau.py itself the scan finds a τ division in one function only: ``tau``."""
-    src = (ROOT / "sglang_dlite" / "speculation" / "tau.py").read_text(encoding="utf-8")
+    """In drafting/tau.py itself the scan finds a τ division in one function only: ``tau``."""
+    src = (ROOT / "sglang_dlite" / "drafting" / "tau.py").read_text(encoding="utf-8")
     tree = ast.parse(src)
     spans = {n.name: (n.lineno, n.end_lineno) for n in tree.body if isinstance(n, ast.FunctionDef)}
     hits = tau_computations(src)
@@ -209,7 +209,7 @@ def test_spec_tau_has_one_formula():
 
 
 @pytest.mark.parametrize("code", [
-    # how τ was computed before speculation/tau.py was the only place (each one a different convention)
+    # how τ was computed before drafting/tau.py was the only place (each one a different convention)
     "row = {'tau': round(toks / verify, 3) if verify else None}",
     "row = {'tau': round((toks - len(reqs)) / rounds, 3) if rounds else None}",
     "def tau(self):\n    return sum(r.committed for r in self.rounds) / max(len(self.rounds), 1)",
@@ -248,7 +248,7 @@ def test_the_scan_leaves_other_divisions_alone(code):
 
 # ------------------------------------------------- bench/e2e.py (benchmarking/sglang_runs.py)
 def test_e2e_rows_of_both_engines_come_from_level_row():
-    for path, name in ((ROOT / "sglang_dlite" / "benchmarking" / "sglang_runs.py", "run_sglang"),
+    for path, name in ((ROOT / "dlite_lab" / "benchmarking" / "sglang_runs.py", "run_sglang"),
                        (ROOT / "bench" / "e2e.py", "run_reference")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         fns = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
@@ -298,7 +298,7 @@ def test_e2e_both_engines_report_the_same_tau_for_the_same_run(monkeypatch):
     an EOS), reported once as the reference engine's row and once through run_sglang as sglang's
     meta_info would report the same requests: the same τ, which is each request's
     GenerationResult.tau pooled and the rounds' committed tokens over the rounds."""
-    from sglang_dlite.benchmarking.random_models import tiny_llama
+    from dlite_lab.benchmarking.random_models import tiny_llama
 
     target = tiny_llama(0, 96, 64, 6, tied=False, max_positions=512, sticky=0.3)  # runs of tokens and jumps
     g = torch.Generator().manual_seed(7)
@@ -318,11 +318,11 @@ def test_e2e_both_engines_report_the_same_tau_for_the_same_run(monkeypatch):
     cut = [sum(a + 1 for a in acc) - (len(x.output_ids) - 1) for acc, x in zip(accepted, results)]
     assert results[i_eos].output_ids[-1] == eos and cut[i_eos] > 0  # the round past the EOS
     assert any(c > 0 for i, c in enumerate(cut) if i != i_eos)  # a round past the token limit
-    from sglang_dlite.benchmarking import sglang_runs as R
+    from dlite_lab.benchmarking import sglang_runs as R
 
     ref_row = R.level_row("dlite", 1, [R.reference_meta(x) for x in results], 1.0, [0.25] * 4)
 
-    import sglang_dlite.cpu_launch as cpu_launch
+    import sglang_dlite.serving.cpu_launch as cpu_launch
 
     fake = _RecordedSglang({tuple(p): x for p, x in zip(prompts, results)})
     monkeypatch.setattr(cpu_launch, "start_engine", lambda *a, **k: fake)
@@ -347,8 +347,8 @@ def test_e2e_baseline_attention_reaches_the_engine_and_is_restored(monkeypatch, 
     ("same": no speculation's decode forwards read the KV cache with the verify's attention; sglang's
     EAGLE3 keeps sglang's own), and the caller's environment is back afterwards, even when the
     engine fails to start."""
-    import sglang_dlite.cpu_launch as cpu_launch
-    from sglang_dlite.benchmarking import sglang_runs as R
+    import sglang_dlite.serving.cpu_launch as cpu_launch
+    from dlite_lab.benchmarking import sglang_runs as R
 
     class Started(Exception):
         pass
@@ -370,7 +370,7 @@ def test_e2e_baseline_attention_reaches_the_engine_and_is_restored(monkeypatch, 
 
 
 def test_e2e_percentile_is_nearest_rank():
-    from sglang_dlite.benchmarking.sglang_runs import percentile as pct
+    from dlite_lab.benchmarking.sglang_runs import percentile as pct
     xs = list(range(1, 101))  # 1..100
     assert pct(xs, 50) == 50 and pct(xs, 99) == 99 and pct(xs, 100) == 100 and pct(xs, 0) == 1
     assert pct([7.0], 99) == 7.0 and pct([], 50) is None
@@ -379,7 +379,7 @@ def test_e2e_percentile_is_nearest_rank():
 def test_e2e_paired_ratios_cancel_the_machines_drift():
     """``paired``: each mode against the first, repeat by repeat: a machine that slows by 30 % over the
     benchmark moves both modes' medians, not the same-repeat ratio."""
-    from sglang_dlite.benchmarking.sglang_runs import paired
+    from dlite_lab.benchmarking.sglang_runs import paired
 
     def row(tps, **k):
         return {"concurrency": 1, "tokens_per_s": tps, "draft_ms_per_round": 10.0, "verify_ms_per_round": 100.0, **k}
@@ -397,7 +397,7 @@ def test_e2e_paired_ratios_cancel_the_machines_drift():
 def test_e2e_online_round_log_fields_and_fresh_engines():
     """The round log's online fields sum per level (``online_stats``); modes that remember the requests
     they served (NGRAM, online learning) get a fresh engine per level (``remembers_requests``)."""
-    from sglang_dlite.benchmarking.sglang_runs import online_stats, remembers_requests, round_stats
+    from dlite_lab.benchmarking.sglang_runs import online_stats, remembers_requests, round_stats
 
     assert online_stats([{"draft_ms": 1}]) == {}
     recs = [{"learn_ms": 2.0, "online": {"updates": 1, "backed_off": 0}}, {"learn_ms": 0.0, "online": {"backed_off": 1}},
@@ -420,7 +420,7 @@ def test_e2e_online_round_log_fields_and_fresh_engines():
 def test_e2e_rows_count_what_the_radix_cache_served():
     """A row reports how much of its prompts the radix cache served (sglang's ``prompt_tokens`` /
     ``cached_tokens``): the prefill's work is the difference; the reference engine has no such counts."""
-    from sglang_dlite.benchmarking import sglang_runs as R
+    from dlite_lab.benchmarking import sglang_runs as R
 
     metas = [{"completion_tokens": 5, "spec_verify_ct": 2, "prompt_tokens": 100, "cached_tokens": 60},
              {"completion_tokens": 5, "spec_verify_ct": 2, "prompt_tokens": 50, "cached_tokens": 0}]

@@ -55,7 +55,7 @@ def setup(tmp_path_factory):
 
 
 def _opts(**kw):
-    from sglang_dlite.training.options import TrainOptions
+    from dlite_lab.training.options import TrainOptions
 
     base = dict(stages=["stabilize"], steps={"teacher": 0, "distill": 0, "stabilize": STEPS}, lr=3e-3,
                 batch_size=16, seqs_per_batch=4, eval_every=1000, eval_anchors=16, save_every=1000, log_every=1,
@@ -69,9 +69,9 @@ def _losses(out):
 
 
 def test_two_processes_match_one_with_the_doubled_batch_and_resume_in_one(setup, tmp_path):
-    from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.target import load_target
-    from sglang_dlite.training.stages import train_pipeline
+    from sglang_dlite.model.dlite import DLiteDrafter
+    from sglang_dlite.model.bundled_target import load_target
+    from dlite_lab.training.stages import train_pipeline
 
     tdir, data = setup
     a = str(tmp_path / "two")
@@ -120,8 +120,8 @@ def _keys(groups, name):
 def test_rank_shares_of_sampled_batches_are_disjoint_and_cover_the_global_batch(setup):
     """Every step the ranks' shares are disjoint and together the global batch, which is what one
     process with the doubled batch draws from the same generator."""
-    from sglang_dlite.training.dataset import FeatureData, sample_batch
-    from sglang_dlite.training.distributed import rank_slice
+    from dlite_lab.training.dataset import FeatureData, sample_batch
+    from dlite_lab.training.distributed import rank_slice
 
     _, data = setup
     fd = FeatureData(data, LAYERS)
@@ -141,9 +141,9 @@ def test_rank_shares_of_sampled_batches_are_disjoint_and_cover_the_global_batch(
 
 
 def test_rank_shares_of_a_streamed_epoch_are_disjoint_and_cover_every_anchor(setup):
-    from sglang_dlite.training.data import load_shard
-    from sglang_dlite.training.distributed import rank_slice
-    from sglang_dlite.training.stream import ShardStream, is_heldout
+    from dlite_lab.training.data import load_shard
+    from dlite_lab.training.distributed import rank_slice
+    from dlite_lab.training.stream import ShardStream, is_heldout
 
     _, data = setup
     files = sorted(f for f in os.listdir(data) if f.endswith(".npz"))
@@ -182,7 +182,7 @@ def test_removed_ddp_flag_says_to_use_torchrun(setup, tmp_path, capsys):
 
 def test_device_option():
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.training.distributed import resolve_device
+    from dlite_lab.training.distributed import resolve_device
 
     assert resolve_device("cpu").type == "cpu"
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")

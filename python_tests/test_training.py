@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama, tiny_dlite_config
-from sglang_dlite.training import losses
-from sglang_dlite.training.data import DataError, load_shard, save_shard, write_manifest
-from sglang_dlite.training.features import compute_features, save_features
+from dlite_lab.training import losses
+from dlite_lab.training.data import DataError, load_shard, save_shard, write_manifest
+from dlite_lab.training.features import compute_features, save_features
 
 
 # ---------------------------------------------------------------------------- losses
@@ -83,7 +83,7 @@ def _tiny_data(tmp_path, target, n_seqs=6, prompt_len=6, gen_len=40, with_featur
 
 
 def _opts(**kw):
-    from sglang_dlite.training.train import TrainOptions
+    from dlite_lab.training.train import TrainOptions
 
     c = tiny_dlite_config(make_tiny_llama())
     ov = dict(num_context_positions=c.num_context_positions, block_size=c.block_size, num_layers=2, num_heads=4,
@@ -105,7 +105,7 @@ def test_features_match_hf_hidden_states(tiny_target):
 
 
 def test_tiny_end_to_end_lowers_loss(tmp_path, tiny_target):
-    from sglang_dlite.training.train import train_pipeline
+    from dlite_lab.training.train import train_pipeline
 
     data = _tiny_data(tmp_path, tiny_target)
     out = str(tmp_path / "run")
@@ -119,9 +119,9 @@ def test_tiny_end_to_end_lowers_loss(tmp_path, tiny_target):
     assert ev and all(1.0 <= r["tau_proxy"] <= 8.0 for r in ev)
     assert os.path.isfile(os.path.join(out, "curve.png"))
     # the final checkpoint is a DLite (history-free) drafter that serves in the reference engine
-    from sglang_dlite.drafters import DLiteEngineDrafter
-    from sglang_dlite.engine import ReferenceEngine
-    from sglang_dlite.model import DLiteDrafter
+    from dlite_lab.reference.drafters import DLiteEngineDrafter
+    from dlite_lab.reference.engine import ReferenceEngine
+    from sglang_dlite.model.dlite import DLiteDrafter
 
     m = DLiteDrafter.from_pretrained(done["stabilize"]).bind_hf_target(tiny_target)
     assert m.config.history == "none"
@@ -130,16 +130,16 @@ def test_tiny_end_to_end_lowers_loss(tmp_path, tiny_target):
     base = ReferenceEngine(tiny_target).generate([5, 6, 7], 16)
     assert res.output_ids == base.output_ids  # lossless
     # the model card renders from the run's numbers; the bf16 export reloads
-    from sglang_dlite.training.model_card import render_card
-    from sglang_dlite.training.recipe import export
-    from sglang_dlite.training.run_summary import summarize
+    from dlite_lab.training.model_card import render_card
+    from dlite_lab.training.recipe import export
+    from dlite_lab.training.run_summary import summarize
 
     card = render_card(summarize(out, data))
     assert "| stabilize |" in card and "| teacher |" in card
-    assert "head r = " in card and "head_input=token" not in card
-    token = render_card({**summarize(out, data), "drafter_config": {"head_input": "token", "num_layers": 3}})
-    assert "3 backbone layers" in token and "fed the previous draft token (`head_input=token`" in token
-    from sglang_dlite.training.model_card import _autocast_label
+    assert "head r = " in card and "fed the previous draft token (`head_input=token`" in card
+    hidden = render_card({**summarize(out, data), "drafter_config": {"head_input": "hidden", "num_layers": 2}})
+    assert "2 backbone layers" in hidden and "fed the backbone outputs (`head_input=hidden`" in hidden
+    from dlite_lab.training.model_card import _autocast_label
 
     # training.json's bf16=None (the trainer's device default) is said in words, not printed as "None"
     assert _autocast_label(None) == "default (on with --device cuda, off on the CPU)" and _autocast_label(True) == "True"
@@ -159,7 +159,7 @@ def test_tiny_end_to_end_lowers_loss(tmp_path, tiny_target):
 def test_resume_mid_stage_and_extend(tmp_path, tiny_target):
     """A paused stage resumes at its step (not 0); a finished one, asked for more steps with
     --resume, is extended from its checkpoint. Every step is logged exactly once."""
-    from sglang_dlite.training.train import train_pipeline
+    from dlite_lab.training.train import train_pipeline
 
     data = _tiny_data(tmp_path, tiny_target, n_seqs=3)
     out = str(tmp_path / "run")
@@ -181,7 +181,7 @@ def test_resume_mid_stage_and_extend(tmp_path, tiny_target):
 
 # ---------------------------------------------------------------------------- bad input
 def test_missing_and_corrupt_shards(tmp_path, tiny_target):
-    from sglang_dlite.training.train import train_pipeline
+    from dlite_lab.training.train import train_pipeline
 
     data = _tiny_data(tmp_path, tiny_target, n_seqs=2, with_features=False)
     shard = os.path.join(data, "tiny_00000.npz")
@@ -199,7 +199,7 @@ def test_missing_and_corrupt_shards(tmp_path, tiny_target):
 
 
 def test_features_computed_when_missing(tmp_path, tiny_target):
-    from sglang_dlite.training.train import FeatureData
+    from dlite_lab.training.train import FeatureData
 
     data = _tiny_data(tmp_path, tiny_target, n_seqs=2, with_features=False)
     layers = tiny_dlite_config(tiny_target).target_layer_ids
@@ -213,7 +213,7 @@ def test_anchor_tokens_all_adds_prompt_anchors_but_evaluates_on_generated_spans(
     valid on prompt tokens too; "generated" (default) keeps only anchors whose next token the
     target generated. Held-out eval anchors stay on generated spans either way."""
     from sglang_dlite.errors import DLiteInputError
-    from sglang_dlite.training.train import FeatureData, eval_groups, sample_batch
+    from dlite_lab.training.train import FeatureData, eval_groups, sample_batch
 
     data = _tiny_data(tmp_path, tiny_target, n_seqs=3, prompt_len=6, gen_len=10)
     layers = tiny_dlite_config(tiny_target).target_layer_ids
@@ -242,7 +242,7 @@ def test_anchor_tokens_all_adds_prompt_anchors_but_evaluates_on_generated_spans(
 
 
 def test_train_with_all_anchor_tokens_lowers_the_loss(tmp_path, tiny_target):
-    from sglang_dlite.training.train import train_pipeline
+    from dlite_lab.training.train import train_pipeline
 
     data = _tiny_data(tmp_path, tiny_target, n_seqs=3)
     out = str(tmp_path / "run")
@@ -264,10 +264,10 @@ def test_kl_to_target_hand_computed():
 
 
 def test_kl_only_stabilize_lowers_the_loss_and_is_in_the_card(tmp_path, tiny_target, monkeypatch):
-    from sglang_dlite.training import loop
-    from sglang_dlite.training.model_card import render_card
-    from sglang_dlite.training.run_summary import summarize
-    from sglang_dlite.training.train import train_pipeline
+    from dlite_lab.training import loop
+    from dlite_lab.training.model_card import render_card
+    from dlite_lab.training.run_summary import summarize
+    from dlite_lab.training.train import train_pipeline
 
     def no_ce(*a, **k):
         raise AssertionError("a loss term with weight 0 was computed")
@@ -285,7 +285,7 @@ def test_kl_only_stabilize_lowers_the_loss_and_is_in_the_card(tmp_path, tiny_tar
 
 def test_empty_prompt_source(tmp_path):
     from sglang_dlite.errors import DLiteInputError
-    from sglang_dlite.training.prompts import load_prompts
+    from dlite_lab.training.prompts import load_prompts
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -296,9 +296,9 @@ def test_empty_prompt_source(tmp_path):
 
 
 def test_mismatched_drafter_config(tiny_target):
-    from sglang_dlite.config import DLiteConfig
+    from sglang_dlite.model.config import DLiteConfig
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.model import DLiteDrafter
+    from sglang_dlite.model.dlite import DLiteDrafter
 
     m = DLiteDrafter(DLiteConfig(target_hidden_size=32, vocab_size=tiny_target.config.vocab_size,
                                  target_num_layers=6, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
@@ -330,8 +330,8 @@ def test_gen_data_end_to_end_resumes_and_survives_a_too_long_prompt(tmp_path):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from sglang_dlite.cli import main
-    from sglang_dlite.target import prepare_default_target
-    from sglang_dlite.training.features import load_features
+    from sglang_dlite.model.bundled_target import prepare_default_target
+    from dlite_lab.training.features import load_features
 
     tok = AutoTokenizer.from_pretrained(str(prepare_default_target(verbose=False)))
     torch.manual_seed(0)
@@ -371,7 +371,7 @@ def test_gen_data_end_to_end_resumes_and_survives_a_too_long_prompt(tmp_path):
 
 def test_feature_caches_of_two_layer_sets_coexist(tmp_path, tiny_target):
     """A baseline with other capture layers computes its own cache beside DLite's, never over it."""
-    from sglang_dlite.training.features import ensure_features, load_features
+    from dlite_lab.training.features import ensure_features, load_features
 
     data = _tiny_data(tmp_path, tiny_target)
     man = json.loads(open(os.path.join(data, "manifest.json")).read())
@@ -390,7 +390,7 @@ def test_feature_caches_of_two_layer_sets_coexist(tmp_path, tiny_target):
     assert np.array_equal(np.array(load_features(path, dl_layers, len(ids))), before)  # untouched
     assert ensure_features(data, man["shards"], lambda: tiny_target, other, progress=False) == 0
     # several sets in one pass: same rows as one set at a time
-    from sglang_dlite.training.features import ensure_feature_sets
+    from dlite_lab.training.features import ensure_feature_sets
 
     assert ensure_feature_sets(data, man["shards"], lambda: tiny_target, [other, [1, 4], [3]], progress=False) == 1
     both = load_features(path, [1, 4], len(ids))
@@ -400,8 +400,8 @@ def test_feature_caches_of_two_layer_sets_coexist(tmp_path, tiny_target):
 
 def test_init_from_target_layers_copies_weights_and_checks_shapes(tiny_target):
     from sglang_dlite.errors import DLiteConfigError
-    from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.training.train import init_from_target_layers
+    from sglang_dlite.model.dlite import DLiteDrafter
+    from dlite_lab.training.train import init_from_target_layers
 
     d = DLiteDrafter(tiny_dlite_config(tiny_target, intermediate_size=128))  # = the tiny target's shapes
     init_from_target_layers(d, tiny_target, [3, 4])
@@ -424,8 +424,8 @@ def test_init_from_drafter_continues_a_trained_run_and_refuses_another_drafter(t
     import argparse
 
     from sglang_dlite.errors import DLiteConfigError, DLiteInputError
-    from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.training.train import add_arguments, init_from_drafter, options_from_args, train_pipeline
+    from sglang_dlite.model.dlite import DLiteDrafter
+    from dlite_lab.training.train import add_arguments, init_from_drafter, options_from_args, train_pipeline
 
     data = _tiny_data(tmp_path, tiny_target, n_seqs=3)
 
@@ -440,8 +440,8 @@ def test_init_from_drafter_continues_a_trained_run_and_refuses_another_drafter(t
     assert b[0] < a[0] and abs(b[0] - a[-1]) < 0.5 * (a[0] - a[-1])
     with open(os.path.join(second, "stabilize", "model", "training.json")) as f:
         assert json.load(f)["run"]["options"]["init_drafter"] == trained
-    from sglang_dlite.training.model_card import render_card
-    from sglang_dlite.training.run_summary import summarize
+    from dlite_lab.training.model_card import render_card
+    from dlite_lab.training.run_summary import summarize
 
     card = render_card(summarize(second, data))
     assert f"Started from the trained drafter {trained} (`--init-from-drafter`)." in card
@@ -473,7 +473,7 @@ def test_time_budget_replans_warmup_and_cosine(tmp_path, tiny_target):
     as re-planned for the budget, so the learning rate peaks early and the cosine completes.
     Regression: the warm-up used to be 5 % of the *requested* steps, so a 20 000-step request cut
     to ~650 steps by its budget never left warm-up."""
-    from sglang_dlite.training.train import train_pipeline
+    from dlite_lab.training.train import train_pipeline
 
     data = _tiny_data(tmp_path, tiny_target)
     out = str(tmp_path / "run")
@@ -489,8 +489,8 @@ def test_time_budget_replans_warmup_and_cosine(tmp_path, tiny_target):
 
 def _heldout_setup(tmp_path, tiny_target):
     """A tiny regenerated data set, its held-out anchors and a random history-free drafter."""
-    from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.training.train import FeatureData, eval_groups
+    from sglang_dlite.model.dlite import DLiteDrafter
+    from dlite_lab.training.train import FeatureData, eval_groups
 
     data = _tiny_data(tmp_path, tiny_target, n_seqs=4)
     cfg = tiny_dlite_config(tiny_target)
@@ -507,8 +507,8 @@ def test_bench_heldout_tau_matches_the_trainers_evaluation(tmp_path, tiny_target
     import importlib.util
 
     from sglang_dlite.errors import DLiteInputError
-    from sglang_dlite.model import DLiteDrafter
-    from sglang_dlite.training.train import evaluate
+    from dlite_lab.ablations import AblationDrafter
+    from dlite_lab.training.train import evaluate
 
     spec = importlib.util.spec_from_file_location("heldout_tau", os.path.join(os.path.dirname(__file__), "..", "bench", "heldout_tau.py"))
     ht = importlib.util.module_from_spec(spec)
@@ -530,7 +530,7 @@ def test_bench_heldout_tau_matches_the_trainers_evaluation(tmp_path, tiny_target
     assert two == {"agent": {"tau": 2.0, "pos1": 0.5, "anchors": 2},
                    "sharegpt": {"tau": pytest.approx(4 / 3, abs=1e-4), "pos1": pytest.approx(1 / 3, abs=1e-4), "anchors": 3}}
     assert ht.by_source(np.array([1.0]), fake, [(0, [5, 9])]) == {}
-    teacher = DLiteDrafter(tiny_dlite_config(tiny_target, history="full")).bind_hf_target(tiny_target)
+    teacher = AblationDrafter(tiny_dlite_config(tiny_target, history="full")).bind_hf_target(tiny_target)
     with pytest.raises(DLiteInputError, match="history-free"):
         ht.heldout_tau(teacher, fd, groups, bf16=False)
 
@@ -539,8 +539,8 @@ def test_heldout_scoring_drafts_over_the_drafting_vocabulary(tmp_path, tiny_targ
     """A drafter with a drafting vocabulary (a shipped export) is scored as it drafts: one whose
     vocabulary lacks every label accepts nothing, one with every id scores as no vocabulary, and
     each scored draft is what propose() drafts (the argmax over those ids)."""
-    from sglang_dlite.training.dataset import concat_groups
-    from sglang_dlite.training.evaluation import GreedyTally, greedy_scores, scored_drafts
+    from dlite_lab.training.dataset import concat_groups
+    from dlite_lab.training.evaluation import GreedyTally, greedy_scores, scored_drafts
 
     cfg, fd, model, groups = _heldout_setup(tmp_path, tiny_target)
     off = torch.autocast("cpu", enabled=False)
@@ -557,8 +557,7 @@ def test_heldout_scoring_drafts_over_the_drafting_vocabulary(tmp_path, tiny_targ
     keep = torch.arange(0, V, 2)
     model.set_draft_vocab(keep)
     with torch.no_grad():
-        drafted = model.propose(b["context_hidden"], b["context_valid"], b["anchor_ids"],
-                                round_offset=b["round_offset"]).tokens
+        drafted = model.propose(b["context_hidden"], b["context_valid"], b["anchor_ids"]).tokens
         scored = scored_drafts(model, b)
     assert torch.equal(scored, drafted) and bool((scored % 2 == 0).all())
     want = GreedyTally(cfg.block_size)
@@ -573,9 +572,9 @@ def test_bench_heldout_tau_scores_a_kv_baseline_per_anchor(tmp_path, tiny_target
     generated span (recomputed here one anchor at a time, by hand), with the per-position rates."""
     import importlib.util
 
-    from sglang_dlite.baselines.registry import load_kv_baseline
-    from sglang_dlite.baselines.train import sequence_inputs, train_kv_baseline
-    from sglang_dlite.training.train import FeatureData, eval_groups
+    from dlite_lab.baselines.registry import load_kv_baseline
+    from dlite_lab.baselines.train import sequence_inputs, train_kv_baseline
+    from dlite_lab.training.train import FeatureData, eval_groups
 
     spec = importlib.util.spec_from_file_location("heldout_tau", os.path.join(os.path.dirname(__file__), "..", "bench", "heldout_tau.py"))
     ht = importlib.util.module_from_spec(spec)
@@ -648,8 +647,8 @@ def test_sequence_prompt_ids_follow_gen_datas_plan():
     import argparse
 
     from sglang_dlite.errors import DLiteInputError
-    from sglang_dlite.training.gen_data import plan_shards
-    from sglang_dlite.training.prompts import prompt_ids, sequence_prompt_ids
+    from dlite_lab.training.gen_data import plan_shards
+    from dlite_lab.training.prompts import prompt_ids, sequence_prompt_ids
 
     recipe = {"prompts": ["bfcl:12", "bfcl:30"], "seed": 3, "shard_size": 8, "max_turns": 2}
     conv = sequence_prompt_ids(recipe)
@@ -671,8 +670,8 @@ def test_bench_heldout_tau_drops_prompts_another_run_trained_on(tmp_path, tiny_t
     import importlib.util
 
     from sglang_dlite.errors import DLiteInputError
-    from sglang_dlite.training.prompts import prompt_ids, sequence_prompt_ids
-    from sglang_dlite.training.train import FeatureData
+    from dlite_lab.training.prompts import prompt_ids, sequence_prompt_ids
+    from dlite_lab.training.train import FeatureData
 
     spec = importlib.util.spec_from_file_location("heldout_tau", os.path.join(os.path.dirname(__file__), "..", "bench", "heldout_tau.py"))
     ht = importlib.util.module_from_spec(spec)
@@ -706,7 +705,7 @@ def test_stage_budget_minutes_parse():
     stage's own budget (regression: it was tripled) and three give their sum."""
     import argparse
 
-    from sglang_dlite.training.train import add_arguments, options_from_args
+    from dlite_lab.training.train import add_arguments, options_from_args
 
     def budget(*argv):
         p = argparse.ArgumentParser()
@@ -726,7 +725,7 @@ def test_stabilize_loss_weights_are_checked():
     import argparse
 
     from sglang_dlite.errors import DLiteInputError
-    from sglang_dlite.training.train import add_arguments, options_from_args
+    from dlite_lab.training.train import add_arguments, options_from_args
 
     def opts(*argv):
         p = argparse.ArgumentParser()
@@ -751,8 +750,8 @@ def test_train_default_recipe_wiring():
     training uses every position as an anchor, the same layers, and 55 minutes of stabilization."""
     import argparse
 
-    from sglang_dlite.training import recipe
-    from sglang_dlite.training.train import options_from_args
+    from dlite_lab.training import recipe
+    from dlite_lab.training.train import options_from_args
 
     p = argparse.ArgumentParser()
     recipe.add_arguments(p)
@@ -764,7 +763,7 @@ def test_train_default_recipe_wiring():
     assert opts.config_overrides["target_layer_ids"] == [2, 15, 27]
     assert opts.time_budget_s["stabilize"] == 55 * 60 and opts.vocab_subset == 8192
     # bf16 is the device's default: autocast on a GPU, float32 on a CPU (emulated bf16 is ~3x slower there)
-    from sglang_dlite.training.loop import use_bf16
+    from dlite_lab.training.loop import use_bf16
     assert opts.bf16 is None and not use_bf16(opts, torch.device("cpu")) and use_bf16(opts, torch.device("cuda"))
     assert args.draft_vocab == 8192  # as many most-frequent tokens as the training losses cover
 
@@ -778,7 +777,7 @@ def _cpuinfo(tmp_path, text):
 
 
 def test_cpu_native_bf16_reads_the_cpu_flags(tmp_path):
-    from sglang_dlite.training.precision import cpu_native_bf16, emulated_bf16_note
+    from dlite_lab.training.precision import cpu_native_bf16, emulated_bf16_note
 
     no_bf16 = _cpuinfo(tmp_path, "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw avx512_vnni\n")
     assert cpu_native_bf16(no_bf16) is False

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from conftest import tiny_dlite_config
-from sglang_dlite.drafters import DLiteEngineDrafter, DraftRequest
-from sglang_dlite.engine import ReferenceEngine
+from dlite_lab.reference.drafters import DLiteEngineDrafter, DraftRequest
+from dlite_lab.reference.engine import ReferenceEngine
 from sglang_dlite.errors import DLiteInputError
-from sglang_dlite.lookup.tree_drafters import TreeEngineDrafter
-from sglang_dlite.model import DLiteDrafter
-from sglang_dlite.proposal import DraftProposal
-from sglang_dlite.speculation.accept import chain_rejection_sample
-from sglang_dlite.speculation.tree import (DraftTree, accept_tree, greedy_tree_accept, grow_tree,
+from dlite_lab.reference.drafters import TreeEngineDrafter
+from sglang_dlite.model.dlite import DLiteDrafter
+from sglang_dlite.model.proposal import DraftProposal
+from sglang_dlite.drafting.accept import chain_rejection_sample
+from sglang_dlite.drafting.tree import (DraftTree, accept_tree, greedy_tree_accept, grow_tree,
                                            tree_rejection_sample)
 
 EOS = 2
@@ -198,7 +198,7 @@ def test_sampled_tree_keeps_the_target_distribution():
 
 def test_tree_sampling_tolerance_catches_a_broken_rule(monkeypatch):
     """Accepting every child with its plain target probability p(c) (no residual) skews the law."""
-    import sglang_dlite.speculation.tree as T
+    import sglang_dlite.drafting.tree as T
 
     def broken(tree, p, generator=None, uniforms=None):
         kids = T._child_table(tree)
@@ -381,9 +381,9 @@ def test_sampled_engine_rounds_with_trees_run(tiny_target):
 def test_registry_hybrid_is_the_served_tree_and_hybrid_chain_the_chain(tiny_target, tmp_path):
     """``--drafter hybrid`` drafts what the DLITE worker serves (the lookup + DLite's top-k along its
     chain, SERVED_TREE_NODES drafts), ``hybrid-chain`` today's chain hybrid; both lossless."""
-    from sglang_dlite.lookup.drafters import HybridEngineDrafter
-    from sglang_dlite.lookup.tree_drafters import SERVED_TREE_NODES
-    from sglang_dlite.registry import make_engine_drafter
+    from dlite_lab.reference.drafters import HybridEngineDrafter
+    from sglang_dlite.drafting.hybrid_tree import SERVED_TREE_NODES
+    from dlite_lab.registry import make_engine_drafter
 
     torch.manual_seed(0)
     DLiteDrafter(tiny_dlite_config(tiny_target, head_input="token")).save_pretrained(str(tmp_path / "d"))
@@ -405,7 +405,7 @@ def test_lookup_continuations_count_every_earlier_continuation():
     their counts, as a brute-force scan of the tokens finds them, most frequent first."""
     from collections import Counter
 
-    from sglang_dlite.lookup.suffix import SuffixIndex
+    from sglang_dlite.drafting.suffix import SuffixIndex
 
     rng = random.Random(9)
     for _ in range(50):

@@ -1,4 +1,4 @@
-"""DLITE verify-time logits processing (sglang_dlite/sglang_plugin/verify_logits.py), pure torch.
+"""DLITE verify-time logits processing (sglang_dlite/serving/verify_logits.py), pure torch.
 
 * Row j of a verify block gets exactly the penalties sglang's non-speculative decode applies when
   the output so far is [committed..., d_1..d_j] (brute force per row, bit for bit).
@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from sglang_dlite.sglang_plugin import verify_logits as VL
+from sglang_dlite.serving import verify_logits as VL
 
 
 def _req(freq=0.0, pres=0.0, rep=1.0, min_new=0, stop=(), eos=()):
@@ -319,7 +319,7 @@ def _simulate_tree(count_tree=True, n=3, seed=0):
     """As ``_simulate`` with one token tree per round (TREE_*): node rows at BASE[depth], penalized
     over their root path (``parents``), one draw per node, the longest root path whose every token
     equals its parent's draw accepted, the bonus the draw at its end."""
-    from sglang_dlite.speculation.tree import DraftTree, greedy_tree_accept
+    from sglang_dlite.drafting.tree import DraftTree, greedy_tree_accept
 
     g = torch.Generator().manual_seed(seed)
     sample = lambda rows: torch.multinomial(torch.softmax(rows / T, -1), 1, generator=g).view(-1)  # noqa: E731
@@ -373,7 +373,7 @@ def test_seeded_tree_rows_draw_at_prefix_plus_depth():
     no-speculation tokens."""
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
-    from sglang_dlite.speculation.tree import DraftTree, greedy_tree_accept
+    from sglang_dlite.drafting.tree import DraftTree, greedy_tree_accept
 
     torch.manual_seed(0)
     Vt, P = 7, 9

@@ -1,10 +1,10 @@
-"""The per-round verify width (sglang_dlite/speculation/verify_width.py): expected tokens, the cost
+"""The per-round verify width (sglang_dlite/drafting/budget.py): expected tokens, the cost
 model it learns, the choice it makes from both, and when the worker turns it on."""
 
 import pytest
 
 from sglang_dlite.errors import DLiteConfigError
-from sglang_dlite.speculation.verify_width import VerifyWidthPolicy, adaptive_width_wanted, expected_committed
+from sglang_dlite.drafting.budget import VerifyWidthPolicy, adaptive_width_wanted, expected_committed
 
 
 def test_expected_committed_is_one_plus_sum_of_reach():
@@ -56,8 +56,8 @@ def test_width_and_chain_are_chosen_together():
     beats DLite at full length but not when the verify is cut: the hybrid re-picks each request's
     chain for every width (BatchLookup.expected_table), so a cut round verifies DLite's chain,
     and the width is chosen on those per-width values."""
-    from sglang_dlite.lookup.batch import BatchLookup
-    from sglang_dlite.lookup.chooser import Calibration, Candidate
+    from sglang_dlite.drafting.hybrid import BatchLookup
+    from sglang_dlite.drafting.chooser import Calibration, Candidate
 
     bl = BatchLookup(15, calibration=Calibration(margin=0.0))
     lookup = Candidate(0, list(range(100, 115)), [0.3] + [0.99] * 14)
@@ -169,7 +169,7 @@ def test_draft_gate_turns_drafting_off_when_drafts_are_never_accepted():
     """A drafter that is always wrong commits 1 token per round, like plain decoding, but pays its
     draft and a wider verify: after its warm-up and one plain round the gate runs plain rounds,
     probing drafting again only every probe_every rounds."""
-    from sglang_dlite.speculation.verify_width import DraftGate
+    from sglang_dlite.drafting.budget import DraftGate
 
     gate = DraftGate(warmup=4, probe_every=32)
     chosen = _gate_run(gate, 200, bs=4, draft_s=0.017, plain_s=0.010, committed=1.0)
@@ -178,7 +178,7 @@ def test_draft_gate_turns_drafting_off_when_drafts_are_never_accepted():
 
 
 def test_draft_gate_keeps_drafting_when_it_pays_and_follows_a_change():
-    from sglang_dlite.speculation.verify_width import DraftGate
+    from sglang_dlite.drafting.budget import DraftGate
 
     gate = DraftGate(warmup=4, probe_every=32)
     chosen = _gate_run(gate, 300, bs=8, draft_s=0.017, plain_s=0.010, committed=2.5)  # 147 vs 100 tok/s
@@ -193,7 +193,7 @@ def test_draft_gate_keeps_drafting_when_it_pays_and_follows_a_change():
 def test_draft_gate_pools_batch_sizes_in_power_of_two_buckets():
     """A serving batch changes size every few rounds: 5..8 requests are one bucket, so the gate
     warms up and decides there even though no single size repeats 16 times."""
-    from sglang_dlite.speculation.verify_width import DraftGate, batch_bucket
+    from sglang_dlite.drafting.budget import DraftGate, batch_bucket
 
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 33, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 64, 128]
     gate = DraftGate(warmup=16, probe_every=32)
@@ -210,7 +210,7 @@ def test_the_drafts_cost_inside_the_width_choice():
     """A round's throughput is its tokens over its whole period: with a costly draft (the rest of
     the round outside the verify, told by the draft gate) the 30 % dearer 7th-8th rows are worth
     verifying for a tail they were not worth verifying for alone."""
-    from sglang_dlite.speculation.verify_width import DraftGate
+    from sglang_dlite.drafting.budget import DraftGate
 
     tail = [0.9, 0.9, 0.9, 0.7, 0.7, 0.7, 0.7]
     pol = VerifyWidthPolicy(8)

@@ -8,16 +8,16 @@ import os
 import pytest
 
 from sglang_dlite.errors import DLiteInputError
-from sglang_dlite.workloads import BUILTIN_WORKLOADS, load_workload
-from sglang_dlite.workloads.format import is_placeholder, validate_record
-from sglang_dlite.workloads.render import TOOL_RESULT_PREFIX, render_turns
+from dlite_lab.workloads import BUILTIN_WORKLOADS, load_workload
+from dlite_lab.workloads.format import is_placeholder, validate_record
+from dlite_lab.workloads.render import TOOL_RESULT_PREFIX, render_turns
 
 
 @pytest.fixture(scope="module")
 def real_tokenizer():
     from transformers import AutoTokenizer
 
-    from sglang_dlite.target import resolve_target
+    from sglang_dlite.model.bundled_target import resolve_target
 
     return AutoTokenizer.from_pretrained(resolve_target("default"))
 
@@ -50,7 +50,7 @@ def test_builtin_workloads_are_valid(name):
 
 
 def test_builtin_converters_are_deterministic():
-    from sglang_dlite.workloads import agent_stdlib, converters
+    from dlite_lab.workloads import agent_stdlib, converters
 
     assert converters.convert_mtbench()[:5] == converters.convert_mtbench()[:5]
     assert len(converters.convert_humaneval()) == 164
@@ -61,7 +61,7 @@ def test_builtin_converters_are_deterministic():
 
 
 def test_agent_stdlib_tool_results_are_real_source():
-    from sglang_dlite.workloads import agent_stdlib
+    from dlite_lab.workloads import agent_stdlib
 
     root = agent_stdlib.stdlib_root()
     conv = load_workload("agent-stdlib", max_convs=4)[3]
@@ -78,7 +78,7 @@ def test_agent_stdlib_tool_results_are_real_source():
 
 
 def test_sharegpt_split_disjoint_and_deterministic():
-    from sglang_dlite.workloads.sharegpt import base_id, is_heldout, load_sharegpt
+    from dlite_lab.workloads.sharegpt import base_id, is_heldout, load_sharegpt
 
     train, held = load_sharegpt("train"), load_sharegpt("heldout")
     assert len(train) > 15000 and 150 < len(held) < 800

@@ -10,19 +10,19 @@ import argparse
 import importlib
 import sys
 
-from .errors import DLiteError
+from sglang_dlite.errors import DLiteError
 
 SUBCOMMANDS = {
     # name: (module, one-line help)
-    "prepare-target": ("sglang_dlite.commands.prepare_target", "convert the bundled SmolLM2 GGUF into a HF checkpoint (once)"),
-    "generate": ("sglang_dlite.commands.generate", "speculative generation with the reference engine"),
-    "demo": ("sglang_dlite.commands.demo", "the main job: the default target + shipped drafter through a real sglang engine"),
-    "gen-data": ("sglang_dlite.training.gen_data", "regenerate training responses with the target"),
-    "train": ("sglang_dlite.training.train", "train a drafter (two-stage DLite recipe)"),
-    "train-default": ("sglang_dlite.training.recipe", "the whole default recipe for the shipped drafter"),
-    "draft-vocab": ("sglang_dlite.training.draft_vocab", "give a drafter a drafting vocabulary (the data's N most frequent tokens)"),
-    "average-drafters": ("sglang_dlite.training.average", "weight-average DLite drafters of one lineage (a model soup)"),
-    "serve": ("sglang_dlite.sglang_plugin.serve", "launch an sglang server with --speculative-algorithm DLITE"),
+    "prepare-target": ("dlite_lab.commands.prepare_target", "convert the bundled SmolLM2 GGUF into a HF checkpoint (once)"),
+    "generate": ("dlite_lab.commands.generate", "speculative generation with the reference engine"),
+    "demo": ("dlite_lab.commands.demo", "the main job: the default target + shipped drafter through a real sglang engine"),
+    "gen-data": ("dlite_lab.training.gen_data", "regenerate training responses with the target"),
+    "train": ("dlite_lab.training.train", "train a drafter (two-stage DLite recipe)"),
+    "train-default": ("dlite_lab.training.recipe", "the whole default recipe for the shipped drafter"),
+    "draft-vocab": ("dlite_lab.training.draft_vocab", "give a drafter a drafting vocabulary (the data's N most frequent tokens)"),
+    "average-drafters": ("dlite_lab.training.average", "weight-average DLite drafters of one lineage (a model soup)"),
+    "serve": ("sglang_dlite.serving.serve", "launch an sglang server with --speculative-algorithm DLITE"),
 }
 
 

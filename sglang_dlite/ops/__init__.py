@@ -22,11 +22,11 @@ from contextlib import nullcontext
 
 import torch
 
-from ..errors import DLiteInputError, MissingDependencyError
-from . import _ext, limits
-from .cpu_linear import cpu_has_native_bf16, pack_cpu_linears  # noqa: F401  (re-exported)
-from . import reference as _ref
-from .reference import (  # noqa: F401  (re-exported: the model uses these helpers directly)
+from sglang_dlite.errors import DLiteInputError, MissingDependencyError
+from sglang_dlite.ops import _ext, limits
+from sglang_dlite.ops.cpu_linear import cpu_has_native_bf16, pack_cpu_linears  # noqa: F401  (re-exported)
+from sglang_dlite.ops import reference as _ref
+from sglang_dlite.ops.reference import (  # noqa: F401  (re-exported: the model uses these helpers directly)
     apply_rope,
     rms_norm,
     rope_cos_sin,

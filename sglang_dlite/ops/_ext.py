@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import fake
+from sglang_dlite.ops import fake
 
 LIB_NAME = "sglang_dlite_ops"
 OPS = ("assemble_round_inputs", "round_attention", "lowrank_rnn_scan", "lm_head_argmax")

@@ -21,7 +21,7 @@ import time
 import torch
 from torch.utils.cpp_extension import CUDA_HOME, load
 
-from . import _ext
+from sglang_dlite.ops import _ext
 
 
 def nvcc_flags() -> list[str]:

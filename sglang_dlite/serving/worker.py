@@ -1,0 +1,496 @@
+"""The DLITE spec-v2 worker: the target forward, the DLite drafter, chain verify, accept.
+
+There is no draft model runner, no draft KV pool and no draft attention backend. Per request the
+drafter's state is the bonus token and the target's hidden states of the last C committed
+positions (``info.DLiteDraftInput``), carried through ``filter_batch`` / ``merge_batch`` and the
+overlap relay. Invariant between rounds (the same as the reference engine's,
+``dlite_lab/reference/engine.py``): the target KV covers ``seq_lens`` tokens; the anchor (bonus token) is
+the next one and is not yet in the KV; the context hidden states are those of positions
+``seq_lens - C .. seq_lens - 1``.
+
+Round (decode batch):
+  1. draft  : K tokens per request from (context hidden states, anchor) -- one drafter pass;
+              with hybrid drafting (the default) the suffix lookup's chain, DLite's, or DLite's
+              prefix continued by the lookup (up to W - 1 tokens, W may exceed K + 1), and on a
+              CPU a per-round width (``_draft_hybrid``).
+  2. verify : one TARGET_VERIFY forward over [anchor, d_1..d_n] (n + 1 <= W tokens per request),
+              written to the W KV slots the scheduler reserved (``eagle_prepare_for_decode``),
+              capturing the drafter's target layers (FULL capture).
+  3. accept : every sglang logits adjustment on all W rows (penalties with the drafts counted,
+              grammar mask, logit_bias, custom processors: ``verify_logits.py``), then the longest
+              prefix of drafts equal to the target's per-row choice (argmax, or sglang's sampler:
+              top-k/top-p/min-p, per-request seeds; ``drafting.accept.greedy_accept``); the
+              bonus token comes from the target.
+  4. carry  : new context = last C rows of [old context, verify rows 0..a] (anchor + accepted;
+              ``drafting.context.roll_last_rows``).
+Rejected slots need no cleanup: the next round overwrites them (chain, no KV moves). Greedy batches of
+up to ``tree_max_batch_size`` requests run tree rounds instead (``tree_round.py``: one token tree each).
+The ``SGLANG_DLITE_*`` switches are read once, when the worker starts (``options.ServingOptions``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+from sglang.srt.managers.scheduler import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.runtime_context import get_schedule, get_spec
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+
+from sglang_dlite import ops
+from sglang_dlite.errors import DLiteConfigError
+from sglang_dlite.drafting.hybrid import BatchLookup
+from sglang_dlite.model.dlite import DLiteDrafter
+from sglang_dlite.drafting.context import last_rows_of_segments, roll_last_rows
+from sglang_dlite.drafting.budget import DraftGate, VerifyWidthPolicy
+from sglang_dlite.serving.algorithm import capture_target_layers, check_target_supported, max_verify_width
+from sglang_dlite.serving import metrics as dlite_metrics
+from sglang_dlite.serving import verify_logits
+from sglang_dlite.serving.cuda_graphs import DrafterCudaGraphs
+from sglang_dlite.serving.info import DLiteDraftInput, DLiteVerifyInput, pack_context, unpack_context
+from sglang_dlite.serving.load_policy import LoadPolicy
+from sglang_dlite.serving.online_serving import OnlineServing
+from sglang_dlite.serving.tree_round import TreeRounds
+from sglang_dlite.settings import ENV_DRAFTER_DTYPE, ServingOptions, drafter_dtype
+from sglang_dlite.serving.tensor_parallel import (check_gathered_embedding, drafter_memory, gather_vocab_rows, same_on_all_ranks,
+                              target_parts, tp_group)
+
+logger = logging.getLogger(__name__)
+
+
+class DLiteWorker(BaseSpecWorker):
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
+        super().__init__()
+        self.server_args = server_args
+        self.options = ServingOptions.from_env()  # every SGLANG_DLITE_* switch, read once, here
+        self._target_worker = target_worker
+        self._draft_worker = None
+        self.model_runner = target_worker.model_runner
+        self.device = self.model_runner.device
+        self.enable_overlap = not get_schedule().disable_overlap_schedule
+        spec = get_spec()
+        path = spec.speculative_draft_model_path
+        self.drafter = self._load_drafter(path)
+        cfg = self.drafter.config
+        self._set_round_shape(cfg, int(spec.speculative_num_draft_tokens))
+        capture_target_layers(self.model_runner.model, cfg.target_layer_ids)  # before the target's CUDA graphs
+        self._graphs: Optional[DrafterCudaGraphs] = None
+        self._metrics = dlite_metrics.worker_timer(server_args, self.device, self.C,  # None unless --enable-metrics
+                                                   getattr(self.model_runner, "tp_rank", 0), self.options)
+        self._init_hybrid()
+        self.online, self.drafter = OnlineServing.attach(self.options, self.drafter, self.lookup)  # on: drafts adapt
+        self.load = LoadPolicy(self.options)
+        tree_bs = self.options.tree_batch_size(self.device) if self._tp is None else 0  # TP: chains
+        self.trees = TreeRounds(self, tree_bs, self.options.tree_branches) if tree_bs else None
+        if self.tp_rank == 0:
+            logger.info("DLITE settings: %s", self.options.describe())
+        logger.info(
+            "DLITE drafter %s: K=%d (verifying %d drafts per round), C=%d, target layers %s, dtype %s", path,
+            self.drafter_block_size, self.num_drafts, self.C, cfg.target_layer_ids, self.draft_dtype,
+        )
+
+    # ------------------------------------------------------------------ start-up steps
+    def _load_drafter(self, path) -> DLiteDrafter:
+        """The drafter in its serving dtype, checked, bound to the target (``_bind_target``)."""
+        hf = self.model_runner.model_config.hf_text_config
+        dtype = drafter_dtype(self.model_runner.dtype, self.device, self.options)
+        drafter = DLiteDrafter.from_pretrained(path, dtype=dtype, device=self.device)
+        self.draft_dtype = dtype
+        logger.info("DLITE drafter dtype %s (target %s; %s)", dtype, self.model_runner.dtype, ENV_DRAFTER_DTYPE)
+        cfg = drafter.config
+        cfg.check_target(hidden_size=hf.hidden_size, vocab_size=hf.vocab_size,
+                         num_layers=hf.num_hidden_layers)
+        check_target_supported(self.model_runner, cfg, self.server_args)
+        if cfg.history_window != 0:
+            raise DLiteConfigError(
+                f"DLITE serves history-free drafters only; {path!r} has history={cfg.history!r} "
+                "(a teacher / sliding-window ablation checkpoint)."
+            )
+        self._bind_target(drafter)
+        if str(self.device).startswith("cpu") and ops.ops_mode() != "torch":  # bf16 GEMMs on prepacked weights
+            ops.pack_cpu_linears(drafter)
+        return drafter
+
+    def _bind_target(self, drafter: DLiteDrafter) -> None:
+        """sglang pads the vocabulary rows (to a multiple of 64 per TP rank): bind the real ones.
+        Under tensor parallelism both are vocabulary-sharded: every rank gathers a full copy once
+        (padding stripped), so drafting needs no collective; the copy is that rank's extra memory."""
+        model = self.model_runner.model
+        embed_w, head_w = target_parts(model)
+        V = drafter.config.vocab_size
+        self._tp = tp_group(self.model_runner)
+        self.tp_rank = 0 if self._tp is None else int(self._tp.rank_in_group)
+        embed_full = gather_vocab_rows(embed_w, V, self._tp)
+        head_full = embed_full if head_w is embed_w else gather_vocab_rows(head_w, V, self._tp)
+        if self._tp is not None:
+            check_gathered_embedding(getattr(model, "model", model).embed_tokens, embed_full)
+        drafter.bind_target(embed_full, head_full)
+        self._tp_sync = self._tp is not None and self.options.tp_sync
+        self._tp_check = self._tp is not None and self.options.tp_check
+        self.drafter_memory = drafter_memory(drafter, self._tp, (embed_w, head_w), embed_full, head_full)
+        logger.info("DLITE drafter memory on TP rank %d: %.1f MiB weights (replicated) + %.1f MiB gathered "
+                    "target embedding/LM head", self.tp_rank, self.drafter_memory["drafter_weights_mib"],
+                    self.drafter_memory["gathered_vocab_copies_mib"])
+
+    def _set_round_shape(self, cfg, W: int) -> None:
+        """Tokens verified per round, at most (anchor + the first W-1 drafts of the chain):
+        --speculative-num-draft-tokens or algorithm.default_num_draft_tokens. With the lookup on, a
+        chain may run past DLite's K drafts (the lookup continues it), up to max_verify_width."""
+        self.drafter_block_size = cfg.block_size  # K: drafts the drafter can make per round
+        self.W = W
+        self.num_drafts = self.W - 1  # chain length verified per round (at most)
+        self.dlite_drafts = min(self.num_drafts, self.drafter_block_size)  # drafts DLite makes per pass
+        self.C = cfg.num_context_positions
+        self.L = cfg.num_capture_layers
+        self.H = cfg.target_hidden_size
+        self.state_width = self.L * self.H + 1
+        lookup = self.options.lookup
+        w_max = max_verify_width(self.drafter_block_size, lookup)
+        if not 2 <= self.W <= w_max:
+            raise DLiteConfigError(
+                f"DLITE: speculative_num_draft_tokens={self.W} but the drafter has K={self.drafter_block_size} "
+                f"(needs 2..{w_max}{'' if lookup else ' with the setting lookup: false'})."
+            )
+
+    def _init_hybrid(self) -> None:
+        """Hybrid drafting (the default; lookup/): a per-request suffix lookup beside DLite. On a CPU
+        the verify width is chosen per round (drafting/budget.py), fixed W on GPUs."""
+        self.lookup: Optional[BatchLookup] = None
+        if self.options.lookup:
+            self.lookup = BatchLookup(self.num_drafts, trace_path=self.options.lookup_trace,
+                                      dlite_drafts=self.dlite_drafts, corpus_tokens=self.options.corpus_tokens)
+        adaptive = self.options.adaptive_width(self.device, bool(getattr(self.server_args, "disable_cuda_graph", False)),
+                                               1 if self._tp is None else 2)
+        self.width_policy = VerifyWidthPolicy(self.W) if adaptive and self.lookup is not None else None
+        # where a verify row is not free (a CPU), also whether to draft at all: it must pay
+        self.gate = DraftGate(width_policy=self.width_policy) if adaptive else None
+        self._last_round = None  # the decode round before, for the gate: (bs, drafted, start, committed per request)
+        logger.info("DLITE drafting: %s; verify width %s%s", self.options.describe_drafting(),
+                    f"chosen per round, 2..{self.W}" if self.width_policy is not None else f"fixed at {self.W}",
+                    "; rounds without drafts where drafting does not pay" if adaptive else "")
+
+    # ------------------------------------------------------------------ scheduler protocol
+    @property
+    def draft_worker(self):
+        return None
+
+    def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None,
+                          token_to_kv_pool_allocator=None):
+        # No draft pool: the verify slots come from the target's pools.
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
+
+    def init_attention_backends(self):
+        pass
+
+    def init_cuda_graphs(self):
+        use = (
+            self.device != "cpu"
+            and torch.cuda.is_available()
+            and not getattr(self.server_args, "disable_cuda_graph", False)
+            and self.options.draft_cuda_graph
+        )
+        if use:
+            max_bs = int(self.model_runner.max_running_requests or 64)
+            self._graphs = DrafterCudaGraphs(self.drafter, min(max_bs, 256), self.device,
+                                              self.model_runner.dtype, num_drafts=self.dlite_drafts,
+                                              with_confidence=self.lookup is not None)
+            logger.info("DLITE drafter CUDA graphs captured for batch sizes %s", self._graphs.buckets)
+
+    def clear_cache_pool(self):
+        pass
+
+    # ------------------------------------------------------------------ helpers
+    def _idle_input(self):
+        return DLiteDraftInput.create_idle_input(self.device, self.state_width, self.C,
+                                                 self.model_runner.dtype)
+
+    def _check_hidden(self, hidden: torch.Tensor, where: str) -> None:
+        """Captured hidden states must be full-width ([tokens, L*H]) on every rank (under TP the
+        decoder layers' outputs are all-reduced; a sharded capture would break the drafter)."""
+        if hidden.shape[-1] != self.L * self.H:
+            raise RuntimeError(
+                f"DLITE: the target's captured hidden states in {where} are {tuple(hidden.shape)} on TP rank "
+                f"{self.tp_rank}, expected [tokens, {self.L * self.H}] (L={self.L} layers x H={self.H}, full "
+                "width); this target's TP layout shards them. Serve it with --tp-size 1.")
+
+    def _tp_same(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """Under TP: t identical on every rank (``tensor_parallel.same_on_all_ranks``)."""
+        return same_on_all_ranks(self._tp, t, what, sync=self._tp_sync, check=self._tp_check)
+
+    def _draft(self, state: torch.Tensor, anchors: torch.Tensor, batch, n: int) -> torch.Tensor:
+        """[B, <= n] drafts; n = 0 (load_policy.py): none, no drafter pass, the lookup only
+        takes the anchors."""
+        if n == 0:
+            if self.lookup is not None:
+                seq = batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else None
+                self.lookup.skip_round(batch.reqs, anchors.tolist(), seq)
+            return anchors.new_empty((len(anchors), 0))
+        if self.lookup is not None:
+            return self._draft_hybrid(state, anchors, batch)[:, :n]
+        return self._draft_dlite(state, anchors)[:, :n]
+
+    def _draft_hybrid(self, state: torch.Tensor, anchors: torch.Tensor, batch) -> torch.Tensor:
+        """Per request: the suffix lookup, DLite, or DLite's prefix continued by the lookup,
+        whichever is expected to be accepted more (``BatchLookup.draft_round``, drafting/chooser.py).
+        DLite runs only when some request's lookup is not confident enough to skip it."""
+        def dlite():
+            d, conf = self._draft_dlite(state, anchors, with_confidence=True)
+            return d.tolist(), conf.float().tolist()
+
+        seq = batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else None
+        width = None if self.width_policy is None else self.width_policy.choose_expected
+        drafts = self.lookup.draft_round(batch.reqs, anchors.tolist(), seq, dlite, width)
+        return torch.tensor(drafts, dtype=torch.int64, device=self.device).view(len(drafts), -1)
+
+    def _lookup_commit(self, batch, accepted: torch.Tensor) -> None:
+        sources = None if self.lookup is None else self.lookup.commit_round(batch.reqs, accepted.tolist())
+        if sources is not None:  # /metrics: rounds drafted by each source
+            dlite_metrics.record_sources(sources)
+
+    def _draft_dlite(self, state: torch.Tensor, anchors: torch.Tensor, with_confidence: bool = False):
+        ctx, valid = unpack_context(state, self.L, self.H)
+        anchors = anchors.to(torch.int64)
+        if self._graphs is not None and self._graphs.with_confidence == with_confidence:
+            out = self._graphs.propose(ctx, valid, anchors)
+            if out is not None:
+                return (out[0].clone(), out[1].clone()) if with_confidence else out.clone()
+        prop = self.drafter.propose(ctx.contiguous(), valid, anchors, num_drafts=self.dlite_drafts,
+                                    return_confidence=with_confidence)
+        return (prop.tokens, prop.confidence) if with_confidence else prop.tokens
+
+    # ------------------------------------------------------------------ the forward
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None,
+                                 pp_proxy_tensors=None) -> GenerationBatchResult:
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            return self._forward_extend(batch, on_publish, pp_proxy_tensors)
+        return self._forward_decode(batch, on_publish, grammar_barrier)
+
+    @torch.no_grad()
+    def _forward_extend(self, batch, on_publish, pp_proxy_tensors):
+        self._last_round = None  # a prefill between two decode rounds is not part of a round's period
+        out = self._target_worker.forward_batch_generation(
+            batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=CaptureHiddenMode.FULL,
+        )
+        new_seq_lens = batch.seq_lens
+        out.new_seq_lens = new_seq_lens
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        if batch.forward_mode.is_idle():
+            out.next_draft_input = self._idle_input()
+            return out
+        hidden = out.logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("DLITE: the target returned no captured hidden states in prefill.")
+        self._check_hidden(hidden, "prefill")
+        state = pack_context(*last_rows_of_segments(hidden, list(batch.extend_lens), self.C))  # last C rows each
+        if self.lookup is not None:
+            self.lookup.on_extend(batch.reqs)
+        seq_lens_host = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
+        verify_logits.on_extend(batch.reqs, out.next_token_ids, seq_lens_host.tolist(),
+                                int(batch.sampling_info.vocab_size))
+        out.logits_output.hidden_states = None  # keep them off the CPU copy
+        out.next_draft_input = DLiteDraftInput(
+            bonus_tokens=out.next_token_ids.to(torch.int64), hidden_states=state,
+            new_seq_lens=new_seq_lens,
+        )
+        return out
+
+    @torch.no_grad()
+    def _forward_decode(self, batch, on_publish, grammar_barrier=None):
+        """One decode round: draft -> verify -> accept -> carry (see the module docstring)."""
+        draft_input = self._decode_input(batch)
+        if draft_input is None:
+            return self._idle_result(on_publish)
+        bs = len(batch.reqs)
+        prefix_lens = batch.seq_lens
+        state = draft_input.hidden_states
+        anchors = draft_input.bonus_tokens.to(torch.int64)
+
+        rt = self._metrics.start() if self._metrics is not None else None  # --enable-metrics only
+        t_round = time.perf_counter()
+        # 1) draft (none over the off-switch, where drafting does not pay, or if every request opted out)
+        n, opt_out = self._plan_round(batch, bs, t_round)
+        if self.trees is not None and self.trees.wanted(batch, bs, n, opt_out):  # tree_round.py
+            return self.trees.run(batch, state, anchors, prefix_lens, on_publish, rt, t_round, grammar_barrier)
+        drafts = self._draft(state, anchors, batch, n).to(torch.int64)  # [B, W-1], the chain's first W-1
+        drafts = self._tp_same(drafts, "drafts")  # TP: every rank verifies the same block
+        W = drafts.shape[1] + 1  # tokens verified this round (self.W unless the width policy cut it)
+        if rt is not None:
+            rt.mark()
+        block = torch.cat([anchors[:, None], drafts], dim=1)  # [B, W]
+        grammar_tree = verify_logits.grammar_tree(batch, block)  # host copy starts before verify
+
+        # 2) verify
+        target_out = self._verify(batch, block, prefix_lens)
+        logits_output = target_out.logits_output
+        if rt is not None:
+            rt.mark()
+
+        # 3) accept: penalties / grammar / logit_bias / custom processors on all W rows, then choose
+        a, bonus = self._accept_round(batch, block, prefix_lens, logits_output, grammar_tree, grammar_barrier,
+                                      opt_out)
+        if self.online is not None:  # the setting online: learn from this round (online_serving.py)
+            self.online.observe(state, anchors, block, logits_output.next_token_logits.view(bs, W, -1), a, opt_out)
+        if self.gate is not None:  # a CPU: the draft and the verify have finished
+            self._last_round = (bs, n > 0, t_round, 1.0 + float(a.float().mean()))
+        out_tokens, commit_lens, new_seq_lens = self._commit(batch, drafts, prefix_lens, a, bonus)
+        if batch.return_logprob:
+            compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=W)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+
+        # 4) carry: last C rows of [old context, verify rows 0..a]
+        new_state = self._carry(state, logits_output, a)
+        next_draft_input = DLiteDraftInput(
+            bonus_tokens=bonus, hidden_states=new_state, new_seq_lens=new_seq_lens,
+        )
+        if rt is not None:
+            rt.finish(bs, state[..., -1], W, a if opt_out is None else a[~opt_out], reqs=batch.reqs, round_accepted=a,
+                      learn=None if self.online is None else self.online.take_round())
+        batch.forward_mode = ForwardMode.DECODE
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=out_tokens.reshape(-1),
+            accept_lens=commit_lens,
+            can_run_cuda_graph=target_out.can_run_cuda_graph,
+            next_draft_input=next_draft_input,
+            speculative_num_draft_tokens=W,
+            new_seq_lens=new_seq_lens,
+        )
+
+    # ------------------------------------------------------------------ round steps
+    def _plan_round(self, batch, bs: int, now: float):
+        """(drafts per request this round, at most; the rows that opted out, or None):
+        ``load_policy.py``, then on a CPU the draft gate (``drafting.budget.DraftGate``), which
+        is told the last decode round's whole period (draft, verify and the scheduler's work around
+        them, so a round without drafts pays its share of the fixed cost) unless a prefill came between
+        (``_forward_extend`` forgets the round) or it took over a second."""
+        last, self._last_round = self._last_round, None
+        if last is not None and now - last[2] < 1.0:
+            self.gate.observe(last[0], last[1], now - last[2], last[3])
+        opt_out = self.load.opted_out_rows(batch.reqs, self.device)
+        if opt_out is not None and bool(opt_out.all()):
+            return 0, opt_out
+        n = self.load.num_drafts(bs, self.num_drafts)
+        if n and self.gate is not None and not self.gate.should_draft(bs):
+            n = 0
+        return n, opt_out
+
+    def _decode_input(self, batch) -> Optional[DLiteDraftInput]:
+        """The batch's carried draft state; None for an idle / empty batch."""
+        draft_input = batch.spec_info
+        if draft_input is None and not batch.forward_mode.is_idle() and len(batch.reqs) > 0:
+            raise RuntimeError(
+                f"DLITE: a decode batch of {len(batch.reqs)} requests carries no DLITE draft state "
+                "(batch.spec_info is None): it was not prefilled through the DLITE worker.")
+        if batch.forward_mode.is_idle() or len(batch.reqs) == 0:
+            return None
+        if not isinstance(draft_input, DLiteDraftInput):
+            raise RuntimeError(f"DLITE expected DLiteDraftInput on the running batch, got {type(draft_input)}")
+        return draft_input
+
+    def _idle_result(self, on_publish) -> GenerationBatchResult:
+        empty = self._idle_input()
+        if on_publish is not None:
+            on_publish(empty.new_seq_lens)
+        return GenerationBatchResult(
+            logits_output=None, next_token_ids=torch.empty((0,), dtype=torch.int64, device=self.device),
+            accept_lens=torch.empty((0,), dtype=torch.int32, device=self.device),
+            next_draft_input=empty, can_run_cuda_graph=False,
+            speculative_num_draft_tokens=self.W, new_seq_lens=empty.new_seq_lens,
+        )
+
+    def _verify(self, batch, block: torch.Tensor, prefix_lens: torch.Tensor, positions=None, custom_mask=None):
+        """One TARGET_VERIFY forward over block [B, W] = [anchor, drafts], written to the W KV slots
+        after each request's prefix, capturing the drafter's target layers. A tree round
+        (``tree_round.py``) passes its nodes' positions and its attention mask."""
+        bs, W = block.shape
+        device = self.device
+        if positions is None:
+            offsets = torch.arange(W, device=device, dtype=prefix_lens.dtype)
+            positions = (prefix_lens[:, None] + offsets[None, :]).reshape(-1)
+        out_cache_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
+            start_offset=prefix_lens, end_offset=prefix_lens + W,
+            batch_size=bs, draft_token_num=W, device=device,
+        )
+        verify_input = DLiteVerifyInput(
+            draft_token=block.reshape(-1), positions=positions, draft_token_num=W,
+            custom_mask=custom_mask, topk=1 if custom_mask is None else 2,  # backends read a tree's mask at topk > 1
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+        )
+        batch.out_cache_loc = out_cache_loc
+        seq_lens_cpu_backup, seq_lens_sum_backup = batch.seq_lens_cpu, batch.seq_lens_sum
+        try:  # the verify input sees the lengths after the W verify tokens; the batch keeps its own
+            if seq_lens_cpu_backup is not None:
+                host = seq_lens_cpu_backup + W
+                batch.seq_lens_cpu = host
+                batch.seq_lens_sum = int(host.sum())
+            # Attention metadata is planned once per verify: eager TARGET_VERIFY plans it inside the
+            # target's forward (eager_runner._execute_extend re-plans every verify), so plan here
+            # only for a CUDA-graph replay.
+            fb, can_graph = verify_input.prepare_for_verify(batch, self._target_worker, defer_metadata_init=True)
+            if can_graph:
+                self.model_runner.decode_cuda_graph_runner.load_batch(fb)
+        finally:
+            batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu_backup, seq_lens_sum_backup
+        t_verify = time.perf_counter()
+        target_out = self._target_worker.forward_batch_generation(
+            batch=None, forward_batch=fb, is_verify=True,
+        )
+        if self.width_policy is not None:  # CPU: the forward has finished when it returns
+            self.width_policy.observe(bs * W, time.perf_counter() - t_verify)
+        return target_out
+
+    def _accept_round(self, batch, block: torch.Tensor, prefix_lens: torch.Tensor, logits_output, grammar_tree,
+                      grammar_barrier, opt_out: Optional[torch.Tensor] = None):
+        """Every sglang logits adjustment on the W rows (``verify_logits.process``), then accepted
+        drafts a [B] and bonus [B]: argmax, or sglang's own sampler per row (``verify_logits.accept``).
+        Rows of ``opt_out`` accept nothing (their drafts are padding): the bonus is row 0's pick."""
+        bs, W = block.shape
+        logits = logits_output.next_token_logits.view(bs, W, -1)
+        gmask = verify_logits.grammar_mask(batch, grammar_tree, logits.device, grammar_barrier)
+        verify_logits.process(logits_output.next_token_logits, W, batch, block, prefix_lens, gmask)
+        info = batch.sampling_info
+        sample_rows = None
+        if not verify_logits.is_all_greedy(info):
+            sample_rows = verify_logits.sglang_row_sampler(self.model_runner.sampler, info, W, prefix_lens,  # online
+                                                           inplace=not batch.return_logprob and self.online is None)
+        drafts = block[:, 1:] if opt_out is None else block[:, 1:].masked_fill(opt_out[:, None], -1)
+        a, bonus = verify_logits.accept(drafts, logits, sample_rows)
+        if self._tp is not None:  # TP: the same accept lengths and bonus tokens on every rank
+            ab = self._tp_same(torch.stack([a.to(torch.int64), bonus.to(torch.int64)]), "accept lengths / bonus tokens")
+            a, bonus = ab[0].to(a.dtype), ab[1].to(bonus.dtype)
+        return a, bonus
+
+    def _commit(self, batch, drafts: torch.Tensor, prefix_lens: torch.Tensor, a: torch.Tensor, bonus: torch.Tensor):
+        """The round's output tokens [B, W] (accepted drafts, the bonus at row a), committed lengths
+        (a + 1) and new sequence lengths; the lookup and the penalty state take them."""
+        bs, K = drafts.shape
+        commit_lens = (a + 1).to(torch.int32)
+        out_tokens = torch.zeros((bs, K + 1), dtype=torch.int64, device=self.device)
+        out_tokens[:, :K] = drafts
+        out_tokens.scatter_(1, a[:, None], bonus[:, None])
+        new_seq_lens = prefix_lens + commit_lens.to(prefix_lens.dtype)
+        self._lookup_commit(batch, a)
+        verify_logits.commit(batch.reqs, out_tokens, a)
+        return out_tokens, commit_lens, new_seq_lens
+
+    def _carry(self, state: torch.Tensor, logits_output, a: torch.Tensor) -> torch.Tensor:
+        """The next round's context: the last C rows of [old context, verify rows 0..a]
+        (``drafting.context.roll_last_rows``; rows carry their validity column, 1.0)."""
+        hv = logits_output.hidden_states
+        if hv is None:
+            raise RuntimeError("DLITE: the target verify returned no captured hidden states.")
+        self._check_hidden(hv, "verify")
+        hv = hv.view(state.shape[0], -1, hv.shape[-1]).to(state.dtype)
+        logits_output.hidden_states = None
+        return roll_last_rows(state, pack_context(hv, torch.ones(hv.shape[:2], dtype=torch.bool, device=self.device)),
+                              a + 1)

@@ -1,0 +1,218 @@
+"""DLITE's serving settings: one JSON a user writes, resolved once at launch into ``ServingOptions``.
+
+Where they go: ``SGLANG_DLITE_CONFIG``, a path to a JSON file or the JSON itself, e.g.
+``SGLANG_DLITE_CONFIG='{"max_batch_size": 48, "lookup": true}'``. Keys (``SETTINGS``, defaults in
+``ServingOptions``): ``lookup``, ``verify_width``, ``drafter_dtype``, ``draft_cuda_graph``,
+``round_log``, ``max_batch_size``, ``soft_batch_size``, ``soft_num_drafts``, ``tree_max_batch_size``,
+``tree_branches``, ``online``, ``corpus_tokens``
+(serving/README.md says what each does). An unknown key or a bad value stops the launch with
+a message. The per-setting variables of earlier releases (``SGLANG_DLITE_LOOKUP`` ...) still
+override one key each; debug switches (``SGLANG_DLITE_LOOKUP_TRACE``, ``SGLANG_DLITE_TP_SYNC``,
+``SGLANG_DLITE_TP_CHECK``) are variables only. ``SGLANG_DLITE_OPS`` (which kernels run) stays the
+ops package's own switch: it dispatches every op, reference engine and worker alike.
+
+The launcher's checks (``algorithm.py``) and the worker (the scheduler process, which inherits the
+server's environment) each call ``ServingOptions.from_env()`` once; the worker carries the frozen
+result, reads no variable after that and logs the effective values once (``describe``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+from typing import Mapping, Optional
+
+import torch
+
+from sglang_dlite import ops
+from sglang_dlite.errors import DLiteConfigError, DLiteInputError
+from sglang_dlite.drafting.hybrid import ENV_LOOKUP, ENV_TRACE, lookup_enabled
+from sglang_dlite.drafting.online_config import OnlineConfig
+from sglang_dlite.drafting.budget import ENV_VERIFY_WIDTH, WIDTH_MODES, adaptive_width_wanted
+
+ENV_CONFIG = "SGLANG_DLITE_CONFIG"
+ENV_DRAFTER_DTYPE = "SGLANG_DLITE_DRAFTER_DTYPE"
+ENV_DRAFT_CUDA_GRAPH = "SGLANG_DLITE_DRAFT_CUDA_GRAPH"
+ENV_TP_SYNC = "SGLANG_DLITE_TP_SYNC"
+ENV_TP_CHECK = "SGLANG_DLITE_TP_CHECK"
+ENV_ROUND_LOG = "SGLANG_DLITE_ROUND_LOG"
+TREE_CPU_BATCH_SIZE = 16  # tree rounds up to this batch on a CPU by default (tree_max_batch_size; docs/results.md)
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    lookup: bool = True  # hybrid drafting: DLite + the per-request suffix lookup (false: DLite alone)
+    verify_width: str = "auto"  # auto | adaptive | fixed: the per-round verify width (drafting/budget.py)
+    drafter_dtype: str = ""  # float32 | bfloat16 | float16 | target ("": the default of drafter_dtype below)
+    draft_cuda_graph: bool = True  # false: the drafter runs eagerly on a GPU
+    round_log: Optional[str] = None  # a JSON-lines file, one line per decode round (metrics.py)
+    max_batch_size: Optional[int] = None  # hard off-switch: a larger decode batch runs no drafter (load_policy.py)
+    soft_batch_size: Optional[int] = None  # soft limit: a larger decode batch verifies at most soft_num_drafts
+    soft_num_drafts: int = 2  # drafts per request per round above soft_batch_size
+    # token trees (tree_round.py) for greedy decode batches of at most this many requests; 0: chains
+    # only; null: the default of tree_batch_size below
+    tree_max_batch_size: Optional[int] = None
+    tree_branches: int = 4  # children each drafting source offers a tree node
+    online: Optional[str] = None  # online learning (online_serving.py): the OnlineConfig spec, normalized; None: off
+    corpus_tokens: int = 0  # cross-request corpus of finished requests' tokens for tree branches (drafting/corpus.py); 0: off
+    lookup_trace: Optional[str] = None  # debug (SGLANG_DLITE_LOOKUP_TRACE): live indices + sources per round
+    tp_sync: bool = True  # debug (SGLANG_DLITE_TP_SYNC=0): no broadcast of rank 0's drafts / accepts under TP
+    tp_check: bool = False  # debug (SGLANG_DLITE_TP_CHECK=1): all-gather and compare them every round
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "ServingOptions":
+        env = os.environ if environ is None else environ
+        values = read_config(env.get(ENV_CONFIG))
+        # the per-setting variables of earlier releases override one key each
+        if ENV_LOOKUP in env:
+            values["lookup"] = lookup_enabled(env)
+        if ENV_VERIFY_WIDTH in env:
+            values["verify_width"] = env[ENV_VERIFY_WIDTH]
+        if ENV_DRAFTER_DTYPE in env:
+            values["drafter_dtype"] = env[ENV_DRAFTER_DTYPE]
+        if ENV_DRAFT_CUDA_GRAPH in env:
+            values["draft_cuda_graph"] = env[ENV_DRAFT_CUDA_GRAPH] != "0"
+        if env.get(ENV_ROUND_LOG):
+            values["round_log"] = env[ENV_ROUND_LOG]
+        return _checked(cls(
+            **values,
+            lookup_trace=env.get(ENV_TRACE) or None,
+            tp_sync=env.get(ENV_TP_SYNC, "1") != "0",
+            tp_check=env.get(ENV_TP_CHECK, "0") == "1",
+        ))
+
+    def adaptive_width(self, device, disable_cuda_graph: bool, tp_size: int) -> bool:
+        """Whether the hybrid picks its verify width per round (``adaptive_width_wanted``)."""
+        return adaptive_width_wanted(str(device), disable_cuda_graph, tp_size,
+                                     environ={ENV_VERIFY_WIDTH: self.verify_width})
+
+    def tree_batch_size(self, device) -> int:
+        """Largest decode batch drafted as token trees (0: chains only). Default: TREE_CPU_BATCH_SIZE on
+        a CPU (measured there); chains on other devices, whose tree verify (the prefix + tree mask
+        of sglang's GPU attention backends) has not run in this project."""
+        if self.tree_max_batch_size is not None:
+            return int(self.tree_max_batch_size)
+        return TREE_CPU_BATCH_SIZE if str(device).startswith("cpu") else 0
+
+    def describe_drafting(self) -> str:
+        return "hybrid (DLite + suffix lookup)" if self.lookup else "DLite alone (lookup: false)"
+
+    def describe(self) -> str:
+        """The effective user settings, one line (logged once at start-up; ``online`` and
+        ``corpus_tokens`` only when on)."""
+        return json.dumps({k: v for k, v in asdict(self).items() if k in SETTINGS and (k not in _OPT_IN or v)},
+                          sort_keys=True)
+
+
+SETTINGS = ("lookup", "verify_width", "drafter_dtype", "draft_cuda_graph", "round_log", "max_batch_size",
+            "soft_batch_size", "soft_num_drafts", "tree_max_batch_size", "tree_branches",
+            "online", "corpus_tokens")
+_OPT_IN = ("online", "corpus_tokens")  # off by default: in ``describe`` only when on
+
+
+def read_config(text: Optional[str]) -> dict:
+    """The user settings of ``SGLANG_DLITE_CONFIG`` (a JSON object, or the path of a file holding one)."""
+    if not text or not text.strip():
+        return {}
+    src = "the JSON in " + ENV_CONFIG
+    if not text.lstrip().startswith(("{", "[")):
+        src = f"{ENV_CONFIG}={text!r}"
+        try:
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise DLiteConfigError(f"{src}: cannot read it ({exc.strerror}); give a JSON file's path or the "
+                                   "JSON itself, e.g. '{\"max_batch_size\": 48}'.") from None
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise DLiteConfigError(f"{src} is not valid JSON ({exc}).") from None
+    if not isinstance(raw, dict):
+        raise DLiteConfigError(f"{src} must be a JSON object of settings, got {type(raw).__name__}.")
+    unknown = sorted(set(raw) - set(SETTINGS))
+    if unknown:
+        raise DLiteConfigError(f"{src}: unknown setting(s) {unknown}; the settings are {', '.join(SETTINGS)}.")
+    return dict(raw)
+
+
+def _checked(o: ServingOptions) -> ServingOptions:
+    """Values of the right type and range (the message names the setting), normalized."""
+    def bad(key, want):
+        return DLiteConfigError(f"DLITE setting {key}={getattr(o, key)!r}: {want} ({ENV_CONFIG}).")
+
+    for key in ("lookup", "draft_cuda_graph"):
+        if not isinstance(getattr(o, key), bool):
+            raise bad(key, "must be true or false")
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    for key in ("max_batch_size", "soft_batch_size", "tree_max_batch_size"):
+        if getattr(o, key) is not None and not count(getattr(o, key)):
+            raise bad(key, "must be a batch size >= 0, or null (" + ("the default" if key.startswith("tree") else
+                                                                       "no limit") + ")")
+    if not count(o.soft_num_drafts):
+        raise bad("soft_num_drafts", "must be an integer >= 0")
+    if not count(o.corpus_tokens):
+        raise bad("corpus_tokens", "must be a token budget >= 0 (0: no cross-request corpus)")
+    if o.corpus_tokens and not o.lookup:
+        raise bad("corpus_tokens", "needs the suffix lookup (lookup: true): the corpus branches its tree nodes")
+    if not count(o.tree_branches) or o.tree_branches < 1:
+        raise bad("tree_branches", "must be an integer >= 1")
+    width = str(o.verify_width).strip().lower()
+    if width not in WIDTH_MODES:
+        raise bad("verify_width", f"use one of {', '.join(WIDTH_MODES)}")
+    dtype = str(o.drafter_dtype or "").strip().lower()
+    if dtype and dtype not in (*_DTYPES, "target"):
+        raise bad("drafter_dtype", f"use one of {', '.join(list(_DTYPES) + ['target'])}")
+    return replace(o, verify_width=width, drafter_dtype=dtype, online=online_setting(o.online))
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def drafter_dtype(target_dtype: torch.dtype, device, options: Optional[ServingOptions] = None) -> torch.dtype:
+    """The drafter's dtype: the ``drafter_dtype`` setting (float32 | bfloat16 | float16 | target;
+    ``options`` None: read from the environment). By default the target's, except on a CPU without
+    bf16 arithmetic (no avx512_bf16 / AMX), where it is float32: there the drafter's few-row fp32
+    GEMVs beat emulated bf16 ones (draft round 1.2-2.6x faster; the drafter reads the target's
+    hidden states in its own dtype, and its drafts, not the output, depend on it: verify is lossless)."""
+    name = (options or ServingOptions.from_env()).drafter_dtype
+    if not name:
+        cpu = str(device).startswith("cpu")
+        name = "float32" if cpu and target_dtype != torch.float32 and not ops.cpu_has_native_bf16() else "target"
+    return target_dtype if name == "target" else _DTYPES[name]
+
+
+# the setting online's defaults where they differ from the reference engine's (OnlineConfig): one
+# adapter for the whole batch (per-session weights cannot batch), each update within a time budget,
+# a smaller step (under token trees lr 1e-3 kept more of the gain than 3e-3: docs/results.md), an
+# update every 16 rounds and a watchdog comparison every 32 (concurrency 1, medians of 3: 1.01x static
+# tokens/s, tau +7 %; every 8 rounds 0.96x, every 4 0.88x). Updates stay inside the round (background
+# 0): on a 2-core CPU the learner's thread slowed every round more than it saved (0.77x static vs
+# 0.95x inline, medians of 3); background 1 is for a spare core or a GPU. backoff 8: while the tree
+# gate drafts the shipped trees, learn from one tree round in 8 (float32, concurrency 1, 512 tokens:
+# 1.2 ms of learning per round instead of 5.9; docs/results.md, "The back-off")
+ONLINE_DEFAULTS = {"scope": "server", "max_update_ms": 50.0, "lr": 1e-3, "update_every": 16, "watchdog_every": 32,
+                   "backoff": 8}
+
+
+def online_setting(value) -> Optional[str]:
+    """The setting ``online`` -> the spec ``OnlineConfig.parse`` reads (None: off). Given as null or
+    false (off), true (the defaults), a spec string (``"params=head,lr=1e-3"``) or a JSON object of the
+    same fields; ``ONLINE_DEFAULTS`` fill what it leaves out; the scope must be server."""
+    if value is None or value is False:
+        return None
+    where = f"DLITE setting online ({ENV_CONFIG})"
+    if not isinstance(value, (bool, str, dict)):
+        raise DLiteConfigError(f"{where}: {value!r} must be a spec string such as \"params=head,lr=1e-3\", a "
+                               "JSON object of the same fields, true (the defaults), or null (off).")
+    try:
+        given = {} if value is True else OnlineConfig.spec_items(value) if isinstance(value, str) else value
+        cfg = OnlineConfig.from_mapping({**ONLINE_DEFAULTS, **given}, where + ": {key}={value!r}")
+    except (DLiteInputError, DLiteConfigError) as exc:
+        raise DLiteConfigError(str(exc) if str(exc).startswith(where) else f"{where}: {exc}") from None
+    if cfg.scope != "server":
+        raise DLiteConfigError(f"{where}: scope={cfg.scope!r}; serving learns at server scope only (one adapter "
+                               "for the whole batch: per-session weights cannot batch).")
+    return cfg.to_spec()
