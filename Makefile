@@ -44,7 +44,7 @@ cuda-check: venv
 # The CUDA kernels' real source on this CPU (SIMT host emulation, csrc/emu/): the whole kernel grid
 # against the torch references in a plain, an ASan+UBSan and a TSan build (< 3 min, no GPU).
 kernel-check: venv
-	$(PY) -m pytest -q python_tests/test_kernel_emulation.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q python_tests/ops/test_kernel_emulation.py $(PYTEST_ARGS)
 
 # The shipped drafter's recipe: gen-data (75-min budget, reuses finished shards) + 55 min of
 # single-stage training (it beat two-stage at equal compute on this budget: see the model card).

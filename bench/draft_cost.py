@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from sglang_dlite import ops
 from dlite_lab.benchmarking.draft_rounds import (
     COST_DRAFTERS, SMOLLM2, Conversation, build_drafter, draft_cost_table, human_bytes, plot_draft_cost,
 )
@@ -50,7 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--accept", type=int, default=2, help="drafts accepted per simulated round (+1 bonus)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (pinned, reported)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--dlite-ops", default="torch", help="SGLANG_DLITE_OPS for DLite (torch: like the baselines)")
+    ap.add_argument("--dlite-ops", default="torch", help="the ops mode for DLite (ops.set_ops_mode; torch: like the baselines)")
     ap.add_argument("--out", default="artifacts/results/draft_cost.json")
     ap.add_argument("--png", default=None, help="default: --out with .png")
     args = ap.parse_args(argv)
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     contexts = sorted(int(x) for x in args.contexts.split(","))
     if contexts[0] < 16:
         ap.error("contexts must be >= 16 tokens")
-    os.environ["SGLANG_DLITE_OPS"] = args.dlite_ops
+    ops.set_ops_mode(args.dlite_ops)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ simulated captured-hidden buffer [L, context, H] (DLite reads only its last C po
 round cost must not depend on the context length: the JSON reports the largest/smallest context
 ratio per implementation.
 
-Implementations are switched with SGLANG_DLITE_OPS (torch = the reference ops, cpp = the C++
+Implementations are switched with ``ops.set_ops_mode`` (torch = the reference ops, cpp = the C++
 kernels, cuda = the CUDA kernels); ``graph`` (CUDA, DLite) replays the drafter's CUDA graphs
 (``sglang_dlite/serving/cuda_graphs.py``, one per batch-size bucket, captured on first use
 over the CUDA kernels when built, else the torch ops; the gather of the last C positions stays
@@ -145,7 +145,7 @@ def sync(device):
 
 
 def set_impl(impl):
-    os.environ[ops.ENV] = "auto" if impl == "graph" else impl  # graphs are captured over auto's pick
+    ops.set_ops_mode("auto" if impl == "graph" else impl)  # graphs are captured over auto's pick
 
 
 def time_rounds(runners, reps, warmup, device):

@@ -24,12 +24,12 @@ engine instead (concurrency 1 only).
 
 DLITE modes: ``dlite`` is DLITE's default drafting, which is hybrid (DLite + the per-request suffix
 lookup, chosen per request every round); ``hybrid`` says so explicitly; ``hybrid-fixed`` verifies all W-1 drafts every round
-(``SGLANG_DLITE_VERIFY_WIDTH=fixed``; on a CPU the default picks each round's width from the
+(the setting ``verify_width: fixed``; on a CPU the default picks each round's width from the
 chains' calibrated acceptance and the verify cost it has measured, ``drafting/budget.py``);
 ``dlite-only`` turns the
-lookup off (``SGLANG_DLITE_LOOKUP=0``: DLite alone, the previous release's drafting);
+lookup off (the setting ``lookup: false``: DLite alone, the previous release's drafting);
 ``dlite-chain`` is the hybrid with chains only (the setting ``tree_max_batch_size: 0``; by default a
-CPU drafts token trees for greedy batches of up to 16 requests, ``serving/tree_round.py``);
+CPU drafts token trees for greedy batches of up to 16 requests, ``serving/rounds.py``);
 ``dlite-online`` is ``dlite`` with online learning on (the setting ``online: true``, issue 47); any DLITE
 mode takes serving settings after ``+`` (``dlite+tree_max_batch_size=64+soft_batch_size=32``). The suffix
 lookup indexes only the request's own tokens (prompt + its output so far): a replayed request
@@ -99,7 +99,7 @@ def parse_args(argv=None):
                    help="dlite (DLITE default drafting = hybrid, verify all K drafts), dlite:W (verify the anchor + "
                         "the first W-1 drafts, = --speculative-num-draft-tokens W), hybrid[:W] (the same, lookup on "
                         "explicitly), hybrid-fixed[:W] (hybrid verifying all W-1 drafts every round: "
-                        "SGLANG_DLITE_VERIFY_WIDTH=fixed; the default picks the width per round on a CPU), "
+                        "the setting verify_width: fixed; the default picks the width per round on a CPU), "
                         "dlite-only[:W] (lookup off: DLite alone), ngram[:W] (sglang's NGRAM, default "
                         "W=8), eagle3[:W] (sglang's EAGLE3 worker on the project's EAGLE-3-style baseline "
                         "exported to its format, a chain of W-1 drafts, default W=8), nospec; a DLITE mode takes serving "

@@ -12,7 +12,7 @@ left before the deadline, default 500 s; without CUDA every GPU step is "skipped
     sanitizer      csrc/cuda/dlite_cuda.cu built standalone by nvcc, its plain C launchers driven on small
                    shapes (bench/gpu_kernel_driver.py, vs ops/reference.py) under compute-sanitizer
                    memcheck, racecheck and synccheck
-    op_tests       python_tests/test_ops_cuda.py: the CUDA ops vs the reference (waits for build_ext)
+    op_tests       python_tests/ops/test_ops_cuda.py: the CUDA ops vs the reference (waits for build_ext)
     cuda_graphs    the drafter's CUDA graphs bitwise == eager at every bucket size (bench/gpu_steps.py graphs)
     draft_latency  batch 1/8/32 x context 512/32k, torch vs CUDA ops vs CUDA graphs, the draft round as a
                    fraction of a verify forward (bench/draft_latency.py)
@@ -474,7 +474,7 @@ def step_op_tests(check: GpuCheck, step: Step) -> dict:
     if not _python_has(check, "pytest"):
         return {"status": "skipped: pytest is not installed", "build_ext": build}
     xml = check.logs / "op_tests.xml"
-    rc, s = check.run([check.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "python_tests/test_ops_cuda.py",
+    rc, s = check.run([check.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "python_tests/ops/test_ops_cuda.py",
                        f"--junitxml={xml}"], check.log_path("op_tests.log"), deadline - time.monotonic())
     counts = _junit_counts(xml)
     ran = counts.get("tests", 0) - counts.get("skipped", 0)
@@ -598,7 +598,7 @@ STEPS = [
          step_build_ext),
     Step("sanitizer", 150, "the standalone kernel library under compute-sanitizer memcheck/racecheck/synccheck, "
          "small shapes vs the reference", step_sanitizer),
-    Step("op_tests", 150, "python_tests/test_ops_cuda.py: the CUDA ops vs the reference", step_op_tests),
+    Step("op_tests", 150, "python_tests/ops/test_ops_cuda.py: the CUDA ops vs the reference", step_op_tests),
     Step("cuda_graphs", 60, "the drafter's CUDA graphs bitwise == eager at every bucket size", step_cuda_graphs),
     Step("draft_latency", 120, "batch 1/8/32 x context 512/32k: torch vs CUDA ops vs CUDA graphs, draft round / "
          "verify forward", step_draft_latency),

@@ -7,7 +7,7 @@
 Greedy drafting's last step (final RMS-norm + vocabulary projection + argmax) at SmolLM2-135M's
 shapes (V=49152, H=576); rows = batch x K draft positions. The two paths are interleaved run by
 run (a loaded machine slows both alike) and the minimum over --reps runs is reported. The last
-column is what ``SGLANG_DLITE_OPS=auto`` picks (``ops.CPU_TORCH_FASTER_BELOW``): keep that table in
+column is what the ops mode ``auto`` picks (``ops.CPU_TORCH_FASTER_BELOW``): keep that table in
 line with what this prints. Writes JSON and prints a markdown table.
 """
 

@@ -3,7 +3,7 @@
 ``dlite[:PATH]``, ``hybrid[:PATH]`` (DLite + suffix lookup in one token tree per round: the tree the
 DLITE worker serves, ``served_hybrid``), ``hybrid-chain[:PATH]`` (the same two sources, one chain per
 round, chosen per round), ``suffix[:K]`` (the lookup alone), token trees ``dlite-tree`` / ``hybrid-tree`` /
-``suffix-tree`` (``@N`` or ``@nodes=N,branching=head|chain``: ``drafting/hybrid_tree.py``), with an opt-in
+``suffix-tree`` (``@N`` or ``@nodes=N,branching=head|chain``: ``drafting/hybrid.py``), with an opt-in
 cross-request corpus of earlier requests (``hybrid@corpus=TOKENS``, ``hybrid-tree@...,corpus=TOKENS``,
 ``suffix-tree@corpus=TOKENS``: ``drafting/corpus.py``; off by default),
 ``dlite-online[:PATH][@OPTS]`` / ``hybrid-online[:PATH][@OPTS]`` / ``hybrid-chain-online[...]`` (DLite
@@ -26,7 +26,7 @@ from dlite_lab.reference.drafters import (
     DLiteEngineDrafter, Drafter, HybridEngineDrafter, OnlineDrafter, SuffixEngineDrafter, TreeEngineDrafter,
 )
 from sglang_dlite.drafting.corpus import SharedCorpus
-from sglang_dlite.drafting.hybrid_tree import BRANCHINGS, DEFAULT_TREE_NODES, SERVED_TREE_NODES
+from sglang_dlite.drafting.hybrid import BRANCHINGS, DEFAULT_TREE_NODES, SERVED_TREE_NODES
 from sglang_dlite.drafting.online import OnlineLearner
 from sglang_dlite.drafting.online_config import OnlineConfig
 from sglang_dlite.errors import DLiteInputError

@@ -73,6 +73,16 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def ops_auto():
+    """Every test starts with the ops in ``auto`` mode and leaves them so (``ops.set_ops_mode``)."""
+    from sglang_dlite import ops
+
+    ops.set_ops_mode("auto")
+    yield
+    ops.set_ops_mode("auto")
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """A random-weight Llama with SmolLM2's vocabulary and chat template, saved as a HF folder."""

@@ -1,7 +1,7 @@
 """The CUDA kernels of ``csrc/cuda/dlite_cuda.cu`` built for the SIMT host emulation
 (``csrc/emu/simt.h``) and run on the CPU: a ctypes library (plain build) and a driver program for the
 sanitizer builds (AddressSanitizer + UndefinedBehaviorSanitizer; ThreadSanitizer). The same source
-file nvcc compiles, not a copy. Used by ``python_tests/test_kernel_emulation.py`` (``make kernel-check``).
+file nvcc compiles, not a copy. Used by ``python_tests/ops/test_kernel_emulation.py`` (``make kernel-check``).
 """
 
 from __future__ import annotations

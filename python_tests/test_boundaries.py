@@ -171,7 +171,7 @@ def _bench_problems(f: Path, local: set) -> list:
 def test_bench_scripts_use_only_the_public_package():
     scripts = sorted(BENCH.glob("*.py"))
     assert len(scripts) >= 10, scripts
-    local = {p.stem for p in scripts} | {p.stem for p in TESTS.glob("*.py")}
+    local = {p.stem for p in scripts} | {p.stem for p in TESTS.rglob("*.py")}
     problems = {f.name: _bench_problems(f, local) for f in scripts}
     bad = {n: p for n, p in problems.items() if p and n not in BENCH_PENDING}
     assert not bad, bad

@@ -4,12 +4,10 @@ Where they go: ``SGLANG_DLITE_CONFIG``, a path to a JSON file or the JSON itself
 ``SGLANG_DLITE_CONFIG='{"max_batch_size": 48, "lookup": true}'``. Keys (``SETTINGS``, defaults in
 ``ServingOptions``): ``lookup``, ``verify_width``, ``drafter_dtype``, ``draft_cuda_graph``,
 ``round_log``, ``max_batch_size``, ``soft_batch_size``, ``soft_num_drafts``, ``tree_max_batch_size``,
-``tree_branches``, ``online``, ``corpus_tokens``
-(serving/README.md says what each does). An unknown key or a bad value stops the launch with
-a message. The per-setting variables of earlier releases (``SGLANG_DLITE_LOOKUP`` ...) still
-override one key each; debug switches (``SGLANG_DLITE_LOOKUP_TRACE``, ``SGLANG_DLITE_TP_SYNC``,
-``SGLANG_DLITE_TP_CHECK``) are variables only. ``SGLANG_DLITE_OPS`` (which kernels run) stays the
-ops package's own switch: it dispatches every op, reference engine and worker alike.
+``tree_branches``, ``online``, ``corpus_tokens``, ``ops``, and the debug keys ``lookup_trace``, ``tp_sync``,
+``tp_check`` (serving/README.md says what each does). An unknown key or a bad value stops the
+launch with a message. ``SGLANG_DLITE_CONFIG`` is the only variable DLITE's serving reads (the
+other one of the product, ``SGLANG_DLITE_CACHE``, is the cache folder: ``model/bundled_target.py``).
 
 The launcher's checks (``algorithm.py``) and the worker (the scheduler process, which inherits the
 server's environment) each call ``ServingOptions.from_env()`` once; the worker carries the frozen
@@ -20,23 +18,17 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Mapping, Optional
 
 import torch
 
 from sglang_dlite import ops
 from sglang_dlite.errors import DLiteConfigError, DLiteInputError
-from sglang_dlite.drafting.hybrid import ENV_LOOKUP, ENV_TRACE, lookup_enabled
-from sglang_dlite.drafting.online_config import OnlineConfig
-from sglang_dlite.drafting.budget import ENV_VERIFY_WIDTH, WIDTH_MODES, adaptive_width_wanted
+from sglang_dlite.drafting.budget import WIDTH_MODES, adaptive_width_wanted
+from sglang_dlite.drafting.online_config import SERVING_DEFAULTS, OnlineConfig
 
 ENV_CONFIG = "SGLANG_DLITE_CONFIG"
-ENV_DRAFTER_DTYPE = "SGLANG_DLITE_DRAFTER_DTYPE"
-ENV_DRAFT_CUDA_GRAPH = "SGLANG_DLITE_DRAFT_CUDA_GRAPH"
-ENV_TP_SYNC = "SGLANG_DLITE_TP_SYNC"
-ENV_TP_CHECK = "SGLANG_DLITE_TP_CHECK"
-ENV_ROUND_LOG = "SGLANG_DLITE_ROUND_LOG"
 TREE_CPU_BATCH_SIZE = 16  # tree rounds up to this batch on a CPU by default (tree_max_batch_size; docs/results.md)
 
 
@@ -47,45 +39,31 @@ class ServingOptions:
     drafter_dtype: str = ""  # float32 | bfloat16 | float16 | target ("": the default of drafter_dtype below)
     draft_cuda_graph: bool = True  # false: the drafter runs eagerly on a GPU
     round_log: Optional[str] = None  # a JSON-lines file, one line per decode round (metrics.py)
-    max_batch_size: Optional[int] = None  # hard off-switch: a larger decode batch runs no drafter (load_policy.py)
+    max_batch_size: Optional[int] = None  # hard off-switch: a larger decode batch runs no drafter (drafting/budget.py)
     soft_batch_size: Optional[int] = None  # soft limit: a larger decode batch verifies at most soft_num_drafts
     soft_num_drafts: int = 2  # drafts per request per round above soft_batch_size
-    # token trees (tree_round.py) for greedy decode batches of at most this many requests; 0: chains
+    # token trees (serving/rounds.py) for greedy decode batches of at most this many requests; 0: chains
     # only; null: the default of tree_batch_size below
     tree_max_batch_size: Optional[int] = None
     tree_branches: int = 4  # children each drafting source offers a tree node
-    online: Optional[str] = None  # online learning (online_serving.py): the OnlineConfig spec, normalized; None: off
+    # online learning (online_serving.py): given as true / a spec string / a JSON object, held as the
+    # OnlineConfig it resolves to (SERVING_DEFAULTS under what the setting gives); None: off
+    online: Optional[OnlineConfig] = None
+    ops: str = "auto"  # which kernels the drafter's ops run: auto | torch | cpp | cuda (ops.set_ops_mode)
     corpus_tokens: int = 0  # cross-request corpus of finished requests' tokens for tree branches (drafting/corpus.py); 0: off
-    lookup_trace: Optional[str] = None  # debug (SGLANG_DLITE_LOOKUP_TRACE): live indices + sources per round
-    tp_sync: bool = True  # debug (SGLANG_DLITE_TP_SYNC=0): no broadcast of rank 0's drafts / accepts under TP
-    tp_check: bool = False  # debug (SGLANG_DLITE_TP_CHECK=1): all-gather and compare them every round
+    lookup_trace: Optional[str] = None  # debug: a JSON-lines file of live indices + sources per round
+    tp_sync: bool = True  # debug (false): no broadcast of rank 0's drafts / accepts under TP
+    tp_check: bool = False  # debug (true): all-gather and compare them every round
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "ServingOptions":
+        """The settings of ``SGLANG_DLITE_CONFIG`` (``environ``: the environment, by default the process's)."""
         env = os.environ if environ is None else environ
-        values = read_config(env.get(ENV_CONFIG))
-        # the per-setting variables of earlier releases override one key each
-        if ENV_LOOKUP in env:
-            values["lookup"] = lookup_enabled(env)
-        if ENV_VERIFY_WIDTH in env:
-            values["verify_width"] = env[ENV_VERIFY_WIDTH]
-        if ENV_DRAFTER_DTYPE in env:
-            values["drafter_dtype"] = env[ENV_DRAFTER_DTYPE]
-        if ENV_DRAFT_CUDA_GRAPH in env:
-            values["draft_cuda_graph"] = env[ENV_DRAFT_CUDA_GRAPH] != "0"
-        if env.get(ENV_ROUND_LOG):
-            values["round_log"] = env[ENV_ROUND_LOG]
-        return _checked(cls(
-            **values,
-            lookup_trace=env.get(ENV_TRACE) or None,
-            tp_sync=env.get(ENV_TP_SYNC, "1") != "0",
-            tp_check=env.get(ENV_TP_CHECK, "0") == "1",
-        ))
+        return _checked(cls(**read_config(env.get(ENV_CONFIG))))
 
     def adaptive_width(self, device, disable_cuda_graph: bool, tp_size: int) -> bool:
         """Whether the hybrid picks its verify width per round (``adaptive_width_wanted``)."""
-        return adaptive_width_wanted(str(device), disable_cuda_graph, tp_size,
-                                     environ={ENV_VERIFY_WIDTH: self.verify_width})
+        return adaptive_width_wanted(str(device), disable_cuda_graph, tp_size, self.verify_width)
 
     def tree_batch_size(self, device) -> int:
         """Largest decode batch drafted as token trees (0: chains only). Default: TREE_CPU_BATCH_SIZE on
@@ -99,16 +77,19 @@ class ServingOptions:
         return "hybrid (DLite + suffix lookup)" if self.lookup else "DLite alone (lookup: false)"
 
     def describe(self) -> str:
-        """The effective user settings, one line (logged once at start-up; ``online`` and
-        ``corpus_tokens`` only when on)."""
-        return json.dumps({k: v for k, v in asdict(self).items() if k in SETTINGS and (k not in _OPT_IN or v)},
-                          sort_keys=True)
+        """The effective user settings, one line (logged once at start-up; the opt-in and debug
+        settings only where they differ from their defaults)."""
+        out = {k: getattr(self, k) for k in SETTINGS if k not in _QUIET or getattr(self, k) != _DEFAULTS[k]}
+        if self.online is not None:
+            out["online"] = self.online.to_spec()
+        return json.dumps(out, sort_keys=True)
 
 
 SETTINGS = ("lookup", "verify_width", "drafter_dtype", "draft_cuda_graph", "round_log", "max_batch_size",
             "soft_batch_size", "soft_num_drafts", "tree_max_batch_size", "tree_branches",
-            "online", "corpus_tokens")
-_OPT_IN = ("online", "corpus_tokens")  # off by default: in ``describe`` only when on
+            "online", "corpus_tokens", "ops", "lookup_trace", "tp_sync", "tp_check")
+_QUIET = ("online", "corpus_tokens", "ops", "lookup_trace", "tp_sync", "tp_check")  # in ``describe`` only when changed
+_DEFAULTS = {f.name: f.default for f in fields(ServingOptions)}
 
 
 def read_config(text: Optional[str]) -> dict:
@@ -141,7 +122,7 @@ def _checked(o: ServingOptions) -> ServingOptions:
     def bad(key, want):
         return DLiteConfigError(f"DLITE setting {key}={getattr(o, key)!r}: {want} ({ENV_CONFIG}).")
 
-    for key in ("lookup", "draft_cuda_graph"):
+    for key in ("lookup", "draft_cuda_graph", "tp_sync", "tp_check"):
         if not isinstance(getattr(o, key), bool):
             raise bad(key, "must be true or false")
     def count(v) -> bool:
@@ -165,7 +146,13 @@ def _checked(o: ServingOptions) -> ServingOptions:
     dtype = str(o.drafter_dtype or "").strip().lower()
     if dtype and dtype not in (*_DTYPES, "target"):
         raise bad("drafter_dtype", f"use one of {', '.join(list(_DTYPES) + ['target'])}")
-    return replace(o, verify_width=width, drafter_dtype=dtype, online=online_setting(o.online))
+    for key in ("round_log", "lookup_trace"):
+        if getattr(o, key) is not None and not isinstance(getattr(o, key), str):
+            raise bad(key, "must be a file path, or null (off)")
+    mode = str(o.ops).strip().lower()
+    if mode not in ops.MODES:
+        raise bad("ops", f"use one of {', '.join(ops.MODES)}")
+    return replace(o, verify_width=width, drafter_dtype=dtype, ops=mode, online=online_setting(o.online))
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -184,35 +171,24 @@ def drafter_dtype(target_dtype: torch.dtype, device, options: Optional[ServingOp
     return target_dtype if name == "target" else _DTYPES[name]
 
 
-# the setting online's defaults where they differ from the reference engine's (OnlineConfig): one
-# adapter for the whole batch (per-session weights cannot batch), each update within a time budget,
-# a smaller step (under token trees lr 1e-3 kept more of the gain than 3e-3: docs/results.md), an
-# update every 16 rounds and a watchdog comparison every 32 (concurrency 1, medians of 3: 1.01x static
-# tokens/s, tau +7 %; every 8 rounds 0.96x, every 4 0.88x). Updates stay inside the round (background
-# 0): on a 2-core CPU the learner's thread slowed every round more than it saved (0.77x static vs
-# 0.95x inline, medians of 3); background 1 is for a spare core or a GPU. backoff 8: while the tree
-# gate drafts the shipped trees, learn from one tree round in 8 (float32, concurrency 1, 512 tokens:
-# 1.2 ms of learning per round instead of 5.9; docs/results.md, "The back-off")
-ONLINE_DEFAULTS = {"scope": "server", "max_update_ms": 50.0, "lr": 1e-3, "update_every": 16, "watchdog_every": 32,
-                   "backoff": 8}
-
-
-def online_setting(value) -> Optional[str]:
-    """The setting ``online`` -> the spec ``OnlineConfig.parse`` reads (None: off). Given as null or
-    false (off), true (the defaults), a spec string (``"params=head,lr=1e-3"``) or a JSON object of the
-    same fields; ``ONLINE_DEFAULTS`` fill what it leaves out; the scope must be server."""
+def online_setting(value) -> Optional[OnlineConfig]:
+    """The setting ``online`` -> its ``OnlineConfig`` (None: off). Given as null or false (off), true
+    (the defaults), a spec string (``"params=head,lr=1e-3"``) or a JSON object of the same fields;
+    ``SERVING_DEFAULTS`` fill what it leaves out; the scope must be server."""
     if value is None or value is False:
         return None
+    if isinstance(value, OnlineConfig):
+        return value
     where = f"DLITE setting online ({ENV_CONFIG})"
     if not isinstance(value, (bool, str, dict)):
         raise DLiteConfigError(f"{where}: {value!r} must be a spec string such as \"params=head,lr=1e-3\", a "
                                "JSON object of the same fields, true (the defaults), or null (off).")
     try:
         given = {} if value is True else OnlineConfig.spec_items(value) if isinstance(value, str) else value
-        cfg = OnlineConfig.from_mapping({**ONLINE_DEFAULTS, **given}, where + ": {key}={value!r}")
+        cfg = OnlineConfig.from_mapping({**SERVING_DEFAULTS, **given}, where + ": {key}={value!r}")
     except (DLiteInputError, DLiteConfigError) as exc:
         raise DLiteConfigError(str(exc) if str(exc).startswith(where) else f"{where}: {exc}") from None
     if cfg.scope != "server":
         raise DLiteConfigError(f"{where}: scope={cfg.scope!r}; serving learns at server scope only (one adapter "
                                "for the whole batch: per-session weights cannot batch).")
-    return cfg.to_spec()
+    return cfg

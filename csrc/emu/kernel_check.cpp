@@ -1,7 +1,7 @@
 // The emulated kernel library's C API (ctypes) and, with -DDLITE_EMU_DRIVER, a driver program for
 // the sanitizer builds (a Python process cannot load a TSan library): it reads a file of cases,
 // runs each through the plain C launchers of csrc/cuda/dlite_cuda.h and writes the outputs.
-// python_tests/kernel_emu.py builds and drives both; python_tests/test_kernel_emulation.py holds
+// python_tests/kernel_emu.py builds and drives both; python_tests/ops/test_kernel_emulation.py holds
 // the grid.
 #define DLITE_EMU_IMPLEMENTATION
 #include "simt.h"

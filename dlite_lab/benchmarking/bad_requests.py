@@ -1,5 +1,5 @@
 """Requests a client may send that the server must refuse with a 4xx and a readable message
-(issue 18). Shared by python_tests/test_sglang_guards.py and bench/soak.py (the chaos client),
+(issue 18). Shared by python_tests/serving/test_sglang_guards.py and bench/soak.py (the chaos client),
 which import it from the package.
 
 Each entry: (name, method path, body, expected status, a word the message must contain).

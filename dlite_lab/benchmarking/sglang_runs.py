@@ -24,6 +24,7 @@ import torch
 from sglang_dlite.serving import cpu_launch
 from sglang_dlite.serving.cpu_launch import omp_threads_bind
 from sglang_dlite.drafting.tau import tau, tau_of_sglang
+from sglang_dlite.settings import ENV_CONFIG, read_config
 from dlite_lab.workloads import load_workload
 from dlite_lab.workloads.render import render_turns
 
@@ -133,7 +134,9 @@ def eagle3_kwargs(w, src, target, dtype):
 
 
 MODE_SETTINGS = {"dlite-chain": {"tree_max_batch_size": 0},  # chains only
-                 "dlite-online": {"online": True}}  # online learning, its serving defaults
+                 "dlite-online": {"online": True},  # online learning, its serving defaults
+                 "hybrid": {"lookup": True}, "hybrid-fixed": {"lookup": True, "verify_width": "fixed"},
+                 "dlite-only": {"lookup": False}}  # DLite alone
 
 
 def remembers_requests(mode) -> bool:
@@ -175,32 +178,22 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
                     "eagle3", "nospec"):
         raise SystemExit(f"unknown mode {mode!r}: dlite[:W], hybrid[:W], hybrid-fixed[:W], dlite-only[:W], "
                          "dlite-chain[:W], dlite-online[:W], ngram[:W], eagle3[:W] or nospec")
-    lookup = {"hybrid": "1", "hybrid-fixed": "1", "dlite-only": "0"}.get(spec, os.environ.get("SGLANG_DLITE_LOOKUP", "1"))
-    width = "fixed" if spec == "hybrid-fixed" else os.environ.get("SGLANG_DLITE_VERIFY_WIDTH", "auto")
     is_dlite = spec in ("dlite", "hybrid", "hybrid-fixed", "dlite-only", "dlite-chain", "dlite-online")
     tmp = tempfile.mkdtemp(prefix="dlite_lookup_")
     trace, round_log = os.path.join(tmp, "trace.jsonl"), os.path.join(tmp, "rounds.jsonl")
     if attention not in ATTENTION:
         raise SystemExit(f"attention {attention!r}: one of {', '.join(ATTENTION)}")
-    saved_env = {k: os.environ.get(k) for k in ("SGLANG_DLITE_LOOKUP", "SGLANG_DLITE_LOOKUP_TRACE",
-                                                "SGLANG_DLITE_VERIFY_WIDTH", "SGLANG_CPU_OMP_THREADS_BIND",
-                                                "SGLANG_DLITE_ROUND_LOG", "SGLANG_DLITE_CONFIG",
-                                                "SGLANG_DLITE_CPU_ATTN")}
+    saved_env = {k: os.environ.get(k) for k in ("SGLANG_CPU_OMP_THREADS_BIND", ENV_CONFIG, "SGLANG_DLITE_CPU_ATTN")}
     ranks = tp_size * dp_size
     if device == "cpu" and ranks > 1 and not saved_env["SGLANG_CPU_OMP_THREADS_BIND"]:
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_threads_bind(ranks)  # sglang: each rank's cores
-    os.environ["SGLANG_DLITE_LOOKUP"] = lookup  # read by the scheduler subprocess at start-up
-    os.environ["SGLANG_DLITE_LOOKUP_TRACE"] = trace
-    os.environ["SGLANG_DLITE_ROUND_LOG"] = round_log  # the worker's draft / verify ms per decode round
-    os.environ["SGLANG_DLITE_VERIFY_WIDTH"] = width  # per-round verify width: auto (CPU: adaptive) or fixed
     os.environ["SGLANG_DLITE_CPU_ATTN"] = "1" if attention == "same" and spec != "eagle3" else "0"
-    if spec in MODE_SETTINGS or settings:  # the mode's serving settings over the caller's; other modes keep theirs
-        from sglang_dlite.settings import read_config  # the plugin package (sglang): DLITE modes only
-
-        if settings and not is_dlite:
-            raise SystemExit(f"mode {mode!r}: +key=value serving settings are DLITE's (dlite... modes only)")
-        os.environ["SGLANG_DLITE_CONFIG"] = json.dumps({**read_config(os.environ.get("SGLANG_DLITE_CONFIG")),
-                                                        **MODE_SETTINGS.get(spec, {}), **settings})
+    if settings and not is_dlite:
+        raise SystemExit(f"mode {mode!r}: +key=value serving settings are DLITE's (dlite... modes only)")
+    # the DLITE settings, read by the scheduler subprocess at start-up: the caller's, the round log
+    # (the worker's draft / verify ms per decode round) and the lookup's trace, then the mode's
+    os.environ[ENV_CONFIG] = json.dumps({**read_config(os.environ.get(ENV_CONFIG)), "lookup_trace": trace,
+                                         "round_log": round_log, **MODE_SETTINGS.get(spec, {}), **settings})
     verify_kw = {"speculative_num_draft_tokens": int(w)} if spec != "nospec" and w else {}
     if spec == "ngram":
         verify_kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8, **verify_kw}
@@ -287,7 +280,7 @@ POSITION_BUCKET = 32  # output tokens per bucket of tau by output position
 
 def round_stats(path, offset):
     """Mean draft / verify ms per decode round, the rounds, and acceptance by output position, from the
-    worker's round log (``SGLANG_DLITE_ROUND_LOG``) after ``offset``; {} when there is none (no
+    worker's round log (the setting ``round_log``) after ``offset``; {} when there is none (no
     speculation); with the setting ``online``, ``online_stats``' fields. ``rounds_by_position``: {bucket
     start: [request-rounds, tokens committed]} for the request-rounds whose output length before the
     round falls in [start, start + POSITION_BUCKET): tau at that depth of the answer = committed /

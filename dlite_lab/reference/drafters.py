@@ -9,7 +9,7 @@ adapters here drive the product's drafting code (``sglang_dlite.drafting``) one 
 - ``SuffixEngineDrafter`` / ``HybridEngineDrafter``: the suffix lookup alone, or lookup and DLite
   chosen per request every round (``drafting.chooser``);
 - ``TreeEngineDrafter``: one token tree per round (``suffix-tree`` / ``dlite-tree`` / ``hybrid-tree``,
-  ``drafting.hybrid_tree.grow_round_tree``);
+  ``drafting.hybrid.grow_round_tree``);
 - ``OnlineDrafter``: any of them over the online learner's working copy (``drafting.online``);
 - ``OracleDrafter``: a known continuation (tests).
 
@@ -32,7 +32,7 @@ from dlite_lab.ablations import History
 from sglang_dlite.drafting.chooser import Calibration, choose, default_calibration, lookup_only, needs_dlite
 from sglang_dlite.drafting.context import last_rows
 from sglang_dlite.drafting.corpus import SharedCorpus
-from sglang_dlite.drafting.hybrid_tree import (
+from sglang_dlite.drafting.hybrid import (
     BRANCHINGS, DEFAULT_BRANCHES, DEFAULT_TREE_NODES, ChainBranches, HeadBranches, grow_round_tree,
 )
 from sglang_dlite.drafting.online import STATE_KEY, OnlineLearner

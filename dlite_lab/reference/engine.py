@@ -26,7 +26,8 @@ from transformers import DynamicCache
 
 from dlite_lab.reference.drafters import DraftRequest, Drafter
 from sglang_dlite.errors import DLiteInputError
-from sglang_dlite.drafting import chain_rejection_sample, greedy_accept, logits_to_probs
+from sglang_dlite.drafting.accept import chain_rejection_sample, greedy_accept
+from sglang_dlite.model.sampling import logits_to_probs
 from sglang_dlite.drafting.tau import tau_of_requests
 from sglang_dlite.drafting.tree import DraftTree, accept_tree
 

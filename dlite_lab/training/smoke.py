@@ -8,7 +8,7 @@
 
 Prints the wall time of every step and writes OUT/smoke.json. ``--arch qwen3`` (or mistral,
 qwen2) runs the same on another architecture. The pieces (``write_prompts``, ``check_lossless``)
-are what python_tests/test_any_target.py runs too.
+are what python_tests/model/test_any_target.py runs too.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A tiny random-weight target of any supported architecture, as a complete HF checkpoint folder
 (config, safetensors, a small byte-level BPE tokenizer with a ChatML chat template): what
-``make train-smoke`` and ``python_tests/test_any_target.py`` run the whole pipeline on
+``make train-smoke`` and ``python_tests/model/test_any_target.py`` run the whole pipeline on
 (gen-data -> train -> export -> reference engine -> sglang DLITE) in seconds per stage.
 
     from dlite_lab.training.tiny_target import save_tiny_target

@@ -1,4 +1,19 @@
-"""How many positions to verify this round: the width that maximises committed tokens per second.
+"""How much to speculate: under load (``LoadPolicy``), whether to draft (``DraftGate``) and how many
+positions to verify (``VerifyWidthPolicy``, ``select_drafts``).
+
+**Under load.**
+- **Opt-out.** A request whose ``sampling_params.custom_params`` holds ``"dlite_speculate": false``
+  (``/generate``; the OpenAI routes take it as ``extra_body={"custom_params": {...}}``) decodes with
+  no drafts: its verify rows after the anchor are padding that acceptance never takes, so every
+  round commits exactly the target's next token (output identical to no speculation). If every
+  request of a round opted out, the round drafts nothing at all (a one-row verify per request).
+- **Hard off-switch** (setting ``max_batch_size``): a decode batch of more running requests runs no
+  drafter pass and no lookup; it verifies the anchors alone (one row per request: plain decoding
+  through the verify path).
+- **Soft limit** (``soft_batch_size``): a larger batch verifies at most ``soft_num_drafts`` drafts
+  per request (0: as the hard switch).
+
+**The verify width**: the width that maximises committed tokens per second.
 
 A verify round of width ``w`` (the anchor + ``w - 1`` drafts per request) commits, per request,
 ``1 + E(w - 1)`` tokens in expectation, with ``E(n) = sum_{i<=n} prod_{j<=i} p_j`` from the
@@ -21,7 +36,7 @@ refreshed for ``stale_after`` rounds is forgotten (checked every ``STALE_CHECK``
 measured while something else slowed the machine (another process, a prefill in between) would
 otherwise look expensive for good and never be tried again, since only chosen widths are re-measured;
 forgotten, it gets the optimistic estimate and one more try. Pure Python; the sglang
-DLITE worker uses it where the verify runs eagerly on a CPU (``SGLANG_DLITE_VERIFY_WIDTH``).
+DLITE worker uses it where the verify runs eagerly on a CPU (the setting ``verify_width``).
 
 ``select_drafts`` is the same choice where every request may verify its own number of drafts
 (gen-data's fast engine verifies ragged rows) and a round's cost is linear in its rows.
@@ -32,19 +47,58 @@ from __future__ import annotations
 import bisect
 import logging
 import operator
-import os
 from collections import deque
 from itertools import accumulate, takewhile
 from statistics import median
 from typing import Dict, List, Optional, Sequence
+
+import torch
 
 from sglang_dlite.errors import DLiteConfigError
 from sglang_dlite.drafting.accept import expected_accepted
 
 logger = logging.getLogger(__name__)
 
-ENV_VERIFY_WIDTH = "SGLANG_DLITE_VERIFY_WIDTH"  # auto (default) | adaptive | fixed
 WIDTH_MODES = ("auto", "adaptive", "fixed")
+
+
+# ---------------------------------------------------------------------------- under load
+OPT_OUT_KEY = "dlite_speculate"
+
+
+def opted_out(req) -> bool:
+    """Whether this request asked to decode without speculation (``"dlite_speculate": false``)."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return isinstance(params, dict) and params.get(OPT_OUT_KEY) is False
+
+
+class LoadPolicy:
+    """How much DLITE drafts under load (the settings ``max_batch_size``, ``soft_batch_size``,
+    ``soft_num_drafts`` of ``options``, a ``settings.ServingOptions``): see the module doc."""
+
+    def __init__(self, options):
+        self.hard = options.max_batch_size
+        self.soft = options.soft_batch_size
+        self.soft_num_drafts = options.soft_num_drafts
+
+    def num_drafts(self, batch_size: int, num_drafts: int) -> int:
+        """Drafts per request this round, at most, for a batch of ``batch_size`` (0: no drafter pass)."""
+        if self.hard is not None and batch_size > self.hard:
+            return 0
+        if self.soft is not None and batch_size > self.soft:
+            return min(num_drafts, self.soft_num_drafts)
+        return num_drafts
+
+    @staticmethod
+    def opted_out_rows(reqs: Sequence, device) -> Optional[torch.Tensor]:
+        """[B] bool of the requests that opted out, or None when none did (the common case)."""
+        flags = [opted_out(r) for r in reqs]
+        if not any(flags):
+            return None
+        return torch.tensor(flags, dtype=torch.bool, device=device)
+
+
+# ---------------------------------------------------------------------------- the verify width
 
 
 def reaches(probs: Sequence[float], min_reach: float = 0.0) -> List[float]:
@@ -83,20 +137,20 @@ def select_drafts(chains: Sequence[Sequence[float]], fixed_rows: Optional[float]
     return take
 
 
-def adaptive_width_wanted(device: str, disable_cuda_graph: bool, tp_size: int = 1, environ=None) -> bool:
-    """Whether the hybrid picks its verify width per round. ``auto`` (default): on a CPU only (a
-    GPU's verify cost is flat in the width and its CUDA graphs want one shape); ``adaptive``: also
-    on a GPU served with --disable-cuda-graph; ``fixed``: never. Never under tensor parallelism
-    (every rank would have to pick the same width from its own timings)."""
-    v = (environ if environ is not None else os.environ).get(ENV_VERIFY_WIDTH, "auto").strip().lower()
+def adaptive_width_wanted(device: str, disable_cuda_graph: bool, tp_size: int = 1, mode: str = "auto") -> bool:
+    """Whether the hybrid picks its verify width per round (``mode``: the setting ``verify_width``).
+    ``auto`` (default): on a CPU only (a GPU's verify cost is flat in the width and its CUDA graphs
+    want one shape); ``adaptive``: also on a GPU served with --disable-cuda-graph; ``fixed``: never.
+    Never under tensor parallelism (every rank would have to pick the same width from its own timings)."""
+    v = str(mode).strip().lower()
     if v not in WIDTH_MODES:
-        raise DLiteConfigError(f"{ENV_VERIFY_WIDTH}={v!r}: use auto, adaptive or fixed.")
+        raise DLiteConfigError(f"verify_width={mode!r}: use auto, adaptive or fixed.")
     if v == "fixed" or tp_size > 1:
         return False
     on_cpu = str(device).startswith("cpu")
     if v == "adaptive" and not on_cpu and not disable_cuda_graph:
-        logger.warning("%s=adaptive needs an eager verify on a GPU (--disable-cuda-graph); keeping the fixed "
-                       "width.", ENV_VERIFY_WIDTH)
+        logger.warning("verify_width=adaptive needs an eager verify on a GPU (--disable-cuda-graph); keeping "
+                       "the fixed width.")
         return False
     return on_cpu or v == "adaptive"
 

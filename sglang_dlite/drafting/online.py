@@ -36,7 +36,7 @@ deterministic (``max_update_ms`` is then the one source of run-to-run variation:
 server scope it also paces the updates, an update past it delaying the next).
 
 What each setting measured, in both engines: ``docs/results.md`` (online adaptation). The defaults:
-``last``, per session (the serving worker's own: ``serving/options.ONLINE_DEFAULTS``).
+``last``, per session (the serving worker's own: ``online_config.SERVING_DEFAULTS``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,18 @@ PARAM_SETS = {"norm": ("final_norm.",), "head": ("head.", "final_norm."),
               "last": ("layers.-1.", "head.", "final_norm.")}
 SCOPES = ("session", "server")
 
+# The serving worker's defaults where they differ from the dataclass's (the reference engine's, per
+# session): one adapter for the whole batch (per-session weights cannot batch), each update within a
+# time budget, a smaller step (under token trees lr 1e-3 kept more of the gain than 3e-3:
+# docs/results.md), an update every 16 rounds and a watchdog comparison every 32 (concurrency 1,
+# medians of 3: 1.01x static tokens/s, tau +7 %; every 8 rounds 0.96x, every 4 0.88x). Updates stay
+# inside the round (background 0): on a 2-core CPU the learner's thread slowed every round more than
+# it saved (0.77x static vs 0.95x inline, medians of 3); background 1 is for a spare core or a GPU.
+# backoff 8: while the tree gate drafts the shipped trees, learn from one tree round in 8 (float32,
+# concurrency 1, 512 tokens: 1.2 ms of learning per round instead of 5.9; docs/results.md, "The back-off").
+SERVING_DEFAULTS = {"scope": "server", "max_update_ms": 50.0, "lr": 1e-3, "update_every": 16, "watchdog_every": 32,
+                    "backoff": 8}
+
 
 @dataclass
 class OnlineConfig:

@@ -1,7 +1,7 @@
 """τ, the acceptance length: committed tokens per verify round, the prefill's token excluded.
 
 The one convention of this project, computed here and nowhere else (every engine figure, bench
-JSON, table and demo line goes through ``tau``; ``python_tests/test_tau.py`` checks that no other
+JSON, table and demo line goes through ``tau``; ``python_tests/drafting/test_tau.py`` checks that no other
 module of ``sglang_dlite/`` or ``bench/`` divides its own)::
 
     τ = committed tokens / verify rounds = (output tokens - one per request) / verify rounds

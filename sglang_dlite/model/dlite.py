@@ -307,7 +307,7 @@ class DLiteDrafter(TargetBoundMixin, nn.Module):
         ``return_confidence`` (greedy): also the softmax probability of each draft, from the same
         vocabulary projection (unfused: the logits are written once). ``top_k`` (greedy): also the
         k likeliest tokens at every position of the greedy chain and their probabilities
-        (``DraftProposal.top_tokens`` / ``top_probs``; a tree's DLite branches, ``drafting/hybrid_tree.py``).
+        (``DraftProposal.top_tokens`` / ``top_probs``; a tree's DLite branches, ``drafting/hybrid.py``).
 
         The token-fed head drafts position by position: each step's draft (fused final norm +
         drafting-vocabulary projection + argmax when greedy) is the next step's input."""

@@ -21,7 +21,7 @@ class DraftProposal:
     confidence: Optional[torch.Tensor] = None
     source: Optional[str] = None  # which drafting source made the chain (hybrid drafting)
     score: Optional[float] = None  # the source's expected accepted drafts (hybrid drafting)
-    # a token tree to verify instead of the chain (tree drafters: ``drafting/hybrid_tree.py``); then
+    # a token tree to verify instead of the chain (tree drafters: ``drafting/hybrid.py``); then
     # ``tokens`` is [1, N-1], the tree's drafts in node order, and ``probs`` is None (q one-hot)
     tree: Optional[object] = None  # a sglang_dlite.drafting.tree.DraftTree (drafting builds on this module)
     # [B, K, k] / [B, K, k]: the k likeliest tokens at each position of the greedy chain and their

@@ -20,7 +20,7 @@ from sglang_dlite.errors import DLiteConfigError
 # ``model.model.norm``) for gen-data, training features and the reference engine, and sglang's
 # DLITE worker (the sglang model sets its aux hidden-state capture layers; attention-only, so a
 # rejected draft leaves no recurrent state behind). Tested end to end on tiny random Llama and
-# Qwen3 targets (python_tests/test_any_target.py); Qwen2 / Mistral share those code paths.
+# Qwen3 targets (python_tests/model/test_any_target.py); Qwen2 / Mistral share those code paths.
 SUPPORTED_TARGET_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",

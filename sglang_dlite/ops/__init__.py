@@ -3,7 +3,7 @@
 Each op has a torch reference in ``reference.py`` (the spec); compiled kernels from ``csrc/``
 (C++ for the CPU, CUDA for Ampere/Hopper; built by ``make build-ext``) replace it when available.
 
-``SGLANG_DLITE_OPS`` picks the path:
+``set_ops_mode`` picks the path (the serving setting ``ops``; ``using_ops`` for a block):
     auto   (default) CUDA kernel for CUDA tensors, C++ kernel for CPU tensors (except where the
            reference measured faster: ``CPU_TORCH_FASTER_BELOW``), else the reference
     torch  always the torch reference
@@ -17,8 +17,7 @@ In ``auto`` mode, inputs the kernels do not take (mixed or non-float dtypes) als
 
 from __future__ import annotations
 
-import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -34,8 +33,8 @@ from sglang_dlite.ops.reference import (  # noqa: F401  (re-exported: the model 
     round_positions,
 )
 
-ENV = "SGLANG_DLITE_OPS"
 MODES = ("auto", "torch", "cpp", "cuda")
+_mode = "auto"  # the path every op takes (set_ops_mode)
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _last_impl: dict = {}
 
@@ -48,11 +47,28 @@ _last_impl: dict = {}
 CPU_TORCH_FASTER_BELOW = {("lm_head_argmax", torch.bfloat16): 2}
 
 
+def set_ops_mode(mode: str) -> str:
+    """The path every op takes from now on, in this process (one of ``MODES``); returns the one before."""
+    global _mode
+    m = str(mode).strip().lower() or "auto"
+    if m not in MODES:
+        raise DLiteInputError(f"ops mode {mode!r} is not understood; use one of {', '.join(MODES)}.")
+    prev, _mode = _mode, m
+    return prev
+
+
 def ops_mode() -> str:
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise DLiteInputError(f"{ENV}={mode!r} is not understood; use one of {', '.join(MODES)}.")
-    return mode
+    return _mode
+
+
+@contextmanager
+def using_ops(mode: str):
+    """``set_ops_mode(mode)`` for the block, the mode before it restored after."""
+    prev = set_ops_mode(mode)
+    try:
+        yield
+    finally:
+        set_ops_mode(prev)
 
 
 def last_impl(op: str):
@@ -98,25 +114,25 @@ def _pick(op: str, floats, device: torch.device, rows: int = 0) -> str:
     if mode == "cpp":
         if not _ext.has_cpu():
             raise MissingDependencyError(
-                f"{ENV}=cpp but the C++ ops are unavailable ({_ext.unavailable_reason()}); "
-                f"{_ext.BUILD_HINT}, or use {ENV}=auto|torch."
+                f"ops mode cpp but the C++ ops are unavailable ({_ext.unavailable_reason()}); "
+                f"{_ext.BUILD_HINT}, or use ops mode auto or torch."
             )
         if device.type != "cpu":
             raise DLiteInputError(
-                f"{ENV}=cpp runs CPU kernels, but {op} got tensors on {device}; "
-                f"use {ENV}=cuda or auto for GPU tensors."
+                f"ops mode cpp runs CPU kernels, but {op} got tensors on {device}; "
+                f"use ops mode cuda or auto for GPU tensors."
             )
         return "cpp"
     # mode == "cuda"
     if not torch.cuda.is_available():
-        raise MissingDependencyError(f"{ENV}=cuda but torch sees no CUDA device (torch {torch.__version__}).")
+        raise MissingDependencyError(f"ops mode cuda but torch sees no CUDA device (torch {torch.__version__}).")
     if not _ext.has_cuda():
         raise MissingDependencyError(
-            f"{ENV}=cuda but the CUDA ops are not built: build them on a CUDA machine with "
-            f"`make build-ext` (needs a CUDA torch and nvcc), or use {ENV}=auto|torch."
+            f"ops mode cuda but the CUDA ops are not built: build them on a CUDA machine with "
+            f"`make build-ext` (needs a CUDA torch and nvcc), or use ops mode auto or torch."
         )
     if device.type != "cuda":
-        raise DLiteInputError(f"{ENV}=cuda runs GPU kernels, but {op} got tensors on {device}.")
+        raise DLiteInputError(f"ops mode cuda runs GPU kernels, but {op} got tensors on {device}.")
     return "cuda"
 
 
@@ -148,7 +164,7 @@ def round_attention(q, k, v, cos, sin, context_valid, num_layers: int, block_siz
                     f"round_attention: a round of {rows} rows with head_dim {head_dim} needs "
                     f"{limits.round_attention_smem_bytes(min(rows, limits.WARP), head_dim)} B of shared memory "
                     f"per block even in 32-key tiles; this GPU allows {limit} B. "
-                    f"Use {ENV}=auto (falls back to torch) or {ENV}=torch.")
+                    f"Use ops mode auto (falls back to torch) or torch.")
     return _run("round_attention", (q, k, v), _ref.round_attention, args, impl=impl)
 
 
@@ -194,7 +210,7 @@ def kv_cache_attention(q, k_cache, v_cache, starts, lens, scale: float):
     _last_impl["kv_cache_attention"] = impl
     if impl == "cuda":
         raise DLiteInputError("kv_cache_attention has no CUDA kernel (it serves the CPU regeneration engine); "
-                              f"use {ENV}=auto|torch.")
+                              f"use ops mode auto or torch.")
     if impl == "torch":
         return _ref.kv_cache_attention(*args)
     return torch.ops.sglang_dlite.kv_cache_attention(*args)

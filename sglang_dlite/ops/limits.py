@@ -1,5 +1,5 @@
 """Launch limits of the CUDA kernels, mirrored from ``csrc/cuda/dlite_cuda.cu`` so the dispatcher can
-route a shape before it launches (``python_tests/test_kernel_emulation.py`` asserts the two agree).
+route a shape before it launches (``python_tests/ops/test_kernel_emulation.py`` asserts the two agree).
 
 Only ``round_attention`` takes dynamic shared memory that grows with the round: K and V of a tile of
 keys in fp32 (key rows padded to D+1 floats) plus, per warp, the rotated query, the scores and the

@@ -3,7 +3,7 @@
 sglang 0.5.15-0.5.23 calls a few methods on every speculative algorithm that the default
 ``CustomSpecAlgo`` lacks (``carries_draft_hidden_states``, ``create_future_map``, ``need_topk``,
 ``get_platform_worker_cls``); ``DLiteSpecAlgo`` defines them, and the conformance test
-(python_tests/test_sglang_plugin.py) fails if sglang adds a public method to its
+(python_tests/serving/test_sglang_plugin.py) fails if sglang adds a public method to its
 ``SpeculativeAlgorithm`` enum that this class lacks.
 
 Nothing here imports torch-heavy sglang modules at import time: ``register()`` runs in every

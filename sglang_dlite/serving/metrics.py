@@ -23,8 +23,8 @@ API for drafting code (e.g. a hybrid suffix-lookup / DLite drafter), safe to cal
     from sglang_dlite.serving import metrics
     metrics.record_source("suffix", n)     # n requests of this round were drafted by "suffix"
 
-``SGLANG_DLITE_ROUND_LOG=PATH`` (no ``--enable-metrics`` needed) appends one JSON line per decode
-round to PATH: ``{"bs", "width", "tree", "draft_ms", "verify_ms", "pos", "acc"}`` (TP rank 0; width: tokens
+The setting ``round_log`` (``SGLANG_DLITE_CONFIG='{"round_log": PATH}'``; no ``--enable-metrics``
+needed) appends one JSON line per decode round to PATH: ``{"bs", "width", "tree", "draft_ms", "verify_ms", "pos", "acc"}`` (TP rank 0; width: tokens
 verified per request; pos / acc: each request's output length before the round and the drafts it
 accepted; with the setting ``online`` on, ``learn_ms``: the round's host time in the online learner, and
 ``online``: what it counted in the round, {name: count} of ``online_serving.ROUND_COUNTS``), e.g. for
@@ -46,7 +46,7 @@ from typing import Optional
 
 import torch
 
-from sglang_dlite.settings import ENV_ROUND_LOG, ServingOptions  # noqa: F401  (ENV_ROUND_LOG: this module's switch)
+from sglang_dlite.settings import ServingOptions
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class RoundTimer:
                reqs=None, round_accepted=None, learn=None) -> None:
         """``context_valid``: [B, C] validity of the drafter's context rows (tensor) or None;
         ``width``: tokens verified per request this round; ``accepted``: [n] drafts accepted by each
-        request that drafted (tensor) or None; ``tree``: a tree round (tree_round.py: ``width`` rows
+        request that drafted (tensor) or None; ``tree``: a tree round (rounds.py: ``width`` rows
         per request, ``accepted`` counted along the accepted root path). With the round log on,
         ``reqs`` (the batch's requests, their output not yet extended by this round) and
         ``round_accepted`` ([B] drafts accepted by every request, opted-out ones included; default
@@ -261,7 +261,7 @@ def metrics_requested(server_args) -> bool:
 def worker_timer(server_args, device, num_context_positions: int, tp_rank: int = 0,
                  options: Optional[ServingOptions] = None) -> Optional[RoundTimer]:
     """The DLITE worker's round timer, or None when neither metrics nor the round log
-    (``SGLANG_DLITE_ROUND_LOG``, ``options.round_log``; None: read from the environment) is on
+    (the setting ``round_log``: ``options.round_log``; None: read from ``SGLANG_DLITE_CONFIG``) is on
     (then the worker does nothing). Only TP rank 0 records (every rank runs the same rounds)."""
     if tp_rank != 0:
         return None

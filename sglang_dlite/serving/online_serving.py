@@ -10,7 +10,7 @@ to ``observe`` (a tree round: its accepted root path, a chain, to ``observe_tree
 verified block [anchor, drafts], the target's verify logits after sglang's logit processing and
 the accepted count; opted-out rows are skipped. Every ``update_every`` rounds an update takes up to
 ``steps`` optimizer steps, stopping once past ``max_update_ms`` (the serving default
-``options.ONLINE_DEFAULTS``; one step always runs); an update past the budget delays the next one
+``online_config.SERVING_DEFAULTS``; one step always runs); an update past the budget delays the next one
 (``OnlineLearner.update``: updates average at most the budget per ``update_every`` rounds), and the
 watchdog compares on one round in ``watchdog_every`` (8 at server scope): learning has to cost less
 than the acceptance it buys at concurrency 1.
@@ -18,7 +18,7 @@ than the acceptance it buys at concurrency 1.
 With ``background=1`` a round only makes its pairs; the buffer, the watchdog and the updates run on
 a thread of their own (``LearnerThread``) on the learner's working copy, whose values the drafting
 model takes between rounds: no round waits on an update. ``background=0`` (the serving default,
-``options.ONLINE_DEFAULTS``) learns inside the round, each update within ``max_update_ms``
+``online_config.SERVING_DEFAULTS``) learns inside the round, each update within ``max_update_ms``
 (deterministic with a seed): on a 2-core CPU the thread slowed every round more than it saved (it
 preempts the scheduler's OpenMP team; 0.77x static tokens/s vs 0.95x inline at concurrency 1).
 
@@ -28,7 +28,7 @@ non-finite update reverts too; any error is logged once and disables learning (a
 the shipped weights) instead of reaching the serving loop. A bf16 drafter trains float32 master
 copies (``OnlineLearner.masters``) and on a CPU its trained linears' prepacked oneDNN weights
 (``ops.pack_cpu_linears``) are rebuilt after every write. Under tensor parallelism every rank
-learns from the same rounds; the verified drafts are rank 0's either way (``_tp_same``).
+learns from the same rounds; the verified drafts are rank 0's either way (``DLiteWorker.tp_same``).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class OnlineServing:
         (None, ``drafter``); on -> (a learner, its working copy)."""
         if options.online is None:
             return None, drafter
-        serving = cls(drafter, OnlineConfig.parse(options.online), drafts_are_model=lookup is None)
+        serving = cls(drafter, options.online, drafts_are_model=lookup is None)
         logger.info("DLITE %s", serving.learner.describe())
         return serving, serving.model
 
@@ -128,7 +128,7 @@ class OnlineServing:
 
     def observe_tree(self, state: torch.Tensor, anchors: torch.Tensor, out: torch.Tensor, path_idx: torch.Tensor,
                      accepted: torch.Tensor, logits: torch.Tensor) -> None:
-        """One tree round (``tree_round.TreeRounds.run``): the accepted root path is the chain, so
+        """One tree round (``rounds.TreeRounds.learn``): the accepted root path is the chain, so
         the pair is a chain round's over it: ``out`` [B, N] the committed tokens (the path's drafts,
         then the bonus), ``path_idx`` [B, N] the path's node per committed token (-1 past it),
         ``accepted`` [B] the path's drafts, ``logits`` [B, N, V'] the verify logits per node: the

@@ -50,8 +50,8 @@ def check_gathered_embedding(embed_module, full: torch.Tensor) -> None:
 
 def same_on_all_ranks(group, t: torch.Tensor, what: str, *, sync: bool, check: bool) -> torch.Tensor:
     """Under TP (``group`` not None): make t identical on every rank -- broadcast from TP rank 0
-    when ``sync`` (SGLANG_DLITE_TP_SYNC, on by default), after checking that the ranks computed the
-    same when ``check`` (SGLANG_DLITE_TP_CHECK=1: a difference raises, naming the ranks)."""
+    when ``sync`` (the debug setting ``tp_sync``, on by default), after checking that the ranks computed
+    the same when ``check`` (``tp_check``: a difference raises, naming the ranks)."""
     if group is None or not (sync or check):
         return t
     t = t.contiguous()

@@ -33,7 +33,7 @@ p(d); on rejection the draw is p conditioned on != d) and it reuses every sampli
 target unchanged. Acceptance therefore stops at the first draft the grammar rejects (its logit
 is -inf in the row before it).
 
-Token trees (``tree_round.py``) go through the same steps with one row per node: penalties count
+Token trees (``rounds.TreeRounds``) go through the same steps with one row per node: penalties count
 the drafts on the node's root path (``parents``), the grammar mask is built over the tree
 (``tree_links``), rows are sampled at position prefix_len + depth, and the longest root path whose
 every token equals the choice at its parent is accepted. At most one child of a node equals that

@@ -8,24 +8,24 @@ overlap relay. Invariant between rounds (the same as the reference engine's,
 the next one and is not yet in the KV; the context hidden states are those of positions
 ``seq_lens - C .. seq_lens - 1``.
 
-Round (decode batch):
-  1. draft  : K tokens per request from (context hidden states, anchor) -- one drafter pass;
-              with hybrid drafting (the default) the suffix lookup's chain, DLite's, or DLite's
-              prefix continued by the lookup (up to W - 1 tokens, W may exceed K + 1), and on a
-              CPU a per-round width (``_draft_hybrid``).
-  2. verify : one TARGET_VERIFY forward over [anchor, d_1..d_n] (n + 1 <= W tokens per request),
-              written to the W KV slots the scheduler reserved (``eagle_prepare_for_decode``),
-              capturing the drafter's target layers (FULL capture).
-  3. accept : every sglang logits adjustment on all W rows (penalties with the drafts counted,
+Round (decode batch), one body for both kinds of round (``rounds.py``: ``ChainRounds``, and
+``TreeRounds`` for greedy or sampled batches of up to ``tree_max_batch_size`` requests):
+  1. plan   : how many drafts (``budget.LoadPolicy``, the per-request opt-out, on a CPU the draft gate);
+  2. draft  : the kind's ``Round``: per request a chain [anchor, d_1..d_n] (n + 1 <= W; hybrid by
+              default: the suffix lookup's chain, DLite's, or DLite's prefix continued by the lookup)
+              or a token tree (the lookup's continuations + DLite's top-k), W rows at most;
+  3. verify : one TARGET_VERIFY forward over those rows (``_verify``), written to the W KV slots the
+              scheduler reserved (``eagle_prepare_for_decode``), capturing the drafter's target
+              layers (FULL capture); a tree's nodes at positions prefix + depth under its mask;
+  4. accept : every sglang logits adjustment on every row (penalties with the drafts counted,
               grammar mask, logit_bias, custom processors: ``verify_logits.py``), then the longest
-              prefix of drafts equal to the target's per-row choice (argmax, or sglang's sampler:
-              top-k/top-p/min-p, per-request seeds; ``drafting.accept.greedy_accept``); the
-              bonus token comes from the target.
-  4. carry  : new context = last C rows of [old context, verify rows 0..a] (anchor + accepted;
+              chain / root path equal to the target's per-row choice (argmax, or sglang's sampler);
+              the bonus token comes from the target;
+  5. learn  : online learning from the round (the setting ``online``: ``online_serving.py``);
+  6. commit : the kind's KV (a tree's accepted path moved to the front), the lookup, the penalty state;
+  7. carry  : new context = last C rows of [old context, verify rows 0..a] (anchor + accepted;
               ``drafting.context.roll_last_rows``).
-Rejected slots need no cleanup: the next round overwrites them (chain, no KV moves). Greedy batches of
-up to ``tree_max_batch_size`` requests run tree rounds instead (``tree_round.py``: one token tree each).
-The ``SGLANG_DLITE_*`` switches are read once, when the worker starts (``options.ServingOptions``).
+The settings (``SGLANG_DLITE_CONFIG``) are read once, when the worker starts (``settings.ServingOptions``).
 """
 
 from __future__ import annotations
@@ -53,11 +53,11 @@ from sglang_dlite.serving.algorithm import capture_target_layers, check_target_s
 from sglang_dlite.serving import metrics as dlite_metrics
 from sglang_dlite.serving import verify_logits
 from sglang_dlite.serving.cuda_graphs import DrafterCudaGraphs
-from sglang_dlite.serving.info import DLiteDraftInput, DLiteVerifyInput, pack_context, unpack_context
-from sglang_dlite.serving.load_policy import LoadPolicy
+from sglang_dlite.serving.info import DLiteDraftInput, DLiteVerifyInput, pack_context
+from sglang_dlite.drafting.budget import LoadPolicy
 from sglang_dlite.serving.online_serving import OnlineServing
-from sglang_dlite.serving.tree_round import TreeRounds
-from sglang_dlite.settings import ENV_DRAFTER_DTYPE, ServingOptions, drafter_dtype
+from sglang_dlite.serving.rounds import ChainRounds, TreeRounds
+from sglang_dlite.settings import ServingOptions, drafter_dtype
 from sglang_dlite.serving.tensor_parallel import (check_gathered_embedding, drafter_memory, gather_vocab_rows, same_on_all_ranks,
                               target_parts, tp_group)
 
@@ -68,7 +68,8 @@ class DLiteWorker(BaseSpecWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         super().__init__()
         self.server_args = server_args
-        self.options = ServingOptions.from_env()  # every SGLANG_DLITE_* switch, read once, here
+        self.options = ServingOptions.from_env()  # every setting, read once, here
+        ops.set_ops_mode(self.options.ops)  # the kernels the drafter's ops run in this scheduler process
         self._target_worker = target_worker
         self._draft_worker = None
         self.model_runner = target_worker.model_runner
@@ -80,13 +81,14 @@ class DLiteWorker(BaseSpecWorker):
         cfg = self.drafter.config
         self._set_round_shape(cfg, int(spec.speculative_num_draft_tokens))
         capture_target_layers(self.model_runner.model, cfg.target_layer_ids)  # before the target's CUDA graphs
-        self._graphs: Optional[DrafterCudaGraphs] = None
+        self.graphs: Optional[DrafterCudaGraphs] = None
         self._metrics = dlite_metrics.worker_timer(server_args, self.device, self.C,  # None unless --enable-metrics
                                                    getattr(self.model_runner, "tp_rank", 0), self.options)
         self._init_hybrid()
         self.online, self.drafter = OnlineServing.attach(self.options, self.drafter, self.lookup)  # on: drafts adapt
         self.load = LoadPolicy(self.options)
-        tree_bs = self.options.tree_batch_size(self.device) if self._tp is None else 0  # TP: chains
+        tree_bs = self.options.tree_batch_size(self.device) if self.tp is None else 0  # TP: chains
+        self.chains = ChainRounds(self)
         self.trees = TreeRounds(self, tree_bs, self.options.tree_branches) if tree_bs else None
         if self.tp_rank == 0:
             logger.info("DLITE settings: %s", self.options.describe())
@@ -102,7 +104,7 @@ class DLiteWorker(BaseSpecWorker):
         dtype = drafter_dtype(self.model_runner.dtype, self.device, self.options)
         drafter = DLiteDrafter.from_pretrained(path, dtype=dtype, device=self.device)
         self.draft_dtype = dtype
-        logger.info("DLITE drafter dtype %s (target %s; %s)", dtype, self.model_runner.dtype, ENV_DRAFTER_DTYPE)
+        logger.info("DLITE drafter dtype %s (target %s; the setting drafter_dtype)", dtype, self.model_runner.dtype)
         cfg = drafter.config
         cfg.check_target(hidden_size=hf.hidden_size, vocab_size=hf.vocab_size,
                          num_layers=hf.num_hidden_layers)
@@ -124,16 +126,16 @@ class DLiteWorker(BaseSpecWorker):
         model = self.model_runner.model
         embed_w, head_w = target_parts(model)
         V = drafter.config.vocab_size
-        self._tp = tp_group(self.model_runner)
-        self.tp_rank = 0 if self._tp is None else int(self._tp.rank_in_group)
-        embed_full = gather_vocab_rows(embed_w, V, self._tp)
-        head_full = embed_full if head_w is embed_w else gather_vocab_rows(head_w, V, self._tp)
-        if self._tp is not None:
+        self.tp = tp_group(self.model_runner)
+        self.tp_rank = 0 if self.tp is None else int(self.tp.rank_in_group)
+        embed_full = gather_vocab_rows(embed_w, V, self.tp)
+        head_full = embed_full if head_w is embed_w else gather_vocab_rows(head_w, V, self.tp)
+        if self.tp is not None:
             check_gathered_embedding(getattr(model, "model", model).embed_tokens, embed_full)
         drafter.bind_target(embed_full, head_full)
-        self._tp_sync = self._tp is not None and self.options.tp_sync
-        self._tp_check = self._tp is not None and self.options.tp_check
-        self.drafter_memory = drafter_memory(drafter, self._tp, (embed_w, head_w), embed_full, head_full)
+        self._tp_sync = self.tp is not None and self.options.tp_sync
+        self._tp_check = self.tp is not None and self.options.tp_check
+        self.drafter_memory = drafter_memory(drafter, self.tp, (embed_w, head_w), embed_full, head_full)
         logger.info("DLITE drafter memory on TP rank %d: %.1f MiB weights (replicated) + %.1f MiB gathered "
                     "target embedding/LM head", self.tp_rank, self.drafter_memory["drafter_weights_mib"],
                     self.drafter_memory["gathered_vocab_copies_mib"])
@@ -166,7 +168,7 @@ class DLiteWorker(BaseSpecWorker):
             self.lookup = BatchLookup(self.num_drafts, trace_path=self.options.lookup_trace,
                                       dlite_drafts=self.dlite_drafts, corpus_tokens=self.options.corpus_tokens)
         adaptive = self.options.adaptive_width(self.device, bool(getattr(self.server_args, "disable_cuda_graph", False)),
-                                               1 if self._tp is None else 2)
+                                               1 if self.tp is None else 2)
         self.width_policy = VerifyWidthPolicy(self.W) if adaptive and self.lookup is not None else None
         # where a verify row is not free (a CPU), also whether to draft at all: it must pay
         self.gate = DraftGate(width_policy=self.width_policy) if adaptive else None
@@ -197,10 +199,10 @@ class DLiteWorker(BaseSpecWorker):
         )
         if use:
             max_bs = int(self.model_runner.max_running_requests or 64)
-            self._graphs = DrafterCudaGraphs(self.drafter, min(max_bs, 256), self.device,
-                                              self.model_runner.dtype, num_drafts=self.dlite_drafts,
-                                              with_confidence=self.lookup is not None)
-            logger.info("DLITE drafter CUDA graphs captured for batch sizes %s", self._graphs.buckets)
+            self.graphs = DrafterCudaGraphs(self.drafter, min(max_bs, 256), self.device,
+                                             self.model_runner.dtype, num_drafts=self.dlite_drafts,
+                                             with_confidence=self.lookup is not None)
+            logger.info("DLITE drafter CUDA graphs captured for batch sizes %s", self.graphs.buckets)
 
     def clear_cache_pool(self):
         pass
@@ -219,50 +221,9 @@ class DLiteWorker(BaseSpecWorker):
                 f"{self.tp_rank}, expected [tokens, {self.L * self.H}] (L={self.L} layers x H={self.H}, full "
                 "width); this target's TP layout shards them. Serve it with --tp-size 1.")
 
-    def _tp_same(self, t: torch.Tensor, what: str) -> torch.Tensor:
+    def tp_same(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """Under TP: t identical on every rank (``tensor_parallel.same_on_all_ranks``)."""
-        return same_on_all_ranks(self._tp, t, what, sync=self._tp_sync, check=self._tp_check)
-
-    def _draft(self, state: torch.Tensor, anchors: torch.Tensor, batch, n: int) -> torch.Tensor:
-        """[B, <= n] drafts; n = 0 (load_policy.py): none, no drafter pass, the lookup only
-        takes the anchors."""
-        if n == 0:
-            if self.lookup is not None:
-                seq = batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else None
-                self.lookup.skip_round(batch.reqs, anchors.tolist(), seq)
-            return anchors.new_empty((len(anchors), 0))
-        if self.lookup is not None:
-            return self._draft_hybrid(state, anchors, batch)[:, :n]
-        return self._draft_dlite(state, anchors)[:, :n]
-
-    def _draft_hybrid(self, state: torch.Tensor, anchors: torch.Tensor, batch) -> torch.Tensor:
-        """Per request: the suffix lookup, DLite, or DLite's prefix continued by the lookup,
-        whichever is expected to be accepted more (``BatchLookup.draft_round``, drafting/chooser.py).
-        DLite runs only when some request's lookup is not confident enough to skip it."""
-        def dlite():
-            d, conf = self._draft_dlite(state, anchors, with_confidence=True)
-            return d.tolist(), conf.float().tolist()
-
-        seq = batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else None
-        width = None if self.width_policy is None else self.width_policy.choose_expected
-        drafts = self.lookup.draft_round(batch.reqs, anchors.tolist(), seq, dlite, width)
-        return torch.tensor(drafts, dtype=torch.int64, device=self.device).view(len(drafts), -1)
-
-    def _lookup_commit(self, batch, accepted: torch.Tensor) -> None:
-        sources = None if self.lookup is None else self.lookup.commit_round(batch.reqs, accepted.tolist())
-        if sources is not None:  # /metrics: rounds drafted by each source
-            dlite_metrics.record_sources(sources)
-
-    def _draft_dlite(self, state: torch.Tensor, anchors: torch.Tensor, with_confidence: bool = False):
-        ctx, valid = unpack_context(state, self.L, self.H)
-        anchors = anchors.to(torch.int64)
-        if self._graphs is not None and self._graphs.with_confidence == with_confidence:
-            out = self._graphs.propose(ctx, valid, anchors)
-            if out is not None:
-                return (out[0].clone(), out[1].clone()) if with_confidence else out.clone()
-        prop = self.drafter.propose(ctx.contiguous(), valid, anchors, num_drafts=self.dlite_drafts,
-                                    return_confidence=with_confidence)
-        return (prop.tokens, prop.confidence) if with_confidence else prop.tokens
+        return same_on_all_ranks(self.tp, t, what, sync=self._tp_sync, check=self._tp_check)
 
     # ------------------------------------------------------------------ the forward
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None,
@@ -303,7 +264,8 @@ class DLiteWorker(BaseSpecWorker):
 
     @torch.no_grad()
     def _forward_decode(self, batch, on_publish, grammar_barrier=None):
-        """One decode round: draft -> verify -> accept -> carry (see the module docstring)."""
+        """One decode round, a chain or a tree (``rounds.py``): plan -> draft -> verify -> accept ->
+        learn -> commit -> carry (see the module docstring)."""
         draft_input = self._decode_input(batch)
         if draft_input is None:
             return self._idle_result(on_publish)
@@ -312,54 +274,42 @@ class DLiteWorker(BaseSpecWorker):
         state = draft_input.hidden_states
         anchors = draft_input.bonus_tokens.to(torch.int64)
 
-        rt = self._metrics.start() if self._metrics is not None else None  # --enable-metrics only
+        rt = self._metrics.start() if self._metrics is not None else None  # metrics or the round log only
         t_round = time.perf_counter()
-        # 1) draft (none over the off-switch, where drafting does not pay, or if every request opted out)
-        n, opt_out = self._plan_round(batch, bs, t_round)
-        if self.trees is not None and self.trees.wanted(batch, bs, n, opt_out):  # tree_round.py
-            return self.trees.run(batch, state, anchors, prefix_lens, on_publish, rt, t_round, grammar_barrier)
-        drafts = self._draft(state, anchors, batch, n).to(torch.int64)  # [B, W-1], the chain's first W-1
-        drafts = self._tp_same(drafts, "drafts")  # TP: every rank verifies the same block
-        W = drafts.shape[1] + 1  # tokens verified this round (self.W unless the width policy cut it)
+        n, opt_out = self._plan_round(batch, bs, t_round)  # 1) plan
+        kind = self.trees if self.trees is not None and self.trees.wanted(batch, bs, n, opt_out) else self.chains
+        rd = kind.draft(batch, state, anchors, n)  # 2) draft
+        W = rd.tokens.shape[1]  # rows verified per request this round
         if rt is not None:
             rt.mark()
-        block = torch.cat([anchors[:, None], drafts], dim=1)  # [B, W]
-        grammar_tree = verify_logits.grammar_tree(batch, block)  # host copy starts before verify
-
-        # 2) verify
-        target_out = self._verify(batch, block, prefix_lens)
+        target_out = self._verify(batch, rd.tokens, prefix_lens, rd.positions, rd.mask)  # 3) verify
         logits_output = target_out.logits_output
         if rt is not None:
             rt.mark()
-
-        # 3) accept: penalties / grammar / logit_bias / custom processors on all W rows, then choose
-        a, bonus = self._accept_round(batch, block, prefix_lens, logits_output, grammar_tree, grammar_barrier,
-                                      opt_out)
-        if self.online is not None:  # the setting online: learn from this round (online_serving.py)
-            self.online.observe(state, anchors, block, logits_output.next_token_logits.view(bs, W, -1), a, opt_out)
+        a, bonus, out_tokens = kind.accept(rd, batch, prefix_lens, logits_output, grammar_barrier, opt_out)  # 4)
+        if self.online is not None:  # 5) learn (the setting online, online_serving.py)
+            kind.learn(rd, state, anchors, logits_output, a, out_tokens, opt_out)
         if self.gate is not None:  # a CPU: the draft and the verify have finished
-            self._last_round = (bs, n > 0, t_round, 1.0 + float(a.float().mean()))
-        out_tokens, commit_lens, new_seq_lens = self._commit(batch, drafts, prefix_lens, a, bonus)
-        if batch.return_logprob:
+            self._last_round = (bs, rd.drafted, t_round, 1.0 + float(a.float().mean()))
+        kind.commit(rd, batch, a, out_tokens)  # 6) commit
+        commit_lens = (a + 1).to(torch.int32)
+        new_seq_lens = prefix_lens + commit_lens.to(prefix_lens.dtype)
+        if batch.return_logprob:  # chains only (a tree round takes no logprob batch)
             compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=W)
         if on_publish is not None:
             on_publish(new_seq_lens)
-
-        # 4) carry: last C rows of [old context, verify rows 0..a]
+        kind.carried_rows(rd, logits_output)  # 7) carry: the accepted rows first, then the last C
         new_state = self._carry(state, logits_output, a)
-        next_draft_input = DLiteDraftInput(
-            bonus_tokens=bonus, hidden_states=new_state, new_seq_lens=new_seq_lens,
-        )
         if rt is not None:
-            rt.finish(bs, state[..., -1], W, a if opt_out is None else a[~opt_out], reqs=batch.reqs, round_accepted=a,
-                      learn=None if self.online is None else self.online.take_round())
+            rt.finish(bs, state[..., -1], W, a if opt_out is None else a[~opt_out], tree=rd.tree, reqs=batch.reqs,
+                      round_accepted=a, learn=None if self.online is None else self.online.take_round())
         batch.forward_mode = ForwardMode.DECODE
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=out_tokens.reshape(-1),
             accept_lens=commit_lens,
             can_run_cuda_graph=target_out.can_run_cuda_graph,
-            next_draft_input=next_draft_input,
+            next_draft_input=DLiteDraftInput(bonus_tokens=bonus, hidden_states=new_state, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=W,
             new_seq_lens=new_seq_lens,
         )
@@ -367,7 +317,7 @@ class DLiteWorker(BaseSpecWorker):
     # ------------------------------------------------------------------ round steps
     def _plan_round(self, batch, bs: int, now: float):
         """(drafts per request this round, at most; the rows that opted out, or None):
-        ``load_policy.py``, then on a CPU the draft gate (``drafting.budget.DraftGate``), which
+        ``budget.LoadPolicy``, then on a CPU the draft gate (``drafting.budget.DraftGate``), which
         is told the last decode round's whole period (draft, verify and the scheduler's work around
         them, so a round without drafts pays its share of the fixed cost) unless a prefill came between
         (``_forward_extend`` forgets the round) or it took over a second."""
@@ -407,9 +357,9 @@ class DLiteWorker(BaseSpecWorker):
         )
 
     def _verify(self, batch, block: torch.Tensor, prefix_lens: torch.Tensor, positions=None, custom_mask=None):
-        """One TARGET_VERIFY forward over block [B, W] = [anchor, drafts], written to the W KV slots
-        after each request's prefix, capturing the drafter's target layers. A tree round
-        (``tree_round.py``) passes its nodes' positions and its attention mask."""
+        """One TARGET_VERIFY forward over block [B, W] (a chain's [anchor, drafts], or a tree's nodes
+        with their positions and attention mask: ``rounds.Round``), written to the W KV slots after
+        each request's prefix, capturing the drafter's target layers."""
         bs, W = block.shape
         device = self.device
         if positions is None:
@@ -448,40 +398,6 @@ class DLiteWorker(BaseSpecWorker):
         if self.width_policy is not None:  # CPU: the forward has finished when it returns
             self.width_policy.observe(bs * W, time.perf_counter() - t_verify)
         return target_out
-
-    def _accept_round(self, batch, block: torch.Tensor, prefix_lens: torch.Tensor, logits_output, grammar_tree,
-                      grammar_barrier, opt_out: Optional[torch.Tensor] = None):
-        """Every sglang logits adjustment on the W rows (``verify_logits.process``), then accepted
-        drafts a [B] and bonus [B]: argmax, or sglang's own sampler per row (``verify_logits.accept``).
-        Rows of ``opt_out`` accept nothing (their drafts are padding): the bonus is row 0's pick."""
-        bs, W = block.shape
-        logits = logits_output.next_token_logits.view(bs, W, -1)
-        gmask = verify_logits.grammar_mask(batch, grammar_tree, logits.device, grammar_barrier)
-        verify_logits.process(logits_output.next_token_logits, W, batch, block, prefix_lens, gmask)
-        info = batch.sampling_info
-        sample_rows = None
-        if not verify_logits.is_all_greedy(info):
-            sample_rows = verify_logits.sglang_row_sampler(self.model_runner.sampler, info, W, prefix_lens,  # online
-                                                           inplace=not batch.return_logprob and self.online is None)
-        drafts = block[:, 1:] if opt_out is None else block[:, 1:].masked_fill(opt_out[:, None], -1)
-        a, bonus = verify_logits.accept(drafts, logits, sample_rows)
-        if self._tp is not None:  # TP: the same accept lengths and bonus tokens on every rank
-            ab = self._tp_same(torch.stack([a.to(torch.int64), bonus.to(torch.int64)]), "accept lengths / bonus tokens")
-            a, bonus = ab[0].to(a.dtype), ab[1].to(bonus.dtype)
-        return a, bonus
-
-    def _commit(self, batch, drafts: torch.Tensor, prefix_lens: torch.Tensor, a: torch.Tensor, bonus: torch.Tensor):
-        """The round's output tokens [B, W] (accepted drafts, the bonus at row a), committed lengths
-        (a + 1) and new sequence lengths; the lookup and the penalty state take them."""
-        bs, K = drafts.shape
-        commit_lens = (a + 1).to(torch.int32)
-        out_tokens = torch.zeros((bs, K + 1), dtype=torch.int64, device=self.device)
-        out_tokens[:, :K] = drafts
-        out_tokens.scatter_(1, a[:, None], bonus[:, None])
-        new_seq_lens = prefix_lens + commit_lens.to(prefix_lens.dtype)
-        self._lookup_commit(batch, a)
-        verify_logits.commit(batch.reqs, out_tokens, a)
-        return out_tokens, commit_lens, new_seq_lens
 
     def _carry(self, state: torch.Tensor, logits_output, a: torch.Tensor) -> torch.Tensor:
         """The next round's context: the last C rows of [old context, verify rows 0..a]
