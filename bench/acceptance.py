@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--drafter", default="dlite",
                    help="dlite[:PATH] (shipped default / random), hybrid[:PATH] (DLite + suffix lookup, one "
                         "token tree per round: what DLITE serves), hybrid-chain[:PATH] (one chain per round), "
-                        "hybrid-tree / dlite-tree / suffix-tree[@N], suffix (the lookup alone), dlite-online / hybrid-online / "
+                        "hybrid@nodes=N,branching=head|chain / dlite-tree / suffix-tree[@N], suffix (the lookup alone), dlite-online / hybrid-online / "
                         "hybrid-chain-online[@OPTS] (learning from verify results), a baseline name (ngram, eagle3[:PATH], ...), or a "
                         "checkpoint folder (its config.json's model_type picks the drafter).")
     p.add_argument("--target", default="default", help="target checkpoint folder, or 'default' (SmolLM2-135M-Instruct).")

@@ -238,7 +238,7 @@ def tables_source_share(rs, drafters, workloads, buckets, tag) -> list:
             bs = r["by_source"]
             lines.append(f"| {d} | {w} | " + " | ".join(
                 f"{bs[s]['share']:.0%} ({bs[s]['tau']:.2f})" if s in bs else "-" for s in SOURCES) + " |")
-    lines += ["", f"Pooled over workloads, by context bucket (share of rounds: suffix / mixed / dlite):", "",
+    lines += ["", "Pooled over workloads, by context bucket (share of rounds: suffix / mixed / dlite):", "",
               "| drafter | " + " | ".join(buckets) + " |", "|---|" + "---|" * len(buckets)]
     for d in have:
         cells = []

@@ -4,8 +4,9 @@ Where they go: ``SGLANG_DLITE_CONFIG``, a path to a JSON file or the JSON itself
 ``SGLANG_DLITE_CONFIG='{"max_batch_size": 48, "lookup": true}'``. Keys (``SETTINGS``, defaults in
 ``ServingOptions``): ``lookup``, ``verify_width``, ``drafter_dtype``, ``draft_cuda_graph``,
 ``round_log``, ``max_batch_size``, ``soft_batch_size``, ``soft_num_drafts``, ``tree_max_batch_size``,
-``tree_branches``, ``online``, ``corpus_tokens``, ``ops``, and the debug keys ``lookup_trace``, ``tp_sync``,
-``tp_check`` (serving/README.md says what each does). An unknown key or a bad value stops the
+``tree_branches``, ``online``, ``corpus_tokens``, ``ops``, the CPU stand-ins' ``cpu_attention`` and
+``cpu_packed_linear``, and the debug keys ``lookup_trace``, ``tp_sync``, ``tp_check`` (serving/README.md
+says what each does). An unknown key or a bad value stops the
 launch with a message. ``SGLANG_DLITE_CONFIG`` is the only variable DLITE's serving reads (the
 other one of the product, ``SGLANG_DLITE_CACHE``, is the cache folder: ``model/bundled_target.py``).
 
@@ -50,6 +51,12 @@ class ServingOptions:
     # OnlineConfig it resolves to (SERVING_DEFAULTS under what the setting gives); None: off
     online: Optional[OnlineConfig] = None
     ops: str = "auto"  # which kernels the drafter's ops run: auto | torch | cpp | cuda (ops.set_ops_mode)
+    # CPU stand-ins (serving/cpu_support, read by every sglang process at start-up, speculative or not):
+    # "same": sglang's own DECODE and prefill forwards attend through the project's CPU attention too (a
+    # like-for-like speed comparison); "sglang": as sglang ships them. cpu_packed_linear: bf16 linears on
+    # prepacked oneDNN weights in every forward (false: F.linear)
+    cpu_attention: str = "sglang"
+    cpu_packed_linear: bool = True
     corpus_tokens: int = 0  # cross-request corpus of finished requests' tokens for tree branches (drafting/corpus.py); 0: off
     lookup_trace: Optional[str] = None  # debug: a JSON-lines file of live indices + sources per round
     tp_sync: bool = True  # debug (false): no broadcast of rank 0's drafts / accepts under TP
@@ -87,8 +94,11 @@ class ServingOptions:
 
 SETTINGS = ("lookup", "verify_width", "drafter_dtype", "draft_cuda_graph", "round_log", "max_batch_size",
             "soft_batch_size", "soft_num_drafts", "tree_max_batch_size", "tree_branches",
-            "online", "corpus_tokens", "ops", "lookup_trace", "tp_sync", "tp_check")
-_QUIET = ("online", "corpus_tokens", "ops", "lookup_trace", "tp_sync", "tp_check")  # in ``describe`` only when changed
+            "online", "corpus_tokens", "ops", "cpu_attention", "cpu_packed_linear", "lookup_trace", "tp_sync",
+            "tp_check")
+_QUIET = ("online", "corpus_tokens", "ops", "cpu_attention", "cpu_packed_linear", "lookup_trace", "tp_sync",
+          "tp_check")  # in ``describe`` only when changed
+CPU_ATTENTION = ("sglang", "same")  # the setting cpu_attention's values
 _DEFAULTS = {f.name: f.default for f in fields(ServingOptions)}
 
 
@@ -122,7 +132,7 @@ def _checked(o: ServingOptions) -> ServingOptions:
     def bad(key, want):
         return DLiteConfigError(f"DLITE setting {key}={getattr(o, key)!r}: {want} ({ENV_CONFIG}).")
 
-    for key in ("lookup", "draft_cuda_graph", "tp_sync", "tp_check"):
+    for key in ("lookup", "draft_cuda_graph", "cpu_packed_linear", "tp_sync", "tp_check"):
         if not isinstance(getattr(o, key), bool):
             raise bad(key, "must be true or false")
     def count(v) -> bool:
@@ -149,6 +159,8 @@ def _checked(o: ServingOptions) -> ServingOptions:
     for key in ("round_log", "lookup_trace"):
         if getattr(o, key) is not None and not isinstance(getattr(o, key), str):
             raise bad(key, "must be a file path, or null (off)")
+    if o.cpu_attention not in CPU_ATTENTION:
+        raise bad("cpu_attention", f"use one of {', '.join(CPU_ATTENTION)}")
     mode = str(o.ops).strip().lower()
     if mode not in ops.MODES:
         raise bad("ops", f"use one of {', '.join(ops.MODES)}")

@@ -198,7 +198,7 @@ def plot_draft_cost(data: dict, png: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # optional: matplotlib; after matplotlib.use("Agg")
 
-    contexts, names, results = data["contexts"], data["drafters"], data["results"]
+    names, results = data["drafters"], data["results"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for n in names:
         rs = sorted((r for r in results if r["drafter"] == n), key=lambda r: r["context"])

@@ -164,7 +164,7 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     per level). ``requests_at(c)``: how many of ``reqs`` level c runs (default all); ``on_level(row,
     outputs)`` is called as each level finishes (``bench/load_matrix.py`` checkpoints there).
     ``attention`` (a CPU only): ``"same"`` (default) gives decode forwards the attention code DLITE's
-    verify runs and every prefill the project's (``SGLANG_DLITE_CPU_ATTN=1``), so no speculation and a
+    verify runs and every prefill the project's (the setting ``cpu_attention: "same"``), so no speculation and a
     speculative mode read the KV cache alike; ``"sglang"``: decode and prefill forwards as sglang ships
     them (slower than ours at a batch of several requests, and on radix-cache hits). sglang's EAGLE3
     keeps sglang's own (its draft model's decode steps)."""
@@ -183,17 +183,19 @@ def run_sglang(mode, target, draft, reqs, levels, max_new, device, dtype, tp_siz
     trace, round_log = os.path.join(tmp, "trace.jsonl"), os.path.join(tmp, "rounds.jsonl")
     if attention not in ATTENTION:
         raise SystemExit(f"attention {attention!r}: one of {', '.join(ATTENTION)}")
-    saved_env = {k: os.environ.get(k) for k in ("SGLANG_CPU_OMP_THREADS_BIND", ENV_CONFIG, "SGLANG_DLITE_CPU_ATTN")}
+    saved_env = {k: os.environ.get(k) for k in ("SGLANG_CPU_OMP_THREADS_BIND", ENV_CONFIG)}
     ranks = tp_size * dp_size
     if device == "cpu" and ranks > 1 and not saved_env["SGLANG_CPU_OMP_THREADS_BIND"]:
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_threads_bind(ranks)  # sglang: each rank's cores
-    os.environ["SGLANG_DLITE_CPU_ATTN"] = "1" if attention == "same" and spec != "eagle3" else "0"
     if settings and not is_dlite:
         raise SystemExit(f"mode {mode!r}: +key=value serving settings are DLITE's (dlite... modes only)")
-    # the DLITE settings, read by the scheduler subprocess at start-up: the caller's, the round log
-    # (the worker's draft / verify ms per decode round) and the lookup's trace, then the mode's
-    os.environ[ENV_CONFIG] = json.dumps({**read_config(os.environ.get(ENV_CONFIG)), "lookup_trace": trace,
-                                         "round_log": round_log, **MODE_SETTINGS.get(spec, {}), **settings})
+    # the DLITE settings, read by the scheduler subprocess at start-up (the CPU stand-ins' by every mode's):
+    # the caller's, the attention, the round log (the worker's draft / verify ms per decode round) and the
+    # lookup's trace, then the mode's
+    cpu_attention = "same" if attention == "same" and spec != "eagle3" else "sglang"
+    os.environ[ENV_CONFIG] = json.dumps({**read_config(os.environ.get(ENV_CONFIG)), "cpu_attention": cpu_attention,
+                                         "lookup_trace": trace, "round_log": round_log,
+                                         **MODE_SETTINGS.get(spec, {}), **settings})
     verify_kw = {"speculative_num_draft_tokens": int(w)} if spec != "nospec" and w else {}
     if spec == "ngram":
         verify_kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8, **verify_kw}

@@ -7,10 +7,14 @@ adapters here drive the product's drafting code (``sglang_dlite.drafting``) one 
 - ``DLiteEngineDrafter``: DLite alone; reads only the last C positions (plus the history the config
   allows, for the lab's teacher / window ablations);
 - ``SuffixEngineDrafter`` / ``HybridEngineDrafter``: the suffix lookup alone, or lookup and DLite
-  chosen per request every round (``drafting.chooser``);
-- ``TreeEngineDrafter``: one token tree per round (``suffix-tree`` / ``dlite-tree`` / ``hybrid-tree``,
-  ``drafting.hybrid.grow_round_tree``);
+  chosen per request every round;
+- ``TreeEngineDrafter``: one token tree per round (``suffix-tree`` / ``dlite-tree`` / ``hybrid``);
 - ``OnlineDrafter``: any of them over the online learner's working copy (``drafting.online``);
+
+The lookup drafters drive the sglang worker's own batched drafting (``drafting.hybrid.BatchLookup``:
+the per-request indices, the hybrid's choice, ``grow_trees``) with a batch of one request: the same
+draft / commit calls the worker makes over its running batch. The engine tells them what each round
+accepted (``commit``) and when a request ends (``finish_request``).
 - ``OracleDrafter``: a known continuation (tests).
 
 Lookup, hybrid and tree drafts are deterministic (DLite's greedy chain, the lookup's most frequent
@@ -21,7 +25,6 @@ cut): the engine then verifies fewer tokens.
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
@@ -29,14 +32,13 @@ from typing import Optional, Protocol
 import torch
 
 from dlite_lab.ablations import History
-from sglang_dlite.drafting.chooser import Calibration, choose, default_calibration, lookup_only, needs_dlite
+from sglang_dlite.drafting.accept import expected_accepted
+from sglang_dlite.drafting.chooser import Calibration
 from sglang_dlite.drafting.context import last_rows
 from sglang_dlite.drafting.corpus import SharedCorpus
-from sglang_dlite.drafting.hybrid import (
-    BRANCHINGS, DEFAULT_BRANCHES, DEFAULT_TREE_NODES, ChainBranches, HeadBranches, grow_round_tree,
-)
+from sglang_dlite.drafting.hybrid import DEFAULT_BRANCHES, DEFAULT_TREE_NODES, BatchLookup, grow_round_tree, grow_trees
 from sglang_dlite.drafting.online import STATE_KEY, OnlineLearner
-from sglang_dlite.drafting.suffix import DEFAULT_MAX_MATCH, SuffixIndex
+from sglang_dlite.drafting.suffix import DEFAULT_MAX_MATCH
 from sglang_dlite.drafting.tree import expected_accepted_tree
 from sglang_dlite.errors import DLiteInputError
 from sglang_dlite.model.dlite import DLiteDrafter
@@ -68,10 +70,13 @@ class Drafter(Protocol):
 
     def draft(self, req: DraftRequest) -> DraftProposal: ...
 
-    # Optional: ``observe(req, drafts, target_logits, accepted)``, called by the reference engine
-    # after each chain's verify (target_logits [len(drafts) + 1, V]); online.py learns from it.
+    # Optional: ``commit(req, accepted_drafts)``, called by the reference engine after each verify
+    # (a tree: its accepted root path's drafts); the lookup drafters' indices take them.
+    # Optional: ``observe(req, drafts, target_logits, accepted)``, called after ``commit``
+    # (target_logits [len(drafts) + 1, V]); online.py learns from it.
     # Optional: ``finish_request(state, tokens)``, called by the reference engine when a speculative
-    # ``generate`` ends (tokens: the session's prompt + output); drafting/corpus.py's corpus learns from it.
+    # ``generate`` ends (tokens: the session's prompt + output): the lookup frees the request's index,
+    # drafting/corpus.py's corpus takes the tokens.
 
 
 class DLiteEngineDrafter:
@@ -151,103 +156,132 @@ class OracleDrafter:
         return DraftProposal(torch.tensor([nxt]), None)
 
 
-# ---------------------------------------------------------------------------- the suffix lookup and hybrid
-def session_index(req: DraftRequest, max_match: int = DEFAULT_MAX_MATCH) -> SuffixIndex:
-    """The request's suffix index, brought up to its committed tokens: incremental while the
-    engine appends to the same token list; a new turn's prompt is checked against the indexed
-    tokens once (O(n)) and extends them when it continues them (rebuild otherwise)."""
-    st = req.state
-    idx = st.get("suffix_index")
-    if idx is None:
-        idx = st["suffix_index"] = SuffixIndex(max_match=max_match)
-    toks = req.tokens
-    if st.get("suffix_ref") is toks and len(toks) >= len(idx):
-        idx.extend(toks[len(idx):])
-    else:
-        idx.sync(toks)
-        st["suffix_ref"] = toks
-    return idx
+# ---------------------------------------------------------------------------- the lookup drafters
+class _OneRequest:
+    """The request a ``BatchLookup`` sees: its key and the tokens in the target's KV."""
+
+    def __init__(self, rid, tokens=()):
+        self.rid, self.tokens = rid, tokens
+
+    def get_fill_ids(self):
+        return self.tokens
 
 
-def _proposal(tokens, source, score) -> DraftProposal:
-    t = torch.tensor([list(tokens)], dtype=torch.int64).view(1, len(tokens))
-    return DraftProposal(t, None, source=source, score=score)
+class _LookupDrafter:
+    """What the lookup drafters share: one ``BatchLookup`` driven at B = 1. Between rounds a session's
+    index covers its tokens in the target's KV (``tokens[:-1]``): ``begin`` re-syncs it when a new turn
+    (or a cut at a stop) changed them, the round appends the anchor, ``commit`` the accepted drafts."""
+
+    def __init__(self, num_drafts: int, max_match: int, calibration: Optional[Calibration], **lookup_kw):
+        self.lookup = BatchLookup(num_drafts, calibration, max_match, **lookup_kw)
+        self.cal = self.lookup.cal
+        self.num_drafts, self.max_match = self.lookup.num_drafts, max_match
+
+    @property
+    def corpus(self) -> Optional[SharedCorpus]:
+        return self.lookup.corpus
+
+    def begin(self, req: DraftRequest) -> _OneRequest:
+        st, kv = req.state, len(req.tokens) - 1
+        rid = st.setdefault("lookup_rid", object())
+        idx = self.lookup.states.get(rid)
+        if idx is None or st.get("lookup_tokens") is not req.tokens or len(idx) != kv:
+            self.lookup.on_extend([_OneRequest(rid, req.tokens[:kv])])
+            st["lookup_tokens"] = req.tokens
+        return _OneRequest(rid)
+
+    def commit(self, req: DraftRequest, accepted_drafts: list) -> None:
+        self.lookup.commit_round([_OneRequest(req.state["lookup_rid"])], [len(accepted_drafts)])
+
+    def finish_request(self, state: dict, tokens: list) -> None:
+        """A request ended with ``tokens`` (prompt + output): its index is freed, the corpus (if on) takes them."""
+        if "lookup_rid" in state:
+            self.lookup.finish(state.pop("lookup_rid"), tokens if self.lookup.corpus is not None else None)
+
+    def memory_bytes(self, state: dict) -> int:
+        idx = self.lookup.states.get(state.get("lookup_rid"))
+        return 0 if idx is None else idx.memory_bytes()
+
+    def _chain(self, req: DraftRequest, dlite=None) -> DraftProposal:
+        r = self.begin(req)
+        drafts, sources, probs = self.lookup.draft_round([r], [req.tokens[-1]], None, dlite, pad=False, retain=False)
+        t = torch.tensor(drafts[0], dtype=torch.int64).view(1, len(drafts[0]))
+        return DraftProposal(t, None, source=sources[0], score=expected_accepted(probs[0]))
 
 
-class SuffixEngineDrafter:
+class SuffixEngineDrafter(_LookupDrafter):
     """The suffix lookup alone (no model, no hidden states: captures one layer, keeps one row,
     because the engine always captures something)."""
 
+    capture_layer_ids = [0]
+    hidden_rows_needed = 1
+
     def __init__(self, num_drafts: int = 7, max_match: int = DEFAULT_MAX_MATCH,
                  calibration: Optional[Calibration] = None):
-        self.num_drafts = num_drafts
-        self.max_match = max_match
-        self.cal = calibration or default_calibration()
-        self.capture_layer_ids = [0]
-        self.hidden_rows_needed = 1
-
-    def memory_bytes(self, state: dict) -> int:
-        idx = state.get("suffix_index")
-        return 0 if idx is None else idx.memory_bytes()
+        super().__init__(num_drafts, max_match, calibration)
 
     def draft(self, req: DraftRequest) -> DraftProposal:
-        idx = session_index(req, self.max_match)
-        d, ps, score = lookup_only(idx, self.num_drafts, self.cal)
-        return _proposal(d.tokens, "suffix" if d.tokens else "none", score)
+        return self._chain(req)
 
 
-class HybridEngineDrafter:
-    """DLite + the suffix lookup, the better (or their combination) per round."""
+class HybridEngineDrafter(_LookupDrafter):
+    """DLite + the suffix lookup, the better (or their combination) per round: the worker's chain rounds.
+    ``round_log`` (calibration runs): every round's candidates; ``min_reach``: the chain's cut."""
 
     def __init__(self, dlite: DLiteEngineDrafter, max_match: int = DEFAULT_MAX_MATCH,
                  calibration: Optional[Calibration] = None, min_reach: float = 0.0,
                  round_log: Optional[list] = None, num_drafts: Optional[int] = None):
-        self.dlite = dlite
         # a chain may run past DLite's K drafts (the lookup continues it): num_drafts >= K
-        self.num_drafts = dlite.num_drafts if num_drafts is None else int(num_drafts)
-        if self.num_drafts < dlite.num_drafts:
+        n = dlite.num_drafts if num_drafts is None else int(num_drafts)
+        if n < dlite.num_drafts:
             raise ValueError(f"num_drafts={num_drafts} is below DLite's K={dlite.num_drafts}; "
                              "verify a prefix with min_reach or a shorter K instead.")
+        super().__init__(n, max_match, calibration, dlite_drafts=dlite.num_drafts, min_reach=min_reach,
+                         round_log=round_log)
+        self.dlite = dlite
         self.capture_layer_ids = dlite.capture_layer_ids
         self.hidden_rows_needed = dlite.hidden_rows_needed
-        self.max_match = max_match
-        self.cal = calibration or default_calibration()
-        self.min_reach = min_reach
-        self.round_log = round_log  # calibration runs: every round's candidates
-
-    def memory_bytes(self, state: dict) -> int:
-        idx = state.get("suffix_index")
-        return 0 if idx is None else idx.memory_bytes()
 
     def draft(self, req: DraftRequest) -> DraftProposal:
-        n = self.num_drafts
-        idx = session_index(req, self.max_match)
-        lk = lookup_only(idx, n, self.cal)
-        log = None if self.round_log is None else {"ctx_len": len(req.tokens)}
-        if log is None and not needs_dlite(lk, self.cal, self.dlite.num_drafts):  # calibration logs run DLite always
-            c = choose(idx, n, self.cal, lookup=lk, min_reach=self.min_reach)
-        else:
+        def dlite():  # asked only where the lookup is not confident enough (calibration logs: always)
             prop = self.dlite.propose(req, return_confidence=True)
-            c = choose(idx, n, self.cal, prop.tokens[0].tolist(), prop.confidence[0].tolist(),
-                       lookup=lk, min_reach=self.min_reach, log=log)
-        if log is not None:
-            log.update(source=c.source, tokens=c.tokens, score=c.score, split=c.split)
-            self.round_log.append(log)
-        return _proposal(c.tokens, c.source, c.score)
+            return prop.tokens.tolist(), prop.confidence.float().tolist()
+        return self._chain(req, dlite)
 
 
 # ---------------------------------------------------------------------------- token trees
-class TreeEngineDrafter:
+BRANCHINGS = ("head", "chain")  # where DLite branches: every node (head steps) or its greedy chain
+
+
+class HeadBranches:
+    """DLite's children of any node (``branching=head``, the lab's ``hybrid@branching=head``): one step of the
+    token-fed head from the node's own state and one vocabulary projection per expanded node
+    (``DLiteDrafter.head_branch``), the backbone outputs ``z`` [1, K+1, H] computed once per round.
+    Exact top-k at every node; a model call per node (the served trees branch along DLite's chain)."""
+
+    def __init__(self, model, z: torch.Tensor, branches: int, block_size: int):
+        self.model, self.z, self.branches, self.block_size = model, z, branches, block_size
+
+    def root_head(self):
+        return torch.zeros(1, self.model.config.rnn_rank, device=self.z.device)
+
+    def children(self, node):
+        """(top tokens, their probabilities, the head state every child continues from)."""
+        prev = torch.tensor([node.token], device=self.z.device)
+        state, toks, probs = self.model.head_branch(self.z, node.head, node.depth, prev, self.branches)
+        head = state if node.depth + 1 < self.block_size else None
+        return toks[0].tolist(), probs[0].tolist(), lambda token: head
+
+
+class TreeEngineDrafter(_LookupDrafter):
     """One token tree per round from the suffix lookup (``lookup=True``) and / or DLite (``dlite``):
-    ``suffix-tree`` is the lookup alone, ``dlite-tree`` DLite alone, ``hybrid-tree`` both.
+    ``suffix-tree`` is the lookup alone, ``dlite-tree`` DLite alone, ``hybrid`` both.
     ``num_drafts``: the tree's nodes, the root not counted (a round verifies num_drafts + 1 rows);
     ``branches``: the children each source offers a node (the budget decides how many are kept);
     ``branching``: DLite's branches at every node (``head``: ``HeadBranches``) or along its greedy
-    chain only (``chain``: ``ChainBranches``, what the sglang worker drafts); ``corpus``: a
+    chain only (``chain``: ``drafting.hybrid.grow_trees``, what the sglang worker drafts); ``corpus``: a
     ``corpus.SharedCorpus`` (off: None) whose earlier requests branch the lookup's nodes too, fed by
-    ``finish_request`` (the reference engine calls it after each speculative ``generate``)."""
-
-    drafts_trees = True  # its proposals carry a DraftTree (OnlineDrafter's tree gate reads this)
+    ``finish_request``. ``grow`` grows this round's tree again from another model (the tree gate)."""
 
     def __init__(self, dlite: Optional[DLiteEngineDrafter] = None, lookup: bool = True,
                  num_drafts: int = DEFAULT_TREE_NODES, branches: int = DEFAULT_BRANCHES,
@@ -262,41 +296,49 @@ class TreeEngineDrafter:
                                   f"{branches}).")
         if branching not in BRANCHINGS:
             raise DLiteInputError(f"tree branching {branching!r}: use one of {', '.join(BRANCHINGS)}.")
-        self.dlite, self.lookup, self.branching, self.corpus = dlite, lookup, branching, corpus
-        self.num_drafts, self.branches, self.max_match, self.max_depth = int(num_drafts), int(branches), max_match, max_depth
-        self.cal = calibration or default_calibration()
+        super().__init__(num_drafts, max_match, calibration, corpus=corpus)
+        self.dlite, self.use_lookup, self.branching = dlite, lookup, branching
+        self.branches, self.max_depth = int(branches), max_depth
         self.block_size = dlite.num_drafts if dlite is not None else 0
         self.capture_layer_ids = dlite.capture_layer_ids if dlite is not None else [0]
         self.hidden_rows_needed = dlite.hidden_rows_needed if dlite is not None else 1
+        self._round = None  # (the request, its index) of the round being drafted
 
-    def memory_bytes(self, state: dict) -> int:
-        idx = state.get("suffix_index")
-        return 0 if idx is None else idx.memory_bytes()
+    def draft(self, req: DraftRequest, model=None) -> DraftProposal:
+        """Begin the round and grow its tree (DLite's branches from ``model``, default its own)."""
+        idxs = [None]
+        if self.use_lookup:
+            r = self.begin(req)
+            idxs, _, _ = self.lookup.begin_round([r], [req.tokens[-1]], lookup=False, retain=False)
+        self._round = (r if self.use_lookup else None, idxs)
+        return self.grow(req, model if model is not None or self.dlite is None else self.dlite.model)
 
-    def _dlite_branches(self, req: DraftRequest):
-        """This round's DLite branch source (None without DLite)."""
-        if self.dlite is None:
-            return None
-        with torch.no_grad():
-            if self.branching == "chain":
-                prop = self.dlite.propose(req, num_drafts=self.block_size, top_k=self.branches)
-                return ChainBranches(prop.top_tokens[0].tolist(), prop.top_probs[0].tolist())
-            return HeadBranches(self.dlite.model, self.dlite.backbone(req), self.branches, self.block_size)
-
-    def finish_request(self, state: dict, tokens: list) -> None:
-        """A request ended with ``tokens`` (prompt + output): the corpus (if on) takes them."""
-        if self.corpus is not None:
-            self.corpus.add(tokens)
-
-    def draft(self, req: DraftRequest) -> DraftProposal:
-        index = session_index(req, self.max_match) if self.lookup else None
-        if self.corpus is not None:
-            index = self.corpus.view(index, cursor=req.state.setdefault("corpus_cursor", {}))
-        dlite = self._dlite_branches(req)
-        tree, reach, source = grow_round_tree(req.tokens[-1], index, dlite, self.cal, self.branches,
-                                              self.num_drafts, self.max_depth)
+    def grow(self, req: DraftRequest, model) -> DraftProposal:
+        """This round's tree (``draft`` began it) with DLite's branches from ``model``."""
+        idxs, anchor = self._round[1], req.tokens[-1]
+        if model is None:
+            trees, reaches, sources = grow_trees([anchor], idxs, None, None, self.cal, self.branches,
+                                                 self.num_drafts, self.max_depth)
+        elif self.branching == "chain":
+            with torch.no_grad():
+                prop = DLiteEngineDrafter(model).propose(req, num_drafts=self.block_size, top_k=self.branches)
+            trees, reaches, sources = grow_trees([anchor], idxs, prop.top_tokens.tolist(),
+                                                 prop.top_probs.float().tolist(), self.cal, self.branches,
+                                                 self.num_drafts, self.max_depth)
+        else:
+            with torch.no_grad():
+                branches = HeadBranches(model, DLiteEngineDrafter(model).backbone(req), self.branches, self.block_size)
+                tree, reach, source = grow_round_tree(anchor, idxs[0], branches, self.cal, self.branches,
+                                                      self.num_drafts, self.max_depth)
+            trees, reaches, sources = [tree], [reach], [source]
+        tree = trees[0]
         tokens = torch.tensor([tree.drafts], dtype=torch.int64).view(1, len(tree) - 1)
-        return DraftProposal(tokens, None, source=source, score=expected_accepted_tree(reach), tree=tree)
+        return DraftProposal(tokens, None, source=sources[0], score=expected_accepted_tree(reaches[0]), tree=tree)
+
+    def commit(self, req: DraftRequest, accepted_drafts: list) -> None:
+        (r, idxs), self._round = self._round, None
+        if r is not None:
+            self.lookup.commit([r], idxs, [accepted_drafts], [len(accepted_drafts)])
 
 
 # ---------------------------------------------------------------------------- online learning
@@ -304,56 +346,55 @@ class OnlineDrafter:
     """An engine drafter (DLite, or hybrid over the learner's working model) that learns online:
     ``draft`` as the inner drafter, ``observe`` feeds the verify result to the learner.
 
-    The tree gate (``tree_gate`` rounds, token-tree drafters): once the working copy has been updated,
-    every round grows two trees, one from the adapted copy and one from the shipped drafter, and
-    verifies the one the gate picks: the adapted tree while, over the last ``tree_gate`` rounds, it
-    would have accepted more drafts than the shipped one more often than fewer. The tree not verified
-    is judged against what the round committed (``DraftTree.accepted_along``): exact for greedy rounds
-    where it accepts no more than the verified tree, and "more" where it held every committed token;
-    so each round says which tree was better, tied, or worse. Learning from a tree that agrees with the
-    suffix lookup more often can narrow the hybrid's tree (issue 47): the gate keeps the shipped tree
-    wherever that costs acceptance. Verification is unchanged: lossless either way."""
+    Token-tree drafters go through the tree gate (``OnlineLearner.tree_gate``, the sglang worker's
+    rule): once the working copy has been updated, a round grows the tree of the model the gate
+    favours, the adapted copy or the shipped drafter, and on a judged round (one in ``watch_every``:
+    every round per session) the other tree too, which ``judge_tree`` scores against what the round
+    committed (``DraftTree.accepted_along``). Verification is unchanged: lossless either way."""
 
     def __init__(self, inner, learner: OnlineLearner):
         self.inner, self.learner = inner, learner
         self.num_drafts = inner.num_drafts
         self.capture_layer_ids = inner.capture_layer_ids
         self.hidden_rows_needed = inner.hidden_rows_needed
-        learner.drafts_are_model = isinstance(inner, DLiteEngineDrafter) and inner.model is learner.model
-        self.shadow = self._shipped_tree_drafter(inner, learner)
-        learner.watch_paths = self.shadow is None
+        # the gate's other model: the shipped drafter, for tree drafters with DLite (else no gate)
+        trees = isinstance(inner, TreeEngineDrafter) and inner.dlite is not None and learner.cfg.tree_gate
+        self.gated = bool(trees)
         self._rows = DLiteEngineDrafter(learner.model)  # its context_inputs: the rows the drafter read
-        self._gate = None  # this round's (adapted tree, shipped tree, the adapted one verified?)
+        self._gate = None  # this round's judged (adapted tree, shipped tree, the adapted one verified?)
         self._pending = None  # (context, valid, anchor) of the round being verified
-
-    @staticmethod
-    def _shipped_tree_drafter(inner, learner: OnlineLearner):
-        """The inner tree drafter over the shipped DLite (the gate's other tree), or None: no gate."""
-        dlite = getattr(inner, "dlite", None)
-        if not learner.cfg.tree_gate or not getattr(inner, "drafts_trees", False) or dlite is None:
-            return None
-        shadow = copy.copy(inner)
-        shadow.dlite = DLiteEngineDrafter(learner.shipped)
-        return shadow
 
     def draft(self, req: DraftRequest) -> DraftProposal:
         st = self.learner.state_for(req.state)
-        learn = self.shadow is None or self.learner.learns_tree_round(st)  # the back-off (tree rounds)
+        learn = not self.gated or self.learner.learns_tree_round(st)  # the back-off (tree rounds)
         self.learner.activate(st)  # the session's weights in; its inputs kept unless backed off
         self._pending = None
         if learn:
             ctx, valid, _, _ = self._rows.context_inputs(req)
             self._pending = (ctx[0].detach().clone(), valid[0].clone(), int(req.tokens[-1]))
         self._gate = None
-        if self.shadow is None or not st.adapted:
-            return self.inner.draft(req)
-        adapted = self.inner.draft(req)
-        t0 = time.perf_counter()
-        shipped = self.shadow.draft(req)
-        self.learner.stats["shadow_ms"] += (time.perf_counter() - t0) * 1e3
-        use = self.learner.gate_choice(st)
-        self._gate = (adapted.tree, shipped.tree, use)
-        return adapted if use else shipped
+        gate = self.learner.tree_gate(st) if self.gated else None
+        if gate is None:
+            return self.inner.draft(req)  # the working copy's
+        use, judge = gate
+        adapted, shipped = self.learner.model, self.learner.shipped
+        prop = self.inner.draft(req, adapted if use else shipped)
+        if judge:  # the other tree too, scored in observe
+            t0 = time.perf_counter()
+            other = self.inner.grow(req, shipped if use else adapted)
+            self.learner.stats["shadow_ms"] += (time.perf_counter() - t0) * 1e3
+            self._gate = (prop.tree, other.tree, use) if use else (other.tree, prop.tree, use)
+        return prop
+
+    def commit(self, req: DraftRequest, accepted_drafts: list) -> None:
+        commit = getattr(self.inner, "commit", None)
+        if commit is not None:
+            commit(req, accepted_drafts)
+
+    def finish_request(self, state: dict, tokens: list) -> None:
+        finish = getattr(self.inner, "finish_request", None)
+        if finish is not None:
+            finish(state, tokens)
 
     def observe(self, req: DraftRequest, drafts: list, target_logits: torch.Tensor, accepted: int,
                 path: bool = False, committed: Optional[list] = None) -> None:

@@ -303,7 +303,7 @@ class ReferenceEngine:
             sess.tokens = sess.tokens[:len(prompt) + len(res.output_ids)]
             sess.truncate(len(sess.tokens) - 1)
         finish = getattr(self.drafter, "finish_request", None) if use_spec else None
-        if finish is not None:  # a drafter keeping what requests end with (a cross-request corpus)
+        if finish is not None:  # a lookup drafter frees the request (its corpus, if on, keeps the tokens)
             finish(sess.drafter_state, list(sess.tokens))
         return res
 
@@ -339,6 +339,9 @@ class ReferenceEngine:
             q = prop.probs[0].to(logits.device) if prop.probs is not None else None
             a, new = accept_round(drafts, p=logits_to_probs(logits, temperature, top_p), q=q, generator=gen)
         sess.commit(new, a + 1, rows)
+        commit = getattr(self.drafter, "commit", None)  # a lookup drafter's index takes the accepted drafts
+        if commit is not None:
+            commit(req, new[:-1])
         observe = getattr(self.drafter, "observe", None)  # a drafter learning from verify results (online.py)
         if observe is not None and tree is None:
             observe(req, drafts, logits, a)

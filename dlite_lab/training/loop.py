@@ -222,7 +222,7 @@ class _StageRun:
     def train_step(self) -> None:
         """One optimizer step on the global batch (this rank's share; gradients all-reduced once)."""
         spec, opts, world, dev = self.spec, self.opts, self.world, self.dev
-        self.t0 = time.time()
+        self.t0 = time.perf_counter()
         warmup = max(1, int(opts.warmup_frac * self.total))  # of the schedule as (re-)planned for the budget
         self.lr = lr_at(self.step, self.total, spec.lr, warmup)
         for g in self.optim.param_groups:
@@ -257,7 +257,7 @@ class _StageRun:
         if self.ema is not None:
             self.ema.update(self.step)
         self.step += 1
-        self.wall_used += time.time() - self.t0
+        self.wall_used += time.perf_counter() - self.t0
         self.loss_acc = self.loss_acc + step_loss
         self.n_acc += 1
         self.bar.update(1)
@@ -301,7 +301,7 @@ class _StageRun:
             if main:
                 log_metrics(self.out_dir, {"stage": spec.name, "step": step, "loss": loss_mean, "lr": self.lr,
                                            "grad_norm": float(self.gn), "anchors_per_s": round(self.n_anchor / max(el, 1e-9), 1),
-                                           "wall_s": round(self.wall_used, 3), **epochs})
+                                           "wall_s": round(self.wall_used, 6), **epochs})
             self.loss_acc, self.n_acc, self.n_anchor, self.t_last = 0.0, 0, 0, time.time()
         if self.budget is not None and step % 5 == 0 and step < self.total:
             # wall-time cap: re-plan the number of steps from the measured step time, so the
@@ -344,7 +344,7 @@ class _StageRun:
             spec = self.spec
             self.model.save_pretrained(os.path.join(self.sdir, "model"))
             with open(os.path.join(self.sdir, "DONE.json"), "w") as f:
-                json.dump({"steps": self.step, "wall_s": round(self.wall_used, 3), "loss": spec.loss, "lr": spec.lr,
+                json.dump({"steps": self.step, "wall_s": round(self.wall_used, 6), "loss": spec.loss, "lr": spec.lr,
                            "history": self.cfg.history, "processes": self.world, "device": self.dev.type,
                            "requested": spec.steps}, f)
             if getattr(self.data, "data_dir", None):  # training.json beside the model's config.json

@@ -92,7 +92,7 @@ def training_record(s: dict, stage: Optional[str] = None) -> dict:
         "run": {
             "stages": {n: {"steps": stages[n].get("steps"), "wall_s": stages[n].get("wall_s")} for n in names},
             "steps": sum(int(stages[n].get("steps") or 0) for n in names),
-            "wall_s": round(sum(float(stages[n].get("wall_s") or 0.0) for n in names), 1),
+            "wall_s": round(sum(float(stages[n].get("wall_s") or 0.0) for n in names), 3),
             "final_stage": last,
             "epochs": ev.get("epochs"),
             "heldout_tau": {"mean": ev.get("tau_proxy"), "ci95": ev.get("tau_ci95"), "anchors": ev.get("eval_anchors"),

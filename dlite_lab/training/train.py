@@ -38,7 +38,7 @@ import torch
 from sglang_dlite.model.bundled_target import load_target
 from dlite_lab.training import distributed as dist
 from dlite_lab.training.dataset import FeatureData, eval_groups, sample_batch  # noqa: F401 - the trainer's public names
-from dlite_lab.training.evaluation import evaluate, make_engine_eval
+from dlite_lab.training.evaluation import evaluate, make_engine_eval  # noqa: F401 - evaluate: the trainer's public name
 from dlite_lab.training.loop import Paused, lr_at, run_stage, target_probs  # noqa: F401
 from dlite_lab.training.options import STAGES, Stage, TrainOptions, add_arguments, options_from_args  # noqa: F401
 from dlite_lab.training.stages import init_from_drafter, init_from_target_layers, make_config, train_pipeline  # noqa: F401

@@ -171,13 +171,13 @@ def test_off_by_default(tiny_target, tmp_path):
     assert TreeEngineDrafter(None).corpus is None
     DLiteDrafter(tiny_dlite_config(tiny_target, head_input="token")).save_pretrained(str(tmp_path / "d"))
     assert make_engine_drafter(f"hybrid:{tmp_path / 'd'}", tiny_target).corpus is None
-    assert make_engine_drafter(f"hybrid-tree:{tmp_path / 'd'}", tiny_target).corpus is None
+    assert make_engine_drafter(f"hybrid@branching=head:{tmp_path / 'd'}", tiny_target).corpus is None
     on = make_engine_drafter(f"hybrid@corpus=5000:{tmp_path / 'd'}", tiny_target)
     assert on.corpus.max_tokens == 5000 and on.branching == "chain" and on.num_drafts == 15
-    tree = make_engine_drafter(f"hybrid-tree@nodes=8,corpus=700:{tmp_path / 'd'}", tiny_target)
+    tree = make_engine_drafter(f"hybrid@nodes=8,corpus=700:{tmp_path / 'd'}", tiny_target)
     assert (tree.num_drafts, tree.corpus.max_tokens) == (8, 700)
     assert make_engine_drafter("suffix-tree@corpus=0", tiny_target).corpus is None
-    for bad in (f"hybrid@nodes=8:{tmp_path / 'd'}", f"dlite-tree@corpus=100:{tmp_path / 'd'}", "suffix-tree@corpus=x"):
+    for bad in (f"hybrid@branching=every:{tmp_path / 'd'}", f"dlite-tree@corpus=100:{tmp_path / 'd'}", "suffix-tree@corpus=x"):
         with pytest.raises(DLiteInputError):
             make_engine_drafter(bad, tiny_target)
     assert ServingOptions().corpus_tokens == 0 and BatchLookup(7).corpus is None

@@ -109,7 +109,12 @@ def test_quoted_continuation_is_proposed_in_full():
 
 
 # ---------------------------------------------------------------------------- chooser
-from sglang_dlite.drafting.chooser import Calibration, choose, expected_accepted, lookup_only  # noqa: E402
+from sglang_dlite.drafting.chooser import Calibration, candidates, expected_accepted, lookup_only, pick  # noqa: E402
+
+
+def choose(idx, k, cal, dlite_tokens, dlite_conf):
+    """The hybrid's choice for one request: every candidate chain, then the best (``BatchLookup``'s rule)."""
+    return pick(candidates(idx, k, cal, dlite_tokens, dlite_conf), cal)
 
 
 def test_expected_accepted_is_sum_of_prefix_products():
@@ -161,11 +166,16 @@ def test_chain_longer_than_dlite_is_continued_by_the_lookup():
 
 
 def test_min_reach_cuts_the_chain():
-    cal = Calibration()
-    idx = SuffixIndex(list(range(200, 260)))
-    c = choose(idx, 7, cal, dlite_tokens=list(range(7)), dlite_conf=[0.9, 0.5, 0.1, 0.1, 0.1, 0.1, 0.1],
-               min_reach=0.05)
-    assert c.tokens == [0, 1]  # reach after 3 drafts: 0.9 * 0.5 * 0.1 < 0.05
+    from types import SimpleNamespace
+    from sglang_dlite.drafting.hybrid import BatchLookup
+    for min_reach, pad, want in ((0.05, False, [0, 1]), (0.05, True, [0, 1, 1, 1, 1, 1, 1]), (0.0, False, list(range(7)))):
+        bl = BatchLookup(7, Calibration(), min_reach=min_reach)
+        req = SimpleNamespace(rid="r", get_fill_ids=lambda: list(range(200, 259)))
+        bl.on_extend([req])
+        conf = [0.9, 0.5, 0.1, 0.1, 0.1, 0.1, 0.1]
+        drafts, sources, probs = bl.draft_round([req], [259], None, lambda: ([list(range(7))], [conf]), pad=pad)
+        assert drafts == [want] and sources == ["dlite"]  # reach after 3 drafts: 0.9 * 0.5 * 0.1 < 0.05
+        assert len(probs[0]) == (2 if min_reach else 7)
 
 
 # ---------------------------------------------------------------------------- reference engine
@@ -278,7 +288,7 @@ def test_batch_lookup_follows_the_batch_and_frees_finished_requests():
     assert len(bl) == 2
     # draft_round (what the worker calls): begin_round, the candidates, pick_round at n = K (DLite
     # "ran" and drafted nothing: the lookup's chains only)
-    drafts = bl.draft_round([a, b], [3, 7], None, lambda: (None, None))
+    drafts, _, _ = bl.draft_round([a, b], [3, 7], None, lambda: (None, None))
     assert drafts[0][:3] == [4, 1, 2] and bl._round[2][0] == "suffix"
     assert all(len(d) == 4 for d in drafts)
     # pick_round gives each real chain's calibrated probabilities too (not padded)

@@ -35,7 +35,7 @@ def shipped(target, seed=0, **kw):
 
 def online_engine(target, model, hybrid=None, **opts):
     """DLite alone (``hybrid`` None), the chain hybrid ("chain") or the served tree ("tree") over a learner."""
-    learner = OnlineLearner(model, OnlineConfig(**opts))
+    learner = OnlineLearner(model, OnlineConfig(**opts), drafts_are_model=hybrid is None)
     inner = DLiteEngineDrafter(learner.model)
     if hybrid:
         inner = served_hybrid(inner, chain=hybrid == "chain")
@@ -243,14 +243,15 @@ def test_update_budget_caps_the_steps(tiny_target):
 
 
 def test_tree_gate_judges_the_tree_it_did_not_verify(tiny_target):
-    """The tree gate (``tree_gate``): once adapted, each round grows the adapted and the shipped tree,
-    verifies one, and records which would have accepted more. Every verdict equals the truth: where the
+    """The tree gate (``OnlineLearner.tree_gate``): once adapted, each judged round (every round per
+    session: ``watch_every`` 1) grows the adapted and the shipped tree, verifies one, and records which
+    would have accepted more. Every verdict equals the truth: where the
     target continues with its own greedy stream, the tree not verified accepts ``accepted_along(stream)``
     drafts; the verdict is the sign of that against the verified tree's count."""
     eng, learner = online_engine(tiny_target, shipped(tiny_target), hybrid="tree", params="last", update_every=2,
                                  lr=3e-2, tree_gate=10**4)
     d = eng.drafter
-    assert d.shadow is not None and d.shadow.dlite.model is learner.shipped and not learner.watch_paths
+    assert d.gated and d.inner.dlite.model is learner.model and not learner.watch_paths
     log, observe = [], d.observe
     d.observe = lambda req, *a, **k: (log.append(d._gate), observe(req, *a, **k))
     sess = eng.new_session()
@@ -320,7 +321,8 @@ def test_tree_gate_verifies_the_winning_tree(tiny_target):
         prop = d.draft(req)
         adapted, shipped_tree, used = d._gate
         assert used is use and prop.tree is (adapted if use else shipped_tree)
-        assert adapted.drafts == d.inner.draft(req).tree.drafts and shipped_tree.drafts == d.shadow.draft(req).tree.drafts
+        assert adapted.drafts == d.inner.grow(req, learner.model).tree.drafts
+        assert shipped_tree.drafts == d.inner.grow(req, learner.shipped).tree.drafts
     # the verdict on the tree not verified, from what the round committed ([4, 5] + bonus 6: 2 accepted)
     from sglang_dlite.drafting.tree import DraftTree
     holds_all, holds_one, holds_two = (DraftTree((9, 4, 5, 6), (-1, 0, 1, 2)), DraftTree.chain(9, [4, 7]),
@@ -335,7 +337,7 @@ def test_tree_gate_verifies_the_winning_tree(tiny_target):
         assert list(st.gate) == [verdict] and d._gate is None
     for hybrid, opts in (("tree", {"tree_gate": 0}), ("chain", {}), (None, {})):
         e, _ = online_engine(tiny_target, shipped(tiny_target), hybrid=hybrid, **opts)
-        assert e.drafter.shadow is None and e.drafter.learner.watch_paths
+        assert not e.drafter.gated and e.drafter.learner.watch_paths == (opts.get("tree_gate", 32) == 0)
     with pytest.raises(DLiteConfigError, match="tree_gate"):
         OnlineConfig(tree_gate=-1)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import json
 import math
 import os
 import re
@@ -340,15 +341,16 @@ def test_e2e_both_engines_report_the_same_tau_for_the_same_run(monkeypatch):
     assert round(sgl_row["output_tokens"] / rounds, 3) != sgl_row["tau"]
 
 
-@pytest.mark.parametrize("mode, attention, seen", [("nospec", "same", "1"), ("dlite", "same", "1"),
-                                                    ("nospec", "sglang", "0"), ("eagle3", "same", "0")])
+@pytest.mark.parametrize("mode, attention, seen", [("nospec", "same", "same"), ("dlite", "same", "same"),
+                                                    ("nospec", "sglang", "sglang"), ("eagle3", "same", "sglang")])
 def test_e2e_baseline_attention_reaches_the_engine_and_is_restored(monkeypatch, mode, attention, seen):
-    """run_sglang's ``attention``: the engine's processes start with SGLANG_DLITE_CPU_ATTN set
+    """run_sglang's ``attention``: the engine's processes start with the setting cpu_attention
     ("same": no speculation's decode forwards read the KV cache with the verify's attention; sglang's
     EAGLE3 keeps sglang's own), and the caller's environment is back afterwards, even when the
     engine fails to start."""
     import sglang_dlite.serving.cpu_launch as cpu_launch
     from dlite_lab.benchmarking import sglang_runs as R
+    from sglang_dlite.settings import ENV_CONFIG
 
     class Started(Exception):
         pass
@@ -356,15 +358,16 @@ def test_e2e_baseline_attention_reaches_the_engine_and_is_restored(monkeypatch, 
     env = {}
 
     def start_engine(*a, **k):
-        env["attn"] = os.environ.get("SGLANG_DLITE_CPU_ATTN")
+        env["attn"] = json.loads(os.environ[ENV_CONFIG])["cpu_attention"]
         raise Started
 
     monkeypatch.setattr(cpu_launch, "start_engine", start_engine)
     monkeypatch.setattr(R, "eagle3_kwargs", lambda *a: {})
-    monkeypatch.setenv("SGLANG_DLITE_CPU_ATTN", "caller's")
+    caller = json.dumps({"corpus_tokens": 0})
+    monkeypatch.setenv(ENV_CONFIG, caller)
     with pytest.raises(Started):
         R.run_sglang(mode, "target", "drafter", [[1, 2, 3]], [1], 4, "cpu", "float32", attention=attention)
-    assert env["attn"] == seen and os.environ["SGLANG_DLITE_CPU_ATTN"] == "caller's"
+    assert env["attn"] == seen and os.environ[ENV_CONFIG] == caller
     with pytest.raises(SystemExit, match="one of same, sglang"):
         R.run_sglang(mode, "target", "drafter", [[1, 2, 3]], [1], 4, "cpu", "float32", attention="fast")
 

@@ -389,7 +389,7 @@ def test_registry_hybrid_is_the_served_tree_and_hybrid_chain_the_chain(tiny_targ
     DLiteDrafter(tiny_dlite_config(tiny_target, head_input="token")).save_pretrained(str(tmp_path / "d"))
     tree = make_engine_drafter(f"hybrid:{tmp_path / 'd'}", tiny_target)
     chain = make_engine_drafter(f"hybrid-chain:{tmp_path / 'd'}", tiny_target)
-    assert isinstance(tree, TreeEngineDrafter) and tree.lookup and tree.branching == "chain"
+    assert isinstance(tree, TreeEngineDrafter) and tree.use_lookup and tree.branching == "chain"
     assert tree.num_drafts == SERVED_TREE_NODES == 15
     assert isinstance(chain, HybridEngineDrafter)
     V = tiny_target.config.vocab_size
@@ -398,6 +398,13 @@ def test_registry_hybrid_is_the_served_tree_and_hybrid_chain_the_chain(tiny_targ
         assert ReferenceEngine(tiny_target, d, [EOS]).generate(prompt, 24).output_ids == _greedy(tiny_target, prompt, 24)
     with pytest.raises(DLiteInputError, match="hybrid-chain"):
         make_engine_drafter("hybrid-tres", tiny_target)
+    # one word, ``hybrid``, for both sources: options give its other trees; the old name is refused with a hint
+    head = make_engine_drafter(f"hybrid@branching=head,nodes=24:{tmp_path / 'd'}", tiny_target)
+    assert head.use_lookup and head.branching == "head" and head.num_drafts == 24
+    served = make_engine_drafter(f"hybrid@corpus=500:{tmp_path / 'd'}", tiny_target)
+    assert (served.branching, served.num_drafts, served.corpus.max_tokens) == ("chain", SERVED_TREE_NODES, 500)
+    with pytest.raises(DLiteInputError, match="renamed: use hybrid@branching=head,nodes=24"):
+        make_engine_drafter(f"hybrid-tree@nodes=24:{tmp_path / 'd'}", tiny_target)
 
 
 def test_lookup_continuations_count_every_earlier_continuation():

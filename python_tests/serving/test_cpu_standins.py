@@ -2,7 +2,7 @@
 (``cpu_support/sglang_cpu``):
 
 - the attention (``dlite_cpu_verify_hook.py``) that runs sglang's TARGET_VERIFY forwards (and, with
-  ``SGLANG_DLITE_CPU_ATTN=1``, its DECODE and prefill forwards) on the ``torch_native`` backend: every
+  the setting ``cpu_attention: "same"``, its DECODE and prefill forwards) on the ``torch_native`` backend: every
   case against brute-force softmax attention in float64, one query head and one request at a time.
   Contiguous and scattered KV slots, chain and tree verify, decode, prefill over cached prefixes,
   grouped-query heads, bf16,
@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglang_dlite.errors import DLiteConfigError
 from sglang_dlite.ops import cpu_linear
 
 STANDINS = Path(__file__).resolve().parents[2] / "sglang_dlite" / "serving" / "cpu_support" / "sglang_cpu"
@@ -213,14 +214,17 @@ def test_prefill_over_cached_prefixes_matches_brute_force(slots_of, dtype, monke
 
 
 def test_prefill_switch_and_layers_it_leaves_to_sglang(monkeypatch):
-    """``SGLANG_DLITE_CPU_ATTN``: off unless set to something other than 0; cross attention,
+    """The setting ``cpu_attention``: off unless "same"; cross attention,
     encoder-only layers and sliding windows stay on the backend's own code."""
-    monkeypatch.delenv(hook.ENV_CPU_ATTN, raising=False)
+    monkeypatch.delenv("SGLANG_DLITE_CONFIG", raising=False)
     assert not hook.cpu_attention_enabled()
-    monkeypatch.setenv(hook.ENV_CPU_ATTN, "0")
+    monkeypatch.setenv("SGLANG_DLITE_CONFIG", '{"cpu_attention": "sglang"}')
     assert not hook.cpu_attention_enabled()
-    monkeypatch.setenv(hook.ENV_CPU_ATTN, "1")
+    monkeypatch.setenv("SGLANG_DLITE_CONFIG", '{"cpu_attention": "same"}')
     assert hook.cpu_attention_enabled()
+    monkeypatch.setenv("SGLANG_DLITE_CONFIG", '{"cpu_attention": "1"}')
+    with pytest.raises(DLiteConfigError, match="cpu_attention"):
+        hook.cpu_attention_enabled()
     fb = SimpleNamespace(encoder_lens=None)
     plain = dict(is_cross_attention=False, sliding_window_size=None, attn_type=SimpleNamespace(name="DECODER"))
     assert hook._plain_causal(SimpleNamespace(**plain), fb)
@@ -299,7 +303,7 @@ def test_mkl_packed_linear_equals_f_linear_at_every_row_count(with_bias):
 def test_packed_linear_patch_routes_bf16_only_and_repacks_after_update(monkeypatch):
     import torch.nn.functional as F
 
-    monkeypatch.setenv("SGLANG_DLITE_CPU_PACKED_LINEAR", "1")
+    monkeypatch.setenv("SGLANG_DLITE_CONFIG", '{"cpu_packed_linear": true}')
     mod = _fake_unquant_module()
     packed.patch(mod)
     method = mod.UnquantizedLinearMethod()
@@ -327,7 +331,7 @@ def test_packed_linear_falls_back_where_the_cpu_cannot_pack(monkeypatch):
     import torch.nn as nn
     import torch.nn.functional as F
 
-    monkeypatch.setenv("SGLANG_DLITE_CPU_PACKED_LINEAR", "1")
+    monkeypatch.setenv("SGLANG_DLITE_CONFIG", '{"cpu_packed_linear": true}')
     monkeypatch.setattr(cpu_linear, "available", lambda: False)
 
     def refuse(*args, **kwargs):
@@ -349,7 +353,7 @@ def test_packed_linear_falls_back_where_the_cpu_cannot_pack(monkeypatch):
 
 
 def test_packed_linear_off_switch(monkeypatch):
-    monkeypatch.setenv("SGLANG_DLITE_CPU_PACKED_LINEAR", "0")
+    monkeypatch.setenv("SGLANG_DLITE_CONFIG", '{"cpu_packed_linear": false}')
     mod = _fake_unquant_module()
     before = mod.UnquantizedLinearMethod.apply
     packed.patch(mod)

@@ -110,7 +110,7 @@ def test_dlite_equals_nospec_equals_reference_llama(llama, nospec_outputs, overl
 
 def test_padded_batch_attention_equals_the_reference(monkeypatch):
     """Requests of similar length attend as one padded batch (the CPU verify hook's ``attend_padded``):
-    DLITE's verify forwards and, with SGLANG_DLITE_CPU_ATTN=1 (the benchmarks' like-for-like
+    DLITE's verify forwards and, with the setting cpu_attention "same" (the benchmarks' like-for-like
     baseline), no speculation's decode forwards; float32 output equal to the reference's either way.
     With the switch every prefill attends through ``attend_prefill`` too: a follow-up request that
     continues a cached prompt + answer (a radix-cache hit, its new tokens over the cached prefix) is
@@ -127,7 +127,7 @@ def test_padded_batch_attention_equals_the_reference(monkeypatch):
     ref = F.reference_greedy(target, drafter, prompts, 32)
     follow_up = prompts[0] + ref[0][:20]  # the first request's prompt and 20 of its tokens: cached
     ref_follow_up = F.reference_greedy(target, drafter, [follow_up], 16)[0]
-    monkeypatch.setenv("SGLANG_DLITE_CPU_ATTN", "1")
+    monkeypatch.setenv("SGLANG_DLITE_CONFIG", json.dumps({"cpu_attention": "same"}))
     for dlite in (None, drafter):
         with F.engine(target, dlite=dlite, skip_tokenizer_init=True) as e:
             outs = e.generate(input_ids=prompts, sampling_params=[_sp(32)] * len(prompts))

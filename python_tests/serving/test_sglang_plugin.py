@@ -180,7 +180,7 @@ def test_missing_or_corrupt_draft_path_fails(tiny):
     d, target, drafter = tiny
     with pytest.raises(DLiteConfigError, match="needs --speculative-draft-model-path"):
         _validate(_args(target, None))
-    with pytest.raises(DLiteConfigError, match="not a DLite checkpoint folder"):
+    with pytest.raises(DLiteConfigError, match="not a drafter checkpoint folder"):
         _validate(_args(target, str(d / "nowhere")))
     bad_json = d / "bad_json"
     bad_json.mkdir()

@@ -46,7 +46,6 @@ def test_native_generate_matches_reference_and_sampling_runs(server):
     base, proc, _ = server
     from transformers import AutoTokenizer
 
-    from sglang_dlite.model.dlite import shipped_drafter_path
     from sglang_dlite.model.bundled_target import prepare_default_target
 
     target = str(prepare_default_target(verbose=False))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import types
 
-import pytest
 import torch
 
 from sglang_dlite.serving import verify_logits as VL

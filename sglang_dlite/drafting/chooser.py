@@ -11,8 +11,9 @@ K drafts continued by the lookup, run up to that length; DLite alone stays K lon
 of a chain gets a conditional
 acceptance probability p_j from a calibration table, and a chain's score is its expected number
 of accepted drafts, sum_i prod_{j<=i} p_j. The chooser takes the best lookup-involving chain when
-its score beats DLite alone by ``margin`` (else DLite), and optionally cuts the chain where the
-probability that a position is reached drops below ``min_reach`` (a shorter verify on a CPU).
+its score beats DLite alone by ``margin`` (else DLite): ``candidates`` then ``pick``, driven for a
+batch by ``hybrid.BatchLookup`` (which may also cut a chain where the probability that a position
+is reached drops below ``min_reach``: a shorter verify on a CPU).
 
 Calibration (``Calibration``): lookup steps by (matched suffix length, frequency) cells; DLite's
 drafts by (its own confidence q_j = softmax max of its logits, agreement with the lookup's next
@@ -29,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 from sglang_dlite.drafting.accept import expected_accepted, expected_accepted_prefixes
-from sglang_dlite.drafting.budget import reaches
 from sglang_dlite.drafting.suffix import LookupStep, SuffixIndex
 
 CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
@@ -236,16 +236,3 @@ def pick(cands: Sequence[Candidate], cal: Calibration, n: Optional[int] = None) 
               "mixed": max((x.score(n) for x in cands if x.split > 0 and not x.alone), default=None)}
     cut = len(c.tokens) if n is None else max(0, n)
     return Choice(c.tokens[:cut], c.source, c.score(n), c.probs[:cut], c.split, scores)
-
-
-def choose(index: SuffixIndex, k: int, cal: Calibration, dlite_tokens: Optional[Sequence[int]] = None,
-           dlite_conf: Optional[Sequence[float]] = None, lookup=None, min_reach: float = 0.0,
-           log: Optional[dict] = None) -> Choice:
-    """The chain to verify this round (see the module docstring), optionally cut where the chance
-    that a position is reached falls below ``min_reach``."""
-    c = pick(candidates(index, k, cal, dlite_tokens, dlite_conf, lookup, log), cal)
-    if min_reach > 0:  # cut where the chance that a position is reached gets small
-        n = len(reaches(c.probs, min_reach))
-        c.tokens, c.probs = c.tokens[:n], c.probs[:n]
-        c.score = expected_accepted(c.probs)
-    return c

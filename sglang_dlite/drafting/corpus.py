@@ -6,7 +6,7 @@ outputs repeat across requests. ``SharedCorpus`` holds earlier requests' token s
 output), per tenant key (None: the default tenant), within a total token budget; ``CorpusView``
 puts it beside one request's own ``SuffixIndex`` with the protocol tree drafting reads
 (``match`` / ``walk`` / ``continuations``, ``tree_drafters._Round``). Off by default everywhere:
-the reference engine's ``hybrid@corpus=TOKENS`` / ``hybrid-tree@corpus=TOKENS`` (``registry.py``)
+the reference engine's ``hybrid@corpus=TOKENS`` / ``suffix-tree@corpus=TOKENS`` (``registry.py``)
 and the DLITE worker's ``corpus_tokens`` setting (``batch.BatchLookup``).
 
 Storage: segments, each one ``SuffixIndex`` over the documents of one tenant joined by unique

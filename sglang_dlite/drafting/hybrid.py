@@ -47,8 +47,9 @@ from __future__ import annotations
 import json
 from typing import Callable, List, Optional, Sequence
 
-import torch
 
+from sglang_dlite.drafting.accept import expected_accepted
+from sglang_dlite.drafting.budget import reaches
 from sglang_dlite.drafting.chooser import Calibration, Candidate, best_chain, candidates, default_calibration, lookup_only, needs_dlite, pick
 from sglang_dlite.drafting.corpus import SharedCorpus
 from sglang_dlite.drafting.suffix import DEFAULT_MAX_MATCH, SuffixIndex
@@ -72,20 +73,30 @@ def req_tenant(req):
 
 
 class BatchLookup:
+    """The one batched lookup drafting (B >= 1): the sglang worker drives it over its running batch,
+    the reference engine (``dlite_lab/reference/drafters.py``) over one request. ``min_reach`` cuts a
+    chain where the chance its next position is reached falls below it (0: off); ``round_log`` (a
+    list, or None) collects every request's candidates per round (DLite then runs every round: the
+    calibration fit, ``bench/lookup_calibration.py``); ``corpus``: a ``SharedCorpus`` to use instead
+    of one of ``corpus_tokens`` tokens."""
+
     def __init__(self, num_drafts: int, calibration: Optional[Calibration] = None,
                  max_match: int = DEFAULT_MAX_MATCH, trace_path: Optional[str] = None,
-                 dlite_drafts: Optional[int] = None, corpus_tokens: int = 0):
+                 dlite_drafts: Optional[int] = None, corpus_tokens: int = 0, min_reach: float = 0.0,
+                 round_log: Optional[list] = None, corpus: Optional[SharedCorpus] = None):
         self.num_drafts = int(num_drafts)
         # chooser.needs_dlite: the lookup is scored over at most the drafts DLite makes (its K)
         self.skip_horizon = self.num_drafts if dlite_drafts is None else min(self.num_drafts, int(dlite_drafts))
         self.cal = calibration or default_calibration()
         self.max_match = max_match
+        self.min_reach, self.round_log = float(min_reach), round_log
         self.states: dict = {}
         self.trace_path = trace_path
         self.source_rounds: dict = {}
         self._round = None  # (indices, drafts, sources) of the round draft_round drafted
         on = corpus_tokens is not None and int(corpus_tokens) > 0
-        self.corpus = SharedCorpus(int(corpus_tokens), max_match=max_match) if on else None
+        self.corpus = corpus if corpus is not None else (SharedCorpus(int(corpus_tokens), max_match=max_match)
+                                                        if on else None)
         self.tenants: dict = {}  # rid -> corpus tenant (with the corpus only)
         self.cursors: dict = {}  # rid -> the request's corpus matches (CorpusView's cursor)
 
@@ -118,19 +129,25 @@ class BatchLookup:
         """Free the indices of requests not in ``rids``; with the corpus, their tokens join it."""
         keep = set(rids)
         for rid in [r for r in self.states if r not in keep]:
-            idx = self.states.pop(rid)
-            if self.corpus is not None:
-                self.corpus.add(idx.tokens, self.tenants.pop(rid, None))
-                self.cursors.pop(rid, None)
+            self.finish(rid)
+
+    def finish(self, rid, tokens: Optional[Sequence[int]] = None) -> None:
+        """Request ``rid`` ended: its index is freed; with the corpus, ``tokens`` (default: what its
+        index covers) join it under the request's tenant."""
+        idx = self.states.pop(rid, None)
+        if self.corpus is not None and (idx is not None or tokens is not None):
+            self.corpus.add(idx.tokens if tokens is None else tokens, self.tenants.pop(rid, None))
+        self.cursors.pop(rid, None)
 
     # ------------------------------------------------------------------ a round
     def begin_round(self, reqs: Sequence, anchors: Sequence[int], seq_lens: Optional[Sequence[int]] = None,
-                    lookup: bool = True):
-        """A decode round starts: free the indices of requests not in it, append the anchors,
-        and (``lookup``) run the lookup. Returns (indices, lookups, whether DLite is needed at all).
-        Without ``lookup`` (tree and skipped rounds) and with the corpus, the indices are
-        ``CorpusView`` s (their upkeep goes to the request's own index)."""
-        self.retain([r.rid for r in reqs])
+                    lookup: bool = True, retain: bool = True):
+        """A decode round starts: free the indices of requests not in it (``retain``: the batch is
+        every live request), append the anchors, and (``lookup``) run the lookup. Returns (indices,
+        lookups, whether DLite is needed at all). Without ``lookup`` (tree and skipped rounds) and with
+        the corpus, the indices are ``CorpusView`` s (their upkeep goes to the request's own index)."""
+        if retain:
+            self.retain([r.rid for r in reqs])
         idxs, lookups, need_dlite = [], [], False
         for i, req in enumerate(reqs):
             idx = self.states.get(req.rid)
@@ -148,7 +165,7 @@ class BatchLookup:
                 lk = lookup_only(idx, self.num_drafts, self.cal)
                 need_dlite = need_dlite or needs_dlite(lk, self.cal, self.skip_horizon)
                 lookups.append(lk)
-        return idxs, lookups, need_dlite
+        return idxs, lookups, need_dlite or (lookup and self.round_log is not None)
 
     def skip_round(self, reqs: Sequence, anchors: Sequence[int], seq_lens: Optional[Sequence[int]] = None) -> None:
         """A round that drafts nothing (the serving load policy): the indices take the anchors, and
@@ -157,19 +174,25 @@ class BatchLookup:
         self._round = (idxs, [[] for _ in idxs], ["off"] * len(idxs))
 
     def draft_round(self, reqs: Sequence, anchors: Sequence[int], seq_lens: Optional[Sequence[int]],
-                    dlite: Callable[[], tuple], choose_width: Optional[Callable[[list], int]] = None) -> List[list]:
-        """A decode round's chains, n tokens per request: ``dlite()`` -> DLite's (tokens, confidences)
-        lists, run only when some lookup does not skip it; n = ``choose_width(expected_table) - 1``
-        (a verify width policy's ``choose_expected``) or ``num_drafts``. ``commit_round`` closes the round."""
-        idxs, lookups, need_dlite = self.begin_round(reqs, anchors, seq_lens)
-        d_toks, d_conf = dlite() if need_dlite else (None, None)
-        cands = self.round_candidates(idxs, lookups, d_toks, d_conf)
+                    dlite: Optional[Callable[[], tuple]], choose_width: Optional[Callable[[list], int]] = None,
+                    pad: bool = True, retain: bool = True):
+        """A decode round's chains, at most n tokens per request: ``dlite()`` -> DLite's (tokens,
+        confidences) lists, run only when some lookup does not skip it (None: the lookup alone); n =
+        ``choose_width(expected_table) - 1`` (a verify width policy's ``choose_expected``) or
+        ``num_drafts``. Returns (chains, padded to n by repeating their last token with ``pad``, their
+        sources, their calibrated per-position probabilities). ``commit_round`` closes the round."""
+        idxs, lookups, need_dlite = self.begin_round(reqs, anchors, seq_lens, retain=retain)
+        d_toks, d_conf = dlite() if need_dlite and dlite is not None else (None, None)
+        logs = None
+        if self.round_log is not None:
+            logs = [{"ctx_len": len(idx)} for idx in idxs]
+        cands = self.round_candidates(idxs, lookups, d_toks, d_conf, logs)
         n = self.num_drafts
         if choose_width is not None:
             n = choose_width(self.expected_table(cands, self.num_drafts)) - 1
-        drafts, sources, _ = self.pick_round(idxs, cands, n)
+        drafts, sources, probs = self.pick_round(idxs, cands, n, pad, logs)
         self._round = (idxs, drafts, sources)
-        return drafts
+        return drafts, sources, probs
 
     def commit_round(self, reqs: Sequence, accepted: Sequence[int]) -> Optional[List[str]]:
         """``commit`` of the round ``draft_round`` drafted; its sources (None without one)."""
@@ -180,11 +203,11 @@ class BatchLookup:
         return sources
 
     def round_candidates(self, idxs, lookups, dlite_tokens: Optional[List[list]] = None,
-                         dlite_conf: Optional[List[list]] = None) -> List[List[Candidate]]:
+                         dlite_conf: Optional[List[list]] = None, logs: Optional[list] = None) -> List[List[Candidate]]:
         """Per request, every chain it could verify this round (``chooser.candidates``)."""
-        if dlite_tokens is None:
-            return [candidates(idx, self.num_drafts, self.cal, lookup=lk) for idx, lk in zip(idxs, lookups)]
-        return [candidates(idx, self.num_drafts, self.cal, dlite_tokens[i], dlite_conf[i], lookup=lk)
+        return [candidates(idx, self.num_drafts, self.cal, None if dlite_tokens is None else dlite_tokens[i],
+                           None if dlite_conf is None else dlite_conf[i], lookup=lk,
+                           log=None if logs is None else logs[i])
                 for i, (idx, lk) in enumerate(zip(idxs, lookups))]
 
     def expected_table(self, cands: List[List[Candidate]], num_drafts: int) -> List[List[float]]:
@@ -192,16 +215,21 @@ class BatchLookup:
         are verified (n = 0 .. num_drafts): what a per-round verify width is chosen from."""
         return [[best_chain(c, self.cal, n).score(n) for n in range(num_drafts + 1)] for c in cands]
 
-    def pick_round(self, idxs, cands: List[List[Candidate]], n: int):
-        """Per request: the chain to verify with n drafts per request (a shorter chain is padded
-        by repeating its last token; the verify is n wide anyway), its source, and its calibrated
-        per-position probabilities (as long as the real chain)."""
+    def pick_round(self, idxs, cands: List[List[Candidate]], n: int, pad: bool = True, logs: Optional[list] = None):
+        """Per request: the chain to verify with at most n drafts (cut at ``min_reach``; with ``pad`` a
+        shorter chain is padded by repeating its last token: the verify is n wide anyway), its source,
+        and its calibrated per-position probabilities (as long as the real chain)."""
         out, sources, probs = [], [], []
-        for idx, cs in zip(idxs, cands):
+        for i, (idx, cs) in enumerate(zip(idxs, cands)):
             c = pick(cs, self.cal, n)
             toks = list(c.tokens[:n])
+            if self.min_reach > 0:  # cut where the chance that a position is reached gets small
+                toks = toks[:len(reaches(c.probs, self.min_reach))]
             probs.append(list(c.probs[: len(toks)]))
-            if len(toks) < n:
+            if logs is not None:
+                logs[i].update(source=c.source, tokens=toks, score=expected_accepted(probs[-1]), split=c.split)
+                self.round_log.append(logs[i])
+            if pad and len(toks) < n:
                 fill = toks[-1] if toks else idx.tokens[-1]
                 toks += [fill] * (n - len(toks))
             out.append(toks)
@@ -225,7 +253,6 @@ class BatchLookup:
 DEFAULT_TREE_NODES = 24  # drafts per tree round (the root not counted)
 SERVED_TREE_NODES = 15  # drafts per tree round of ``--drafter hybrid``: the DLITE worker's rows (W = 16) less the root
 DEFAULT_BRANCHES = 4  # children asked of each source per node
-BRANCHINGS = ("head", "chain")  # where DLite branches: every node (head steps) or its greedy chain
 
 
 class _Node:
@@ -237,25 +264,6 @@ class _Node:
 
     def __init__(self, token: int, depth: int, head, match, source: str):
         self.token, self.depth, self.head, self.match, self.source = token, depth, head, match, source
-
-
-class HeadBranches:
-    """DLite's children of any node: one step of the token-fed head from the node's own state and one
-    vocabulary projection per expanded node (``DLiteDrafter.head_branch``), the backbone outputs
-    ``z`` [1, K+1, H] computed once per round. Exact top-k at every node; a model call per node."""
-
-    def __init__(self, model, z: torch.Tensor, branches: int, block_size: int):
-        self.model, self.z, self.branches, self.block_size = model, z, branches, block_size
-
-    def root_head(self):
-        return torch.zeros(1, self.model.config.rnn_rank, device=self.z.device)
-
-    def children(self, node: _Node):
-        """(top tokens, their probabilities, the head state every child continues from)."""
-        prev = torch.tensor([node.token], device=self.z.device)
-        state, toks, probs = self.model.head_branch(self.z, node.head, node.depth, prev, self.branches)
-        head = state if node.depth + 1 < self.block_size else None
-        return toks[0].tolist(), probs[0].tolist(), lambda token: head
 
 
 class ChainBranches:
@@ -325,3 +333,14 @@ def grow_round_tree(anchor: int, index, dlite, cal: Calibration, branches: int,
     kinds = rnd.sources
     source = "none" if len(tree) == 1 else (next(iter(kinds)) if len(kinds) == 1 else "mixed")
     return tree, reach, source
+
+
+def grow_trees(anchors: Sequence[int], idxs: Sequence, top_tokens: Optional[list], top_probs: Optional[list],
+               cal: Calibration, branches: int, num_drafts: int, max_depth: Optional[int] = None):
+    """A batch's trees (B >= 1; the worker's tree rounds and the reference engine's): per request the
+    lookup's ``idxs[b]`` (None: no lookup) and DLite's top-k along its greedy chain (``top_tokens`` /
+    ``top_probs``: ``DLiteDrafter.propose(top_k=branches)``'s, as lists; None: no DLite) -> (trees,
+    reaches, sources)."""
+    out = [grow_round_tree(anchor, idxs[b], None if top_tokens is None else ChainBranches(top_tokens[b], top_probs[b]),
+                           cal, branches, num_drafts, max_depth) for b, anchor in enumerate(anchors)]
+    return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]

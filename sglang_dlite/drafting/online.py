@@ -29,7 +29,7 @@ adapted chain's acceptance with the shipped drafter's and reverts to the shipped
 window of compared rounds says the adapted one is worse (at server scope one round in 8 is
 compared: ``watchdog_every``); under token trees (the served hybrid) a tree gate instead drafts the
 adapted or the shipped tree, whichever would have accepted more over the last ``tree_gate`` judged rounds
-(``OnlineDrafter`` (``dlite_lab/reference/drafters.py``); the sglang worker's tree rounds alike), and while it drafts the
+(``OnlineLearner.tree_gate``: one rule for the sglang worker's tree rounds and the reference engine's), and while it drafts the
 shipped tree the learner takes one tree round in ``backoff`` (``learns_tree_round``: learning costs
 little where its drafts are not used); the buffer is bounded; a seed makes every update
 deterministic (``max_update_ms`` is then the one source of run-to-run variation: off by default; at
@@ -85,6 +85,7 @@ class _State:
         self.gate: deque = deque(maxlen=max(1, learner.cfg.tree_gate))  # +1 / -1 / 0: adapted tree better / worse / tied
         self.rounds = self.rounds_since_update = 0  # rounds seen (the watchdog: one in watch_every)
         self.held = 0  # tree rounds the gate held on the shipped tree since it last drafted the adapted one (backoff)
+        self.gate_rounds = 0  # tree rounds drafted under the gate (one in watch_every judged)
         self.update_period = learner.cfg.update_every  # rounds until the next update (paced: more)
         self.adapted = False  # values differ from the shipped ones
 
@@ -122,7 +123,9 @@ def trainable_names(model: DLiteDrafter, params: str) -> list:
 class OnlineLearner:
     """Learns a working copy of ``shipped`` (never written) from verify rounds; see the module doc."""
 
-    def __init__(self, shipped: DLiteDrafter, cfg: Optional[OnlineConfig] = None):
+    def __init__(self, shipped: DLiteDrafter, cfg: Optional[OnlineConfig] = None, drafts_are_model: bool = False):
+        """``drafts_are_model``: the verified chains are the working model's own greedy chain (DLite
+        alone: the watchdog compares against them instead of drafting them again)."""
         self.cfg = cfg = cfg or OnlineConfig()
         mc = shipped.config
         if mc.history_window != 0 or mc.head_input != "token":
@@ -145,8 +148,9 @@ class OnlineLearner:
         self._vocab_index = self._build_vocab_index()
         self._server = _State(self) if cfg.scope == "server" else None
         self._active = None  # weakref to the state whose values the working model holds
-        self.drafts_are_model = False  # the verified drafts are the working model's greedy chain (DLite alone)
-        self.watch_paths = True  # the chain watchdog judges tree rounds too (off where the tree gate does: OnlineDrafter)
+        self.drafts_are_model = drafts_are_model
+        # the chain watchdog judges tree rounds' accepted paths too, unless the tree gate judges them
+        self.watch_paths = not cfg.tree_gate
         self.stats = {"rounds": 0, "updates": 0, "steps": 0, "reverts": 0, "budget_cut": 0, "backed_off": 0,
                       "observe_ms": 0.0, "update_ms": 0.0, "shadow_ms": 0.0, "sessions": 0, "watched": 0,
                       "gate_adapted": 0, "gate_shipped": 0, "gate_better": 0, "gate_worse": 0}
@@ -220,7 +224,17 @@ class OnlineLearner:
         self._active = None
         self.activate(st)
 
-    # ------------------------------------------------------------------ the tree gate (OnlineDrafter)
+    # ------------------------------------------------------------------ the tree gate
+    def tree_gate(self, st: _State, requests: int = 1) -> Optional[tuple]:
+        """A tree round's gate over its ``requests`` trees, the one rule of both engines: None (off, or
+        ``st`` not adapted yet: the working copy drafts) or (draft with the adapted copy?, judge this
+        round? -- one round in ``watch_every`` also grows the other tree, and ``judge_tree`` scores it
+        against what the round committed)."""
+        if not (self.cfg.tree_gate and st.adapted):
+            return None
+        st.gate_rounds += 1
+        return self.gate_choice(st, requests), st.gate_rounds % self.cfg.watch_every == 0
+
     @staticmethod
     def gate_favours_adapted(st: _State) -> bool:
         """The tree gate's rule: over the last ``tree_gate`` judged rounds the adapted tree would have

@@ -85,6 +85,22 @@ class TargetBoundMixin:
                   metadata={"format": "pt", "model_type": self.config.model_type})
 
 
+def read_checkpoint_config(path: str) -> dict:
+    """A checkpoint folder's config.json as a dict (the one reader of it: loading, the serving
+    launcher's checks, the lab's drafter registry), with errors that name what is wrong."""
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise DLiteConfigError(f"{path!r} is not a drafter checkpoint folder (no config.json).")
+    try:
+        with open(cfg_file) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DLiteConfigError(f"{cfg_file!r} is not valid JSON ({exc}).") from exc
+    if not isinstance(raw, dict):
+        raise DLiteConfigError(f"{cfg_file!r} holds {type(raw).__name__}, not a JSON object of settings.")
+    return raw
+
+
 def load_checkpoint(path: str, config_class):
     """Read and validate (config, state dict) from a drafter checkpoint folder of
     ``config_class.model_type``, with errors that name what is wrong."""
@@ -92,14 +108,10 @@ def load_checkpoint(path: str, config_class):
     name = "DLite" if want == "dlite" else repr(want)
     if not os.path.isdir(path):
         raise DLiteConfigError(f"no {name} checkpoint folder at {path!r}.")
-    cfg_file, w_file = os.path.join(path, "config.json"), os.path.join(path, WEIGHTS_NAME)
-    if not os.path.isfile(cfg_file) or not os.path.isfile(w_file):
+    w_file = os.path.join(path, WEIGHTS_NAME)
+    if not os.path.isfile(os.path.join(path, "config.json")) or not os.path.isfile(w_file):
         raise DLiteConfigError(f"{path!r} is not a {name} checkpoint: it needs config.json and {WEIGHTS_NAME}.")
-    try:
-        with open(cfg_file) as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DLiteConfigError(f"{cfg_file!r} is not valid JSON ({exc}).") from exc
+    raw = read_checkpoint_config(path)
     if raw.get("model_type") != want:
         raise DLiteConfigError(
             f"{path!r} holds a {raw.get('model_type')!r} model, not a {name} drafter (model_type {want!r})."

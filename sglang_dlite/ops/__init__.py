@@ -128,8 +128,8 @@ def _pick(op: str, floats, device: torch.device, rows: int = 0) -> str:
         raise MissingDependencyError(f"ops mode cuda but torch sees no CUDA device (torch {torch.__version__}).")
     if not _ext.has_cuda():
         raise MissingDependencyError(
-            f"ops mode cuda but the CUDA ops are not built: build them on a CUDA machine with "
-            f"`make build-ext` (needs a CUDA torch and nvcc), or use ops mode auto or torch."
+            "ops mode cuda but the CUDA ops are not built: build them on a CUDA machine with "
+            "`make build-ext` (needs a CUDA torch and nvcc), or use ops mode auto or torch."
         )
     if device.type != "cuda":
         raise DLiteInputError(f"ops mode cuda runs GPU kernels, but {op} got tensors on {device}.")
@@ -210,7 +210,7 @@ def kv_cache_attention(q, k_cache, v_cache, starts, lens, scale: float):
     _last_impl["kv_cache_attention"] = impl
     if impl == "cuda":
         raise DLiteInputError("kv_cache_attention has no CUDA kernel (it serves the CPU regeneration engine); "
-                              f"use ops mode auto or torch.")
+                              "use ops mode auto or torch.")
     if impl == "torch":
         return _ref.kv_cache_attention(*args)
     return torch.ops.sglang_dlite.kv_cache_attention(*args)

@@ -7,7 +7,6 @@ torch reference.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -26,9 +25,8 @@ def repo_root() -> Path:
 
 
 def build_dir() -> Path:
-    """Where the builder writes the library: $SGLANG_DLITE_EXT_DIR, else <repo>/build/ext."""
-    env = os.environ.get("SGLANG_DLITE_EXT_DIR")
-    return Path(env) if env else repo_root() / "build" / "ext"
+    """Where the builder writes the library: <repo>/build/ext."""
+    return repo_root() / "build" / "ext"
 
 
 def lib_path() -> Path:

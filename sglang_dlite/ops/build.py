@@ -5,15 +5,14 @@
 The op schemas (csrc/schemas.cpp) and the CPU ops (csrc/cpu/: ATen + TORCH_LIBRARY only, ~15 s on
 2 cores) always; the CUDA ops (csrc/cuda/: the kernels + their TORCH_LIBRARY_IMPL bindings) too when
 torch was built with CUDA and nvcc is found. Uses torch.utils.cpp_extension.load with ninja, so a
-second run with unchanged sources does nothing. The output directory is $SGLANG_DLITE_EXT_DIR or <repo>/build/ext (git-ignored).
+second run with unchanged sources does nothing. The output directory is <repo>/build/ext (git-ignored).
 Compiler flags: -O3 -march=native by default (the library is built on the machine that runs it);
-set SGLANG_DLITE_CPU_FLAGS to replace ``-march=native`` (e.g. "-mavx2 -mfma" or "").
+``--cpu-flags`` replaces ``-march=native`` (e.g. "-mavx2 -mfma" or "").
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import time
@@ -38,7 +37,7 @@ def want_cuda() -> bool:
     return CUDA_HOME is not None or shutil.which("nvcc") is not None
 
 
-def build(verbose: bool = False, force: bool = False, cuda: bool | None = None) -> str:
+def build(verbose: bool = False, force: bool = False, cuda: bool | None = None, cpu_flags: str = "-march=native") -> str:
     csrc = _ext.repo_root() / "csrc"
     out = _ext.build_dir()
     out.mkdir(parents=True, exist_ok=True)
@@ -48,7 +47,7 @@ def build(verbose: bool = False, force: bool = False, cuda: bool | None = None) 
                 p.unlink()
     with_cuda = want_cuda() if cuda is None else cuda
     sources = [str(csrc / "schemas.cpp")] + sorted(str(f) for f in (csrc / "cpu").glob("*.cpp"))
-    arch = os.environ.get("SGLANG_DLITE_CPU_FLAGS", "-march=native").split()
+    arch = cpu_flags.split()
     cflags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi", *arch]
     if with_cuda:
         sources += [str(csrc / "cuda" / "dlite_cuda.cu"), str(csrc / "cuda" / "dlite_cuda_bindings.cpp")]
@@ -73,9 +72,11 @@ def main(argv=None) -> int:
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--force", action="store_true", help="rebuild from scratch")
     ap.add_argument("--no-cuda", action="store_true", help="build the CPU ops only")
+    ap.add_argument("--cpu-flags", default="-march=native",
+                    help="the C++ flags that pick the CPU's instructions (default: -march=native; e.g. '-mavx2 -mfma')")
     args = ap.parse_args(argv)
     t0 = time.time()
-    path = build(args.verbose, args.force, cuda=False if args.no_cuda else None)
+    path = build(args.verbose, args.force, cuda=False if args.no_cuda else None, cpu_flags=args.cpu_flags)
     ok = _ext.load()
     print(f"sglang_dlite.ops.build: {path} ({time.time() - t0:.1f} s); {_ext.status()}")
     return 0 if ok else 1

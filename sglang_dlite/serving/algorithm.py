@@ -12,7 +12,6 @@ sglang process (launcher and schedulers).
 
 from __future__ import annotations
 
-import json
 import os
 
 from sglang.srt import runtime_context
@@ -21,6 +20,7 @@ from transformers import AutoConfig
 
 from sglang_dlite.model.config import supported_targets_text
 from sglang_dlite.errors import DLiteConfigError
+from sglang_dlite.model.checkpoint import read_checkpoint_config
 from sglang_dlite.model.dlite import load_checkpoint
 from sglang_dlite.settings import ServingOptions
 
@@ -77,16 +77,10 @@ def _read_draft_config(path):
             "--speculative-algorithm DLITE needs --speculative-draft-model-path: a DLite "
             "checkpoint folder (config.json with model_type 'dlite' + model.safetensors)."
         )
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):
-        raise DLiteConfigError(
-            f"--speculative-draft-model-path {path!r} is not a DLite checkpoint folder (no config.json)."
-        )
     try:
-        with open(cfg_file) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DLiteConfigError(f"{cfg_file!r} is not valid JSON ({exc}).") from exc
+        return read_checkpoint_config(path)
+    except DLiteConfigError as exc:
+        raise DLiteConfigError(f"--speculative-draft-model-path: {exc}") from None
 
 
 # With the suffix lookup on, a round's chain may run past DLite's K drafts (the lookup continues

@@ -71,9 +71,8 @@ class OnlineServing:
     def __init__(self, shipped: DLiteDrafter, cfg: OnlineConfig, drafts_are_model: bool = False):
         if cfg.scope != "server":
             raise DLiteConfigError(f"DLITE online learning runs at server scope, got scope={cfg.scope!r}.")
-        self.learner = OnlineLearner(shipped, cfg)
         # DLite alone (no lookup): the verified drafts are the working copy's greedy chain
-        self.learner.drafts_are_model = drafts_are_model
+        self.learner = OnlineLearner(shipped, cfg, drafts_are_model=drafts_are_model)
         self.state = self.learner.state_for(None)  # the server's one state
         # the model the worker drafts with: the learner's working copy itself, or (background) a copy of
         # it that takes the learner's values between rounds (``publish``)
@@ -85,8 +84,6 @@ class OnlineServing:
         self.nonfinite = 0
         self._packed = self._packed_linears()
         self.thread = LearnerThread(self) if cfg.background else None
-        self.learner.watch_paths = not cfg.tree_gate  # tree rounds: judged by the tree gate, not the chain watchdog
-        self._gate_rounds = 0  # tree rounds drafted under the gate (one in watch_every judged)
         self._taken: dict = {}  # the learner's time and counts at the last ``take_round``
 
     @classmethod
@@ -164,15 +161,9 @@ class OnlineServing:
                 "online": {k: now[k] - last.get(k, 0) for k in ROUND_COUNTS if now[k] != last.get(k, 0)}}
 
     def tree_gate(self, requests: int) -> Optional[tuple]:
-        """A tree round's gate over its ``requests`` trees (``tree_gate``, ``OnlineDrafter`` (``dlite_lab/reference/drafters.py``)'s
-        rule at server scope): None (off, learning disabled or not adapted yet: the working copy drafts) or
-        (draft with the adapted copy?, judge this round? -- one round in ``watch_every`` also grows the
-        other tree)."""
-        cfg = self.learner.cfg
-        if not (self.enabled and cfg.tree_gate and self.state.adapted):
-            return None
-        self._gate_rounds += 1
-        return self.learner.gate_choice(self.state, requests), self._gate_rounds % cfg.watch_every == 0
+        """A tree round's gate over its ``requests`` trees (``OnlineLearner.tree_gate`` on the server's
+        state); None while learning is off."""
+        return self.learner.tree_gate(self.state, requests) if self.enabled else None
 
     @property
     def shipped(self) -> DLiteDrafter:

@@ -16,7 +16,7 @@ round overwrites them.
 
 **Token trees** (``TreeRounds``):
 
-Per request the round grows a tree (``drafting.hybrid.grow_round_tree``) from the suffix
+Per request the round grows a tree (``drafting.hybrid.grow_trees``) from the suffix
 lookup's continuations (ranked by occurrence counts, branching where they split) and DLite's
 top-k along its greedy chain (``ChainBranches``: the batch's one drafter pass with
 ``propose(top_k=k)``, no model call while the trees grow), best-first by calibrated reach within
@@ -60,7 +60,7 @@ import torch
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
 from sglang_dlite.drafting.chooser import default_calibration
-from sglang_dlite.drafting.hybrid import ChainBranches, grow_round_tree
+from sglang_dlite.drafting.hybrid import grow_trees
 from sglang_dlite.drafting.tree import DraftTree, greedy_tree_accept
 from sglang_dlite.serving import metrics as dlite_metrics
 from sglang_dlite.serving import verify_logits
@@ -162,7 +162,7 @@ class ChainRounds:
             return d.tolist(), conf.float().tolist()
 
         width = None if w.width_policy is None else w.width_policy.choose_expected
-        drafts = w.lookup.draft_round(batch.reqs, anchors.tolist(), seq, dlite, width)
+        drafts, _, _ = w.lookup.draft_round(batch.reqs, anchors.tolist(), seq, dlite, width)
         return torch.tensor(drafts, dtype=torch.int64, device=w.device).view(len(drafts), -1)[:, :n]
 
     def dlite(self, state: torch.Tensor, anchors: torch.Tensor, with_confidence: bool = False):
@@ -268,15 +268,8 @@ class TreeRounds:
         """Per request a tree from ``model``'s top-k along its chain and the lookup -> (trees, reaches, sources)."""
         w = self.w
         prop = model.propose(ctx, valid, anchors, num_drafts=w.dlite_drafts, top_k=self.branches)
-        top_t, top_p = prop.top_tokens.tolist(), prop.top_probs.float().tolist()
-        trees, reaches, sources = [], [], []
-        for b, anchor in enumerate(anchor_list):
-            tree, reach, source = grow_round_tree(anchor, idxs[b], ChainBranches(top_t[b], top_p[b]), self.cal,
-                                                  self.branches, self.rows - 1)
-            trees.append(tree)
-            reaches.append(reach)
-            sources.append(source)
-        return trees, reaches, sources
+        return grow_trees(anchor_list, idxs, prop.top_tokens.tolist(), prop.top_probs.float().tolist(), self.cal,
+                          self.branches, self.rows - 1)
 
     def draft(self, batch, state: torch.Tensor, anchors: torch.Tensor, n: int) -> Round:
         """The round's trees, padded to its rows, on the device: the nodes at positions prefix +

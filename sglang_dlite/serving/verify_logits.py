@@ -200,7 +200,7 @@ def commit(reqs: Sequence, out_tokens: torch.Tensor, accept_drafts: torch.Tensor
     if not rows:
         return
     device = out_tokens.device
-    n, W = len(rows), out_tokens.shape[1]
+    W = out_tokens.shape[1]
     idx = torch.tensor(rows, dtype=torch.int64, device=device)
     toks = out_tokens.index_select(0, idx).to(torch.int64)
     keep = (torch.arange(W, device=device)[None, :] <= accept_drafts.index_select(0, idx)[:, None]).float()

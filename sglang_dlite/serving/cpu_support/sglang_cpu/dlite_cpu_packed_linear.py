@@ -10,17 +10,17 @@ layers the same way): ``torch.ops.mkldnn._reorder_linear_weight`` once after loa
 ``torch.ops.mkldnn._linear_pointwise`` per call (SmolLM2-135M, 2 threads, 30 layers:
 M = 1 21 -> 15 ms, M = 4 24 -> 16 ms). Every forward uses it, with or without speculation, so
 speed ratios compare like with like. bf16 CPU weights only: float32 runs (the exact-equality
-tests) keep ``F.linear`` bit for bit. ``SGLANG_DLITE_CPU_PACKED_LINEAR=0`` turns it off. Never
+tests) keep ``F.linear`` bit for bit. The setting ``cpu_packed_linear: false`` turns it off. Never
 used on a CUDA deployment or where sglang's own AMX path is active.
 """
-
-import os
 
 TARGET_MODULE = "sglang.srt.layers.quantization.unquant"
 
 
 def enabled() -> bool:
-    return os.environ.get("SGLANG_DLITE_CPU_PACKED_LINEAR", "1") not in ("", "0")
+    from sglang_dlite.settings import ServingOptions
+
+    return ServingOptions.from_env().cpu_packed_linear
 
 
 def patch(module) -> None:

@@ -14,7 +14,7 @@ layer); otherwise request by request, a request whose slots are one contiguous r
 of the pool, not gathered; grouped-query heads are folded into the query (``attend``).
 sglang's EAGLE3 draft extend (``DRAFT_EXTEND_V2``: every request extends its draft KV by the same W
 tokens) takes the same path with a causal mask, instead of the backend's O(context^2) extend.
-``SGLANG_DLITE_CPU_ATTN=1`` gives sglang's plain DECODE forward the same attention and its prefill
+The setting ``cpu_attention: "same"`` gives sglang's plain DECODE forward the same attention and its prefill
 (EXTEND / MIXED) forwards ``attend_prefill``, for like-for-like speed comparisons
 (``cpu_attention_enabled``): the backend's own prefill pads every request's query to its whole context,
 so a request that hits the radix cache with 1 000 tokens and brings 200 new ones pays for 1 200
@@ -56,18 +56,15 @@ def patch(module) -> None:
     cls._dlite_verify_patched = True
 
 
-ENV_CPU_ATTN = "SGLANG_DLITE_CPU_ATTN"
-
-
 def cpu_attention_enabled() -> bool:
-    """``SGLANG_DLITE_CPU_ATTN=1``: sglang's own DECODE forward (no speculation) also reads the KV
+    """The setting ``cpu_attention: "same"``: sglang's own DECODE forward (no speculation) also reads the KV
     cache through ``attend`` below instead of the backend's per-layer gather, and every prefill
     attends through ``attend_prefill``, so a speculative vs no-speculation comparison on a CPU
     measures the same attention code on both sides. Off by default: forwards other than DLITE's
     verify then run exactly as sglang ships them."""
-    import os
+    from sglang_dlite.settings import ServingOptions
 
-    return os.environ.get(ENV_CPU_ATTN, "0") not in ("", "0")
+    return ServingOptions.from_env().cpu_attention == "same"
 
 
 def _plain_causal(layer, fb) -> bool:
