@@ -42,7 +42,7 @@ def parse_parallel(mode, tp_size=1, dp_size=1):
 def parse_settings(mode):
     """'dlite+tree_max_batch_size=64+corpus_tokens=0' -> ('dlite', {'tree_max_batch_size': 64, 'corpus_tokens': 0}):
     DLITE serving settings (SGLANG_DLITE_CONFIG keys) for one mode, a JSON value each (a bare word: a
-    string, its commas written as ; since --modes is comma-separated: 'dlite+online=lr=1e-3;background=0')."""
+    string, its commas written as ; since --modes is comma-separated: 'dlite+online=lr=1e-3;update_every=16')."""
     base, *pairs = mode.split("+")
     settings = {}
     for pair in pairs:

@@ -6,7 +6,7 @@ Every step, each active row proposes up to K drafts from a suffix index over its
 token), cut where the calibrated probability that a draft is still reached falls below
 ``min_reach`` (``drafting.chooser``'s table, fitted on training prompts); rows without a
 confident match draft nothing and decode one token as before; which drafts a step verifies is
-``drafting.budget.select_drafts``. The round itself is ``FastRegenerator._step`` (one
+``select_drafts``. The round itself is ``FastRegenerator._step`` (one
 ``FastLlama.verify`` pass over every row's ``[last token, d_1 .. d_k]``, then ``accept_round``), so
 the text is the target's own greedy text whatever the drafts: a draft only decides how many
 positions are scored in one pass.
@@ -18,12 +18,12 @@ Everything else (shard format, turns, continuous batching, compaction) is ``Fast
 
 from __future__ import annotations
 
-from typing import Union
+from typing import List, Optional, Sequence, Union
 
 from sglang_dlite.drafting.chooser import default_calibration, lookup_only
 from sglang_dlite.drafting.suffix import SuffixIndex
 from sglang_dlite.drafting.tau import tau
-from sglang_dlite.drafting.budget import reaches, select_drafts
+from sglang_dlite.drafting.budget import reaches
 from dlite_lab.training.fast_regen import FastRegenerator
 
 
@@ -34,6 +34,31 @@ from dlite_lab.training.fast_regen import FastRegenerator
 # rows. Regenerating 32 conversations: 75.2 tok/CPU-s at 24, 78.9 at 60, 80.8 at 100. With chunked
 # SDPA attention (padded per chunk, so it grows with the rows) a step cost ~100 + 4.2 B ms: ~24 rows.
 FIXED_ROWS = {"kernel": 100.0, "sdpa": 24.0}
+
+
+
+def select_drafts(chains: Sequence[Sequence[float]], fixed_rows: Optional[float]) -> List[int]:
+    """How many drafts of each request's chain to verify in a round of ragged rows. ``chains[b]``:
+    request b's ``reaches`` (decreasing). A round costs about ``fixed_rows + rows`` row-units
+    (``fixed_rows``: its fixed cost, e.g. streaming the weights once, in units of one more
+    verified row). Draft positions are taken in decreasing reach while each one's expected tokens
+    per row-unit (its reach) beats the round's expected tokens per row-unit so far, i.e. the
+    prefixes that maximise (B + sum of reaches) / (fixed_rows + B + drafts); ``fixed_rows`` None:
+    every draft."""
+    if fixed_rows is None:
+        return [len(c) for c in chains]
+    flat = sorted((-r, b, j) for b, c in enumerate(chains) for j, r in enumerate(c))
+    B = len(chains)
+    tokens, units, take = float(B), float(fixed_rows + B), [0] * B
+    for r, b, j in flat:
+        r = -r
+        if r * units <= tokens:
+            break
+        if j == take[b]:  # a chain's positions are taken in order (reach decreases along it)
+            take[b] += 1
+            tokens += r
+            units += 1
+    return take
 
 
 class SpecRegenerator(FastRegenerator):

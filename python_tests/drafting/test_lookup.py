@@ -109,12 +109,19 @@ def test_quoted_continuation_is_proposed_in_full():
 
 
 # ---------------------------------------------------------------------------- chooser
-from sglang_dlite.drafting.chooser import Calibration, candidates, expected_accepted, lookup_only, pick  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from sglang_dlite.drafting.chooser import Calibration, best_chain, candidates, expected_accepted, lookup_only  # noqa: E402
 
 
 def choose(idx, k, cal, dlite_tokens, dlite_conf):
-    """The hybrid's choice for one request: every candidate chain, then the best (``BatchLookup``'s rule)."""
-    return pick(candidates(idx, k, cal, dlite_tokens, dlite_conf), cal)
+    """The hybrid's choice for one request (``BatchLookup``'s rule): every candidate chain, then the
+    best, with the best score of each source."""
+    cands = candidates(idx, k, cal, dlite_tokens, dlite_conf)
+    c = best_chain(cands, cal)
+    scores = {"suffix": cands[0].score(), "dlite": next((x.score() for x in cands if x.alone), None),
+              "mixed": max((x.score() for x in cands if x.split > 0 and not x.alone), default=None)}
+    return SimpleNamespace(tokens=c.tokens, source=c.source, score=c.score(), split=c.split, scores=scores)
 
 
 def test_expected_accepted_is_sum_of_prefix_products():

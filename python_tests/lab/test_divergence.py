@@ -159,7 +159,7 @@ def test_e2e_mode_settings_parse_and_refuse_a_bad_pair():
     assert e2e.parse_settings("dlite:8+tree_max_batch_size=64+online=true+drafter_dtype=bfloat16") == (
         "dlite:8", {"tree_max_batch_size": 64, "online": True, "drafter_dtype": "bfloat16"})
     assert e2e.parse_settings("nospec") == ("nospec", {})
-    assert e2e.parse_settings("dlite+online=lr=1e-3;background=0") == ("dlite", {"online": "lr=1e-3,background=0"})
+    assert e2e.parse_settings("dlite+online=lr=1e-3;update_every=16") == ("dlite", {"online": "lr=1e-3,update_every=16"})
     with pytest.raises(SystemExit, match="key=value"):
         e2e.parse_settings("dlite+tree_max_batch_size")
 

@@ -270,35 +270,6 @@ def test_packed_linear_matches_f_linear(with_bias):
     assert cpu_linear.pack_weight(w.float()) is None  # float32 weights are not packed
 
 
-@pytest.mark.skipif(not cpu_linear.mkl_available(), reason="torch built without MKL")
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_mkl_packed_linear_equals_f_linear_at_every_row_count(with_bias):
-    """One packed copy serves every row count (the pack does not depend on M): equal to F.linear
-    within the last bits below ~16 rows and bit for bit above, any leading shape, empty input."""
-    import torch.nn.functional as F
-
-    g = torch.Generator().manual_seed(5)
-    w = torch.randn(200, 96, generator=g) * 0.1
-    b = torch.randn(200, generator=g) if with_bias else None
-    lin = cpu_linear.MklPackedLinear(w, b)
-    for shape in [(1, 96), (3, 96), (8, 96), (21, 96), (64, 96), (300, 96), (2, 7, 96)]:
-        x = torch.randn(*shape, generator=g)
-        got, want = lin(x), F.linear(x, w, b)
-        assert got.shape == want.shape
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        if x.numel() // 96 >= 32:
-            assert torch.equal(got, want)
-    assert lin(torch.randn(0, 96)).shape == (0, 200)
-    x = torch.randn(4, 96)
-    assert torch.equal(lin(x[:, None, :].expand(4, 1, 96)), lin(x)[:, None])  # non-contiguous input
-    with pytest.raises(ValueError, match="input is torch.bfloat16"):
-        lin(x.bfloat16())
-    with pytest.raises(ValueError, match="float32 CPU weight"):
-        cpu_linear.MklPackedLinear(w.bfloat16())
-    plain = cpu_linear.MklPackedLinear.maybe(w.bfloat16())  # not packable: F.linear, same call
-    torch.testing.assert_close(plain(x.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
-
-
 @pytest.mark.skipif(not cpu_linear.available(), reason=NO_BF16_PACKING)
 def test_packed_linear_patch_routes_bf16_only_and_repacks_after_update(monkeypatch):
     import torch.nn.functional as F

@@ -10,10 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
-import sys
-import time
 
 import pytest
 import torch
@@ -62,7 +59,7 @@ def planted_round(srv, B=2, gen=None, V=None):
     return state, anchors, block, logits, ok.sum(1)
 
 
-def learn_planted_stream(srv, rounds, after_round=None) -> list:
+def learn_planted_stream(srv, rounds) -> list:
     """``rounds`` planted rounds observed by ``srv``: each round's mean accepted drafts."""
     gen = torch.Generator().manual_seed(1)
     acc = []
@@ -70,8 +67,6 @@ def learn_planted_stream(srv, rounds, after_round=None) -> list:
         args = planted_round(srv, gen=gen)
         acc.append(float(args[-1].float().mean()))
         srv.observe(*args)
-        if after_round is not None:
-            assert after_round() is not False
     return acc
 
 
@@ -308,75 +303,6 @@ def test_errors_disable_learning_instead_of_raising(tiny_target, monkeypatch, ca
     assert not srv.enabled
 
 
-def test_background_thread_learns_the_planted_stream_and_publishes_between_rounds(tiny_target):
-    """background=1: rounds hand their pairs to the learner's thread; the drafting model is a copy
-    that takes the learner's values at the start of a later round (publish) -- the same learning."""
-    shipped = drafter(tiny_target)
-    srv = serving(shipped, params="last", update_every=1, watchdog_window=0, background=1)
-    assert srv.thread is not None and srv.model is not srv.learner.model and srv.model is not shipped
-    if sys.platform.startswith("linux"):  # the learner yields the cores to the rounds
-        time.sleep(0.05)
-        assert os.getpriority(os.PRIO_PROCESS, srv.thread.thread.native_id) >= srv.thread.NICE
-    acc = learn_planted_stream(srv, 80, after_round=lambda: srv.thread.join())  # learned before the next round
-    assert srv.enabled and srv.learner.stats["updates"] == 80 and srv.thread.dropped == 0
-    assert sum(acc[:2]) / 2 < 0.5 and sum(acc[-10:]) / 10 > 2.0, acc
-    assert srv.thread.published == 79  # round r publishes update r - 1
-    srv.thread.publish()
-    drafting = dict(srv.model.named_parameters())
-    assert all(torch.equal(drafting[n], m) for n, m in zip(srv.learner.names, srv.learner.masters))
-
-
-def test_background_rounds_never_wait_on_an_update(tiny_target, monkeypatch):
-    """A slow update (1 s) on the thread: every round returns at once; rounds that find the bounded
-    queue full drop their pairs instead of waiting; the updates land afterwards."""
-    from sglang_dlite.serving.online_serving import LearnerThread
-
-    monkeypatch.setattr(LearnerThread, "QUEUE", 2)
-    srv = serving(drafter(tiny_target), params="head", update_every=1, watchdog_window=0, background=1)
-    real = srv.learner.update
-
-    def slow(st):
-        time.sleep(1.0)
-        real(st)
-
-    monkeypatch.setattr(srv.learner, "update", slow)
-    gen = torch.Generator().manual_seed(4)
-    rounds = [planted_round(srv, gen=gen) for _ in range(8)]
-    took = []
-    for args in rounds:
-        t0 = time.perf_counter()
-        srv.observe(*args)
-        took.append(time.perf_counter() - t0)
-    assert max(took) < 0.5, took  # a round never waits for the 1 s update
-    assert srv.thread.dropped >= 4  # 8 rounds within ~1 update: the queue of 2 overflowed
-    assert srv.thread.join(timeout=30)
-    assert srv.learner.stats["updates"] == 8 - srv.thread.dropped and srv.enabled
-    assert srv.thread.publish() and not srv.thread.publish()  # the newest values, once
-
-
-def test_a_failure_on_the_background_thread_disables_learning(tiny_target, monkeypatch, caplog):
-    shipped = drafter(tiny_target)
-    srv = serving(shipped, params="head", update_every=1, watchdog_window=0, background=1)
-    gen = torch.Generator().manual_seed(3)
-    srv.observe(*planted_round(srv, gen=gen))
-    srv.thread.join()
-    srv.observe(*planted_round(srv, gen=gen))  # publishes the first update
-    srv.thread.join()
-    assert not torch.equal(srv.model.head.out_proj.weight, shipped.head.out_proj.weight)
-
-    def boom(*a, **k):
-        raise RuntimeError("planted failure")
-
-    monkeypatch.setattr(srv.learner, "loss", boom)
-    srv.observe(*planted_round(srv, gen=gen))
-    srv.thread.join()
-    assert srv.thread.failure is not None and srv.enabled  # reported at the next round
-    srv.observe(*planted_round(srv, gen=gen))  # must not raise
-    assert not srv.enabled and "planted failure" in srv.error and "online learning failed" in caplog.text
-    assert torch.equal(srv.model.head.out_proj.weight, shipped.head.out_proj.weight)  # drafting: the shipped values
-    assert not srv.thread.thread.is_alive()
-
-
 def test_opted_out_rows_are_skipped_and_padded_vocab_rows_cut(tiny_target):
     srv = serving(drafter(tiny_target), params="norm", update_every=10**6)
     V = srv.model.config.vocab_size
@@ -459,8 +385,7 @@ def test_sglang_greedy_output_with_online_learning_is_the_targets(tmp_path, monk
                        attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
            for p, n in zip(PROMPTS, MAX_NEW)]
     settings = {"lookup": False, "tree_max_batch_size": 4 if trees else 0,
-                "online": "params=last,update_every=1,min_pairs=1,steps=1,watchdog_window=4,watchdog_every=2,"
-                          "background=1"}
+                "online": "params=last,update_every=1,min_pairs=1,steps=1,watchdog_window=4,watchdog_every=2"}
     monkeypatch.setenv("SGLANG_DLITE_CONFIG", json.dumps(settings))
     sps = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in MAX_NEW]
     if not trees:  # an opted-out request: its batches are chain rounds
@@ -479,4 +404,3 @@ def test_sglang_greedy_output_with_online_learning_is_the_targets(tmp_path, monk
     assert "online learning failed" not in log
     m = re.search(r"DLITE online: (\d+) rounds, (\d+) updates", log)
     assert m and int(m.group(2)) >= 1, log[-3000:]
-    assert "updates and watchdog on a background thread" in log  # background=1: learned off the round

@@ -1,5 +1,5 @@
 """How much to speculate: under load (``LoadPolicy``), whether to draft (``DraftGate``) and how many
-positions to verify (``VerifyWidthPolicy``, ``select_drafts``).
+positions to verify (``VerifyWidthPolicy``).
 
 **Under load.**
 - **Opt-out.** A request whose ``sampling_params.custom_params`` holds ``"dlite_speculate": false``
@@ -37,9 +37,6 @@ measured while something else slowed the machine (another process, a prefill in 
 otherwise look expensive for good and never be tried again, since only chosen widths are re-measured;
 forgotten, it gets the optimistic estimate and one more try. Pure Python; the sglang
 DLITE worker uses it where the verify runs eagerly on a CPU (the setting ``verify_width``).
-
-``select_drafts`` is the same choice where every request may verify its own number of drafts
-(gen-data's fast engine verifies ragged rows) and a round's cost is linear in its rows.
 """
 
 from __future__ import annotations
@@ -111,30 +108,6 @@ def reaches(probs: Sequence[float], min_reach: float = 0.0) -> List[float]:
 def expected_committed(probs: Sequence[float], n: int) -> float:
     """1 + sum_{i<=n} prod_{j<=i} p_j: tokens one request commits when n drafts are verified."""
     return 1.0 + expected_accepted(list(probs)[:n])
-
-
-def select_drafts(chains: Sequence[Sequence[float]], fixed_rows: Optional[float]) -> List[int]:
-    """How many drafts of each request's chain to verify in a round of ragged rows. ``chains[b]``:
-    request b's ``reaches`` (decreasing). A round costs about ``fixed_rows + rows`` row-units
-    (``fixed_rows``: its fixed cost, e.g. streaming the weights once, in units of one more
-    verified row). Draft positions are taken in decreasing reach while each one's expected tokens
-    per row-unit (its reach) beats the round's expected tokens per row-unit so far, i.e. the
-    prefixes that maximise (B + sum of reaches) / (fixed_rows + B + drafts); ``fixed_rows`` None:
-    every draft."""
-    if fixed_rows is None:
-        return [len(c) for c in chains]
-    flat = sorted((-r, b, j) for b, c in enumerate(chains) for j, r in enumerate(c))
-    B = len(chains)
-    tokens, units, take = float(B), float(fixed_rows + B), [0] * B
-    for r, b, j in flat:
-        r = -r
-        if r * units <= tokens:
-            break
-        if j == take[b]:  # a chain's positions are taken in order (reach decreases along it)
-            take[b] += 1
-            tokens += r
-            units += 1
-    return take
 
 
 def adaptive_width_wanted(device: str, disable_cuda_graph: bool, tp_size: int = 1, mode: str = "auto") -> bool:

@@ -11,7 +11,7 @@ K drafts continued by the lookup, run up to that length; DLite alone stays K lon
 of a chain gets a conditional
 acceptance probability p_j from a calibration table, and a chain's score is its expected number
 of accepted drafts, sum_i prod_{j<=i} p_j. The chooser takes the best lookup-involving chain when
-its score beats DLite alone by ``margin`` (else DLite): ``candidates`` then ``pick``, driven for a
+its score beats DLite alone by ``margin`` (else DLite): ``candidates`` then ``best_chain``, driven for a
 batch by ``hybrid.BatchLookup`` (which may also cut a chain where the probability that a position
 is reached drops below ``min_reach``: a shorter verify on a CPU).
 
@@ -128,16 +128,6 @@ def default_calibration() -> Calibration:
     return _DEFAULT
 
 
-@dataclass
-class Choice:
-    tokens: List[int]
-    source: str  # "suffix" | "mixed" | "dlite" | "none"
-    score: float  # expected accepted drafts of the chosen chain
-    probs: List[float]  # per-position calibrated acceptance probabilities
-    split: int  # DLite drafts at the head of the chain
-    scores: dict = field(default_factory=dict)  # best score per source
-
-
 def lookup_only(index: SuffixIndex, k: int, cal: Calibration):
     """(draft, per-step probabilities, score) of the lookup alone."""
     d = index.propose(k)
@@ -228,11 +218,3 @@ def best_chain(cands: Sequence[Candidate], cal: Calibration, n: Optional[int] = 
     use_l = dl is None or (best_l.tokens and best_l.score(n) >= dl.score(n) + cal.margin)
     return best_l if use_l else dl
 
-
-def pick(cands: Sequence[Candidate], cal: Calibration, n: Optional[int] = None) -> Choice:
-    """``best_chain`` as a Choice, cut to ``n`` tokens, with the best score of each source."""
-    c = best_chain(cands, cal, n)
-    scores = {"suffix": cands[0].score(n), "dlite": next((x.score(n) for x in cands if x.alone), None),
-              "mixed": max((x.score(n) for x in cands if x.split > 0 and not x.alone), default=None)}
-    cut = len(c.tokens) if n is None else max(0, n)
-    return Choice(c.tokens[:cut], c.source, c.score(n), c.probs[:cut], c.split, scores)

@@ -50,7 +50,7 @@ from typing import Callable, List, Optional, Sequence
 
 from sglang_dlite.drafting.accept import expected_accepted
 from sglang_dlite.drafting.budget import reaches
-from sglang_dlite.drafting.chooser import Calibration, Candidate, best_chain, candidates, default_calibration, lookup_only, needs_dlite, pick
+from sglang_dlite.drafting.chooser import Calibration, Candidate, best_chain, candidates, default_calibration, lookup_only, needs_dlite
 from sglang_dlite.drafting.corpus import SharedCorpus
 from sglang_dlite.drafting.suffix import DEFAULT_MAX_MATCH, SuffixIndex
 from sglang_dlite.drafting.tree import grow_tree
@@ -221,7 +221,7 @@ class BatchLookup:
         and its calibrated per-position probabilities (as long as the real chain)."""
         out, sources, probs = [], [], []
         for i, (idx, cs) in enumerate(zip(idxs, cands)):
-            c = pick(cs, self.cal, n)
+            c = best_chain(cs, self.cal, n)
             toks = list(c.tokens[:n])
             if self.min_reach > 0:  # cut where the chance that a position is reached gets small
                 toks = toks[:len(reaches(c.probs, self.min_reach))]

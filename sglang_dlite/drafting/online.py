@@ -1,10 +1,10 @@
-"""Online adaptation: DLite learns from the verify results of the traffic it serves (issue 47).
+"""Online adaptation: DLite learns from the verify results of the traffic it serves.
 
-Every verify round already holds the drafter's training signal, in distribution and for free: the
-inputs DLite read (the last C captured target rows and the anchor) and the target's own logits at
-every verified row. ``OnlineLearner`` keeps those pairs in a bounded buffer and, every
-``update_every`` rounds, takes a few optimizer steps on a small parameter set of a *working copy*
-of the drafter, with the stabilize stage's loss (CE + TV against the target, ``losses.py``).
+Every verify round holds the drafter's training signal, in distribution and for free: the inputs
+DLite read (the last C captured target rows and the anchor) and the target's own logits at every
+verified row. ``OnlineLearner`` keeps those pairs in a bounded buffer and, every ``update_every``
+rounds, takes a few optimizer steps on a small parameter set of a *working copy* of the drafter,
+with the stabilize stage's loss (CE + TV against the target, ``losses.py``).
 
 One pair per round, for a chain ``d_1..d_n`` verified after anchor ``t``::
 
@@ -13,30 +13,17 @@ One pair per round, for a chain ``d_1..d_n`` verified after anchor ``t``::
     label; rows 0..a (a = accepted drafts) are conditioned on committed tokens only: those are
     the pair's valid positions (the same teacher forcing as offline training).
 
-The pair does not depend on who drafted (hybrid rounds drafted by the suffix lookup teach DLite
-too); a token tree's round teaches the chain of its accepted root path (the target verified each of
-its rows as that chain's), in the reference engine (``--drafter hybrid-online``) as in the sglang
-worker. Output stays lossless by construction: verification is unchanged, only drafts move.
-
-Parameter sets (``PARAM_SETS``): ``norm`` (the final norm's gain), ``head`` (the low-rank RNN
-head + final norm), ``last`` (the last backbone layer + head + final norm). Scopes: ``session``
-(state in the engine session's ``drafter_state``: starts from the shipped weights with each
-conversation, freed with it) and ``server`` (one shared state, decayed back towards the shipped
-weights after every update; the sglang worker's setting ``online``, ``serving/online_serving.py``,
-feeds it whole batches through ``learn_round``). Rails: the shipped model is never written (a deep copy is trained;
-the target's frozen tensors are shared, not copied); a watchdog compares, on the same rounds, the
-adapted chain's acceptance with the shipped drafter's and reverts to the shipped weights when a
-window of compared rounds says the adapted one is worse (at server scope one round in 8 is
-compared: ``watchdog_every``); under token trees (the served hybrid) a tree gate instead drafts the
-adapted or the shipped tree, whichever would have accepted more over the last ``tree_gate`` judged rounds
-(``OnlineLearner.tree_gate``: one rule for the sglang worker's tree rounds and the reference engine's), and while it drafts the
-shipped tree the learner takes one tree round in ``backoff`` (``learns_tree_round``: learning costs
-little where its drafts are not used); the buffer is bounded; a seed makes every update
-deterministic (``max_update_ms`` is then the one source of run-to-run variation: off by default; at
-server scope it also paces the updates, an update past it delaying the next).
-
-What each setting measured, in both engines: ``docs/results.md`` (online adaptation). The defaults:
-``last``, per session (the serving worker's own: ``online_config.SERVING_DEFAULTS``).
+The pair does not depend on who drafted (lookup drafts teach DLite too); a token tree's round
+teaches the chain of its accepted root path. Parameter sets: ``online_config.PARAM_SETS``. Scopes:
+``session`` (state in the session's ``drafter_state``, from the shipped weights with each
+conversation) and ``server`` (one state, decayed back towards the shipped weights after every
+update: ``serving/online_serving.py``). Rails: the shipped model is never written; a watchdog
+compares the adapted chain's acceptance with the shipped drafter's on the same rounds (one in
+``watch_every``) and reverts when a window says it is worse; under token trees a tree gate drafts the
+adapted or the shipped tree, whichever would have accepted more over the last ``tree_gate`` judged
+rounds (``tree_gate``), and while the shipped tree is drafted one tree round in ``backoff`` is
+learned; a seed makes every update deterministic (``max_update_ms`` is the one source of run-to-run
+variation). What each setting measured: ``docs/results.md`` (online adaptation).
 """
 
 from __future__ import annotations
@@ -176,8 +163,7 @@ class OnlineLearner:
                 f"watchdog window {self.cfg.watchdog_window}, seed {self.cfg.seed}"
                 + (f", tree gate {self.cfg.tree_gate}" if self.cfg.tree_gate else "")
                 + (f", back-off 1/{self.cfg.backoff} while the gate holds the shipped tree"
-                   if self.cfg.tree_gate and self.cfg.backoff > 1 else "")
-                + (", updates and watchdog on a background thread" if self.cfg.background else ""))
+                   if self.cfg.tree_gate and self.cfg.backoff > 1 else ""))
 
     def state_for(self, session: Optional[dict]) -> _State:
         """The adaptation state of a conversation (``session``: its scratch dict, which keeps the
@@ -283,30 +269,15 @@ class OnlineLearner:
         the verified chain, ``probs`` [B, n + 1, V] the target's distribution per verified row,
         ``accepted`` [B]. ``path``: a tree round's accepted root path (the watchdog cuts row b at
         ``accepted[b]``: the rest was not verified as a chain; never the working model's chain)."""
-        self.learn_pairs(st, *self.round_pairs(st, ctx, valid, anchors, drafts, probs, accepted, path))
-
-    def round_pairs(self, st: _State, ctx, valid, anchors, drafts, probs, accepted, path: bool = False) -> tuple:
-        """``learn_round``'s first half, what the round itself must do: (its pairs, what ``_watch``
-        compares on when a comparison is due -- once adapted, one round in ``watch_every`` -- else
-        None). Counts the round in ``st.rounds``; the inputs are copied, none of the round's tensors kept."""
         accepted = torch.as_tensor(accepted, dtype=torch.int64).cpu()
-        pairs = self.make_pairs(ctx, valid, anchors, drafts, probs, accepted)
+        st.buffer.extend(self.make_pairs(ctx, valid, anchors, drafts, probs, accepted))
         st.rounds += 1
-        if path and not self.watch_paths:
-            return pairs, None
-        if not (st.adapted and st.rounds % self.cfg.watch_every == 0 and self.cfg.watchdog_window and drafts.shape[1]):
-            return pairs, None
-        d, t, a = drafts.tolist(), probs.argmax(-1).tolist(), accepted.tolist()
-        d, t = ([r[:n] for r, n in zip(d, a)], [r[:n + 1] for r, n in zip(t, a)]) if path else (d, t)
-        return pairs, (ctx.clone(), valid.clone(), anchors.clone(), d, t, self.drafts_are_model and not path)
-
-    def learn_pairs(self, st: _State, pairs: list, watch: Optional[tuple] = None) -> None:
-        """``learn_round``'s second half (``round_pairs``' results): the pairs into ``st``'s buffer, the
-        watchdog's comparison when one is due, an update when one is due (the serving learner's
-        background thread runs this part off the round)."""
-        st.buffer.extend(pairs)
-        if watch is not None and st.adapted:
-            self._watch(st, *watch[:5], model_drafts=watch[5])
+        watch = not (path and not self.watch_paths) and st.adapted and self.cfg.watchdog_window \
+            and st.rounds % self.cfg.watch_every == 0 and drafts.shape[1]
+        if watch:
+            d, t, a = drafts.tolist(), probs.argmax(-1).tolist(), accepted.tolist()
+            d, t = ([r[:n] for r, n in zip(d, a)], [r[:n + 1] for r, n in zip(t, a)]) if path else (d, t)
+            self._watch(st, ctx, valid, anchors, d, t, model_drafts=self.drafts_are_model and not path)
         self.stats["rounds"] += 1
         st.rounds_since_update += 1
         if st.rounds_since_update >= st.update_period and len(st.buffer) >= self.cfg.min_pairs:

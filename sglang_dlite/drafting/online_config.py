@@ -18,9 +18,7 @@ SCOPES = ("session", "server")
 # session): one adapter for the whole batch (per-session weights cannot batch), each update within a
 # time budget, a smaller step (under token trees lr 1e-3 kept more of the gain than 3e-3:
 # docs/results.md), an update every 16 rounds and a watchdog comparison every 32 (concurrency 1,
-# medians of 3: 1.01x static tokens/s, tau +7 %; every 8 rounds 0.96x, every 4 0.88x). Updates stay
-# inside the round (background 0): on a 2-core CPU the learner's thread slowed every round more than
-# it saved (0.77x static vs 0.95x inline, medians of 3); background 1 is for a spare core or a GPU.
+# medians of 3: 1.01x static tokens/s, tau +7 %; every 8 rounds 0.96x, every 4 0.88x).
 # backoff 8: while the tree gate drafts the shipped trees, learn from one tree round in 8 (float32,
 # concurrency 1, 512 tokens: 1.2 ms of learning per round instead of 5.9; docs/results.md, "The back-off").
 SERVING_DEFAULTS = {"scope": "server", "max_update_ms": 50.0, "lr": 1e-3, "update_every": 16, "watchdog_every": 32,
@@ -50,7 +48,6 @@ class OnlineConfig:
     watchdog_every: int = 0  # compare on one round in this many (0: every round per session, 1 in 8 at server scope)
     max_update_ms: Optional[float] = None  # an update stops stepping past this (breaks determinism); server: paced
     seed: int = 0
-    background: int = 0  # serving (online_serving.py): 1 = updates and the watchdog on a background thread, off the round
     tree_gate: int = 32  # token trees: judged rounds the gate weighs, adapted vs shipped tree (0: off; OnlineDrafter)
     backoff: int = 1  # token trees: while the gate drafts the shipped tree, learn from one round in this many (1: all)
 
@@ -62,7 +59,6 @@ class OnlineConfig:
         ints = ("update_every", "steps", "batch_size", "buffer_size", "min_pairs", "tv_topk", "backoff")
         bad = [n for n in ints if int(getattr(self, n)) < 1] + (["watchdog_every"] if self.watchdog_every < 0 else [])
         bad += ["tree_gate (>= 0)"] if self.tree_gate < 0 else []
-        bad += ["background (0 or 1)"] if self.background not in (0, 1) else []
         if bad or self.lr <= 0 or not 0 <= self.decay < 1 or self.watchdog_window < 0 or self.recent < 0:
             raise DLiteConfigError(f"online settings out of range ({', '.join(bad) or 'lr/decay/watchdog/recent'}): "
                                    "counts >= 1, lr > 0, 0 <= decay < 1, watchdog_window >= 0, recent >= 0.")

@@ -8,8 +8,7 @@ switches every eligible layer of a module in place (the drafter in sglang's CPU 
 the packed copy is rebuilt if the weight tensor changes (new storage or an in-place update), and
 anything else (float32, CUDA, gradients, no oneDNN) keeps ``nn.Linear``'s own forward. The CPU
 stand-in for sglang's own linear layers (``cpu_support/sglang_cpu/dlite_cpu_packed_linear.py``)
-uses the same ``pack_weight`` / ``packed_for`` / ``packed_linear``. ``MklPackedLinear`` is the
-float32 counterpart (MKL's packed sgemm), used by the fast regeneration engine.
+uses the same ``pack_weight`` / ``packed_for`` / ``packed_linear``.
 """
 
 from __future__ import annotations
@@ -68,67 +67,6 @@ def pack_weight(w: torch.Tensor):
     if not can_pack(w):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), BATCH_HINT)
-
-
-def _mkl_packable(w: torch.Tensor) -> bool:
-    return w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2
-
-
-def mkl_available() -> bool:
-    """Whether torch ships MKL's packed sgemm (``torch.ops.mkl._mkl_linear``, what inductor's CPU
-    freezing uses for float32 linears)."""
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-
-
-class MklPackedLinear:
-    """``F.linear(x, weight, bias)`` for a float32 [out, in] CPU weight packed once for MKL's sgemm.
-
-    ``F.linear`` (MKL's unpacked sgemm) re-lays the weight out on every call, which for the few
-    rows of a decode or verify step is a large part of the cost: SmolLM2-135M's 30 layers + LM
-    head, 1 thread, best of 3 interleaved, M = 4 / 8 / 32 / 64 rows: 92 / 128 / 131 / 191 ms
-    unpacked vs 71 / 83 / 110 / 150 ms packed (1.15-1.5x; ``bench/gen_throughput.py``'s
-    fast-spec vs fast-spec-unpacked rows measure the end-to-end effect).
-    The pack does not depend on the row count, so one packed copy (~1.05x the weight's bytes)
-    serves every M. The result equals ``F.linear``'s bit for bit from ~16 rows up; below, MKL's
-    unpacked path takes another kernel and they differ in the last bits (as any two GEMM shapes).
-    Above ``MAX_ROWS`` rows (a prefill) the packing gains nothing (200-400 rows: 0.97-1.02x,
-    noisy) and ``F.linear`` runs instead.
-    """
-
-    __slots__ = ("weight", "bias", "packed")
-    MAX_ROWS = 128
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor = None):
-        if not _mkl_packable(weight):
-            raise ValueError(f"MklPackedLinear needs a 2-D float32 CPU weight, got {tuple(weight.shape)} "
-                             f"{weight.dtype} on {weight.device}.")
-        if not mkl_available():
-            raise RuntimeError("this torch build has no MKL packed sgemm (torch.ops.mkl._mkl_linear); "
-                               "use F.linear (MklPackedLinear.maybe returns it).")
-        self.weight = weight.detach().contiguous()
-        self.bias = None if bias is None else bias.detach().contiguous()
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
-
-    @classmethod
-    def maybe(cls, weight: torch.Tensor, bias: torch.Tensor = None):
-        """A packed linear where MKL packing applies (float32 CPU weight, MKL present), else a
-        closure over ``F.linear``: the same call either way."""
-        if _mkl_packable(weight) and mkl_available():
-            return cls(weight, bias)
-        return functools.partial(F.linear, weight=weight, bias=bias)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            raise ValueError(f"MklPackedLinear: input is {x.dtype}, the packed weight float32.")
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()
-        if x2.shape[0] == 0:
-            return x.new_empty(*shape[:-1], self.weight.shape[0])
-        if x2.shape[0] > self.MAX_ROWS:
-            out = F.linear(x2, self.weight, self.bias)
-        else:
-            out = torch.ops.mkl._mkl_linear(x2, self.packed, self.weight, self.bias, x2.shape[0])
-        return out.view(*shape[:-1], out.shape[-1])
 
 
 def packed_for(holder, w: torch.Tensor):
