@@ -19,7 +19,7 @@ setup(
     # --cpu`): data, put on the sglang child processes' PYTHONPATH by sglang_dlite.serving.cpu_launch
     package_data={"sglang_dlite": ["checkpoints/*/*", "drafting/calibration.json", "serving/cpu_support/*.py",
                                    "serving/cpu_support/*.md", "serving/cpu_support/sglang_cpu/*.py",
-                                   "serving/cpu_support/sglang_cpu/sgl_kernel/*.py"]},
+                                   "serving/cpu_support/sglang_cpu/sgl_kernel/*.py", "serving/chat_templates/*.jinja"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "transformers>=4.57", "safetensors", "tqdm"],
     extras_require={

@@ -291,6 +291,18 @@ def test_server_still_answers_after_bad_inputs(server):
     assert r.status_code == 200 and "[DONE]" in r.text and '"error"' not in r.text
 
 
+def test_tools_without_a_tool_call_parser_get_a_clear_400(server):
+    """This server has no --tool-call-parser (``sglang-dlite serve`` passes one for the bundled
+    target only): ``tools`` under "auto" would never come back as ``tool_calls``."""
+    base, proc, log, _ = server
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"model": "default", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    r = requests.post(base + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 400 and "--tool-call-parser" in error_message(r), r.text[:300]
+    assert requests.post(base + "/v1/chat/completions", json=dict(body, tool_choice="none"), timeout=300).status_code == 200
+    _alive(base, proc, log)
+
+
 def test_metrics_serve_dlite_and_spec_counters(server):
     base, proc, log, _ = server
     assert requests.post(base + "/generate", json={"text": " "}, timeout=60).status_code == 400

@@ -11,7 +11,9 @@ sglang_dlite.serving:register``. sglang calls ``register()`` in the launcher
 4. hooks the target's CUDA-graph runner so TARGET_VERIFY graphs are captured with hidden-state
    capture for DLITE (``get_spec_info``); without it verify would run eagerly on CUDA;
 5. hooks the scheduler's per-request validation so requests DLITE cannot serve
-   (``return_hidden_states``) get a 400 with a message instead of a wrong answer.
+   (``return_hidden_states``) get a 400 with a message instead of a wrong answer;
+6. in the HTTP server's process: the request guards (``guards/``) and the bundled target's
+   tool-call parser ``smollm2`` (``tool_calls.py``).
 
 No sglang source is edited. The CPU-only test stand-ins (``cpu_support/sglang_cpu``) are never
 loaded from here.
@@ -118,4 +120,13 @@ def register() -> None:
         register_hooks()
     except Exception as exc:  # pragma: no cover - sglang moved the tokenizer manager / http server
         logger.warning("DLITE: could not install the request guards (%s).", exc)
+    try:  # the bundled target's tool-call parser: where sglang parses --tool-call-parser (launcher)
+        from sglang_dlite.serving.guards.hooks import is_http_launcher  # start-up cost: keeps this entry point light (register() only)
+
+        if is_http_launcher():
+            from sglang_dlite.serving.tool_calls import register_parser  # optional: sglang (launcher only)
+
+            register_parser()
+    except Exception as exc:  # pragma: no cover - sglang moved its tool-call parsers
+        logger.warning("DLITE: could not register the smollm2 tool-call parser (%s).", exc)
     _registered = True

@@ -5,6 +5,14 @@ checkpoint) and ``--speculative-algorithm DLITE``. Every other argument goes to 
     sglang-dlite serve                                   # defaults, CUDA server on :30000
     sglang-dlite serve --model-path T --draft D -- --port 8000 --mem-fraction-static 0.8
     sglang-dlite serve --cpu -- --port 8000              # this project's CPU test stack
+
+Agent-ready defaults: ``/metrics`` on (``--enable-metrics``; ``--no-metrics`` turns it off) and,
+for the bundled target, OpenAI ``tool_calls``: ``--tool-call-parser smollm2`` (``tool_calls.py``:
+hermes parsing, schema-constrained calls) with the shipped chat template
+``chat_templates/smollm2_tools.jinja`` (SmolLM2's own template ignores ``tools``). A target of your
+own gets no parser: pass the one that fits its chat template after ``--`` (``-- --tool-call-parser
+qwen25``, or ``auto`` to let sglang detect it); without one, ``tools`` under ``tool_choice`` "auto"
+are refused with a message that says so (the request guards).
 """
 
 from __future__ import annotations
@@ -13,15 +21,21 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from transformers import AutoConfig
 
 from sglang_dlite.serving.cpu_launch import ENV_THREADS_BIND, SERVER_CPU_ARGS, cpu_environ, omp_threads_bind
 from sglang_dlite.model.dlite import shipped_drafter_path
 from sglang_dlite.errors import DLiteConfigError, DLiteInputError
-from sglang_dlite.model.bundled_target import resolve_target
+from sglang_dlite.model.bundled_target import default_target_dir, resolve_target
 
 CPU_MALLOC_MMAP_THRESHOLD = 128 * 1024  # bytes: glibc's default start value, kept fixed
+# The bundled target's tool calls: SmolLM2's <tool_call>{"name": ..., "arguments": ...}</tool_call>,
+# parsed as sglang's hermes format by the plugin's `smollm2` parser (sglang's own `hermes` where the
+# plugin is not loaded); the template lists the tools in the system turn in that format.
+BUNDLED_TOOL_CALL_PARSER = "smollm2"
+BUNDLED_TOOLS_TEMPLATE = Path(__file__).resolve().parent / "chat_templates" / "smollm2_tools.jinja"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,21 +44,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-spec", action="store_true", help="serve the target without speculation (baseline)")
     p.add_argument("--cpu", action="store_true",
                    help="run on this project's CPU stack (torch_native attention, fp32, test-only stand-ins)")
+    p.add_argument("--no-metrics", action="store_true",
+                   help="do not pass --enable-metrics (on by default: Prometheus text at GET /metrics)")
     p.add_argument("--dry-run", action="store_true", help="print the sglang command and exit")
     p.add_argument("sglang_args", nargs=argparse.REMAINDER, help="arguments passed to sglang.launch_server (after --)")
 
 
 def check_plugin_enabled(environ=None) -> None:
     """sglang loads only the plugins named in SGLANG_PLUGINS (when set): DLITE needs 'dlite'."""
-    allowed = (environ if environ is not None else os.environ).get("SGLANG_PLUGINS")
-    if allowed:
-        names = {x.strip() for x in allowed.split(",") if x.strip()}
-        if "dlite" not in names:
-            raise DLiteConfigError(
-                f"SGLANG_PLUGINS={allowed!r} does not enable the 'dlite' plugin, so sglang would not "
-                "know --speculative-algorithm DLITE (nor the DLite checkpoint format). Unset "
-                "SGLANG_PLUGINS or add 'dlite' to it."
-            )
+    environ = environ if environ is not None else os.environ
+    if not _plugin_loaded(environ):
+        raise DLiteConfigError(
+            f"SGLANG_PLUGINS={environ.get('SGLANG_PLUGINS')!r} does not enable the 'dlite' plugin, so sglang "
+            "would not know --speculative-algorithm DLITE (nor the DLite checkpoint format). Unset "
+            "SGLANG_PLUGINS or add 'dlite' to it."
+        )
 
 
 def build_command(args) -> tuple[list, dict]:
@@ -64,6 +78,8 @@ def build_command(args) -> tuple[list, dict]:
     extra = list(args.sglang_args or [])
     if extra[:1] == ["--"]:
         extra = extra[1:]
+    cmd += agent_defaults(extra, env, bundled=_is_bundled(args.model_path, target),
+                          metrics=not getattr(args, "no_metrics", False))
     if args.cpu:
         env.update(cpu_environ())
         # glibc's dynamic mmap threshold keeps freed large tensor buffers on the heap: the CPU
@@ -81,6 +97,37 @@ def build_command(args) -> tuple[list, dict]:
             print(note, file=sys.stderr, flush=True)
         cmd += defaults + SERVER_CPU_ARGS
     return cmd + extra, env
+
+
+def _has_flag(args: list, name: str) -> bool:
+    return any(a == name or a.startswith(name + "=") for a in args)
+
+
+def _is_bundled(model_path, target: str) -> bool:
+    if model_path in (None, "", "default"):
+        return True
+    return os.path.realpath(target) == os.path.realpath(default_target_dir())
+
+
+def _plugin_loaded(environ) -> bool:
+    """Whether sglang will load this plugin (``SGLANG_PLUGINS`` unset, or naming ``dlite``)."""
+    allowed = environ.get("SGLANG_PLUGINS")
+    return not allowed or "dlite" in {x.strip() for x in allowed.split(",")}
+
+
+def agent_defaults(extra: list, env: dict, bundled: bool, metrics: bool = True) -> list:
+    """What an agent needs from the server, unless the user's own flags after ``--`` say
+    otherwise: ``--enable-metrics`` and, for the bundled target, the tool-call parser and the
+    template that renders the tools."""
+    out = []
+    if metrics and not _has_flag(extra, "--enable-metrics"):
+        out.append("--enable-metrics")
+    if bundled:
+        if not _has_flag(extra, "--tool-call-parser"):
+            out += ["--tool-call-parser", BUNDLED_TOOL_CALL_PARSER if _plugin_loaded(env) else "hermes"]
+        if not _has_flag(extra, "--chat-template"):
+            out += ["--chat-template", str(BUNDLED_TOOLS_TEMPLATE)]
+    return out
 
 
 def _int_flag(args: list, *names: str) -> int:

@@ -11,7 +11,9 @@ Three layers, all installed by the plugin (no sglang source edits), none in the 
 1. ``check_request(path, body)``: pure checks of a parsed JSON body for ``/generate``,
    ``/v1/completions`` and ``/v1/chat/completions`` (empty / whitespace-only prompts, empty
    message lists, negative or zero counts, negative token ids, empty stop strings, wrong types,
-   unknown fields of ``/generate``, a ``json_schema`` that is not JSON). Run by
+   unknown fields of ``/generate``, a ``json_schema`` that is not JSON; ``tools`` under
+   ``tool_choice`` "auto" on a server with no ``--tool-call-parser``, which would never answer
+   with ``tool_calls``). Run by
    ``RequestGuardMiddleware`` (a pure ASGI middleware) before FastAPI parses the body, so it also
    answers malformed JSON with a short message. A refused request gets HTTP 400 with
    ``{"object": "error", "message": ..., "type": "BadRequestError", "param": FIELD, "code": 400}``;

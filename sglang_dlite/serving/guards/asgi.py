@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 
 from sglang_dlite.serving.metrics import record_refusal
-from sglang_dlite.serving.guards.checks import GUARDED_PATHS, RequestRefused, check_request, check_token_range, metric_field, parse_body
+from sglang_dlite.serving.guards.checks import (
+    GUARDED_PATHS, RequestRefused, check_request, check_token_range, check_tools_parser, metric_field, parse_body,
+)
 from sglang_dlite.serving.guards.messages import error_body, sanitize_message
 
 
@@ -15,9 +17,11 @@ class RequestGuardMiddleware:
     """Pure ASGI: checks the guarded routes' JSON bodies before FastAPI sees them, and scrubs the
     messages of every 4xx JSON body / SSE error event they answer with."""
 
-    def __init__(self, app, known_generate_fields=None, known_sampling_params=None, vocab_size=None):
+    def __init__(self, app, known_generate_fields=None, known_sampling_params=None, vocab_size=None,
+                 tool_call_parser=None):
         self.app = app
         self.vocab_size = vocab_size  # callable -> the target's vocabulary size, or None
+        self.tool_call_parser = tool_call_parser  # callable -> the server's tool-call parser, or None
         self.known_generate_fields = known_generate_fields
         self.known_sampling_params = known_sampling_params
 
@@ -42,6 +46,8 @@ class RequestGuardMiddleware:
                 check_request(scope["path"], body, known_generate_fields=self.known_generate_fields,
                               known_sampling_params=self.known_sampling_params)
                 check_token_range(scope["path"], body, self.vocab_size() if self.vocab_size else None)
+                if self.tool_call_parser is not None:
+                    check_tools_parser(scope["path"], body, self.tool_call_parser())
             except RequestRefused as exc:
                 try:
                     record_refusal(scope["path"], metric_field(exc.param, self.known_generate_fields,

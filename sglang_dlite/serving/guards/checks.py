@@ -281,6 +281,21 @@ def check_token_range(path: str, body: Any, vocab_size: Optional[int]) -> None:
         raise RequestRefused(f"`{field}` holds token id {hi}, outside the vocabulary [0, {vocab_size}).", field)
 
 
+def check_tools_parser(path: str, body: Any, tool_call_parser) -> None:
+    """``tools`` under ``tool_choice`` "auto" on a server with no tool-call parser: sglang would
+    never answer with ``tool_calls`` (a call the model writes stays in ``content``). "required" and
+    a named tool pass: sglang then constrains the output to a JSON array of calls, returned as
+    ``content`` (test_sglang_verify checks that answer)."""
+    if path != "/v1/chat/completions" or tool_call_parser or not isinstance(body, dict):
+        return
+    if body.get("tools") and body.get("tool_choice") in (None, "auto"):
+        raise RequestRefused(
+            "this server has no tool-call parser, so `tools` would never come back as `tool_calls`. "
+            "Restart it with the parser that fits the target's chat template: sglang-dlite serve "
+            "--model-path T -- --tool-call-parser NAME (e.g. qwen25, llama3, hermes; `auto` lets sglang "
+            "detect it from the template), or send the request without `tools`.", "tools")
+
+
 def parse_body(raw: bytes) -> Any:
     try:
         return json.loads(raw)
@@ -292,7 +307,7 @@ def parse_body(raw: bytes) -> Any:
 
 OPENAI_FIELDS = {"messages", "prompt", "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs",
                   "temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p",
-                  "stop", "stream", "response_format", "model"}
+                  "stop", "stream", "response_format", "model", "tools"}
 
 
 def metric_field(param, known_generate_fields=None, known_sampling_params=None) -> str:

@@ -68,12 +68,19 @@ def install_http_guards(*args, **kwargs):
         return None
     gen, sp = known_fields()
 
+    def tokenizer_manager():
+        return getattr(getattr(http_server, "_global_state", None), "tokenizer_manager", None)
+
     def vocab_size():
-        tm = getattr(getattr(http_server, "_global_state", None), "tokenizer_manager", None)
-        return getattr(getattr(tm, "model_config", None), "vocab_size", None)
+        return getattr(getattr(tokenizer_manager(), "model_config", None), "vocab_size", None)
+
+    def tool_call_parser():
+        """The parser sglang uses (``auto`` resolved from the template); "unknown" before start-up."""
+        tm = tokenizer_manager()
+        return tm.config_value("tool_call_parser") if tm is not None else "unknown"
 
     app.add_middleware(RequestGuardMiddleware, known_generate_fields=gen, known_sampling_params=sp,
-                       vocab_size=vocab_size)
+                       vocab_size=vocab_size, tool_call_parser=tool_call_parser)
     original = app.exception_handlers.get(RequestValidationError)
 
     async def clean_validation_error(request, exc):
