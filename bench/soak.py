@@ -30,11 +30,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import random
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +40,7 @@ from pathlib import Path
 
 import requests
 
+from dlite_lab.benchmarking.agent_client import free_port, stop_process_group
 from dlite_lab.benchmarking.bad_requests import BAD_REQUESTS, LEAK_RE, error_message, send
 from dlite_lab.benchmarking.soak_report import dlite_metrics, plot, plot_title, print_table, rss_summary, table
 
@@ -64,18 +62,12 @@ KINDS = ["greedy", "sampled", "penalties", "json_schema", "stop", "logprobs", "s
          "abort", "disconnect", "over_long", "invalid"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ----------------------------------------------------------------------------- the server
 class Server:
     def __init__(self, args, log_path: Path):
         from sglang_dlite.serving import serve
 
-        self.port = args.port or _free_port()
+        self.port = args.port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         ns = argparse.Namespace(model_path="default", draft=args.draft, no_spec=args.no_spec, cpu=True,
                                 dry_run=False, sglang_args=[
@@ -141,13 +133,7 @@ class Server:
         return self.log.read()[-n:]
 
     def stop(self):
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(30)
-                return
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
+        stop_process_group(self.proc)
 
 
 def kv_used_tokens(base: str):

@@ -7,13 +7,13 @@ package's public ``sglang_dlite.serving.cpu_launch`` and the random-weight model
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dlite_lab.benchmarking.agent_client import free_port, stop_process_group  # noqa: F401  (tests use free_port)
 from sglang_dlite.serving.cpu_launch import (  # noqa: F401  (the CPU launch environment lives in the package)
     CPU_STANDINS, activate_cpu_standins, cpu_environ, engine_kwargs, start_engine,
 )
@@ -101,12 +101,6 @@ def default_target_chat_prompts(messages: list) -> tuple:
 
 
 # ----------------------------------------------------------------------------- one real HTTP server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class HttpServer:
     """One ``python -m sglang.launch_server`` on 127.0.0.1 in its own process group."""
@@ -144,16 +138,7 @@ class HttpServer:
         pytest.fail("server did not come up in time:\n" + self.log_tail())
 
     def stop(self) -> None:
-        import signal
-
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_process_group(self.proc)
 
     def log_tail(self, n: int = 4000) -> str:
         self.log.seek(0)

@@ -44,10 +44,22 @@ NGRAM_ARGS = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-token
 REQUEST_TIMEOUT_S = 600.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (benchmark and test servers listen on loopback only)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_process_group(proc: subprocess.Popen, wait_s: float = 30.0) -> None:
+    """End a server started with ``start_new_session=True`` and its children: SIGTERM, then SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(wait_s)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
 
 
 @dataclass
@@ -71,7 +83,7 @@ class Server:
 
         if mode not in MODES:
             raise DLiteInputError(f"mode {mode!r}: one of {', '.join(MODES)}.")
-        port = _free_port()
+        port = free_port()
         sglang_args = ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enable-cache-report",
                        "--max-running-requests", str(max_running), "--log-level", "warning",
                        *(NGRAM_ARGS if mode == "ngram" else []), *extra]
@@ -126,15 +138,8 @@ class Server:
             return f.read()[-n:]
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(30)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
+        if self.proc is not None:
+            stop_process_group(self.proc)
         self.proc = None
 
 
