@@ -167,7 +167,8 @@ class TurnRecord:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.completion_tokens / self.latency_s if self.latency_s > 0 else 0.0
+        out = self.completion_tokens  # output tokens per second of the turn's whole latency
+        return out / self.latency_s if self.latency_s > 0 else 0.0
 
     def row(self) -> dict:
         d = {k: v for k, v in vars(self).items() if k != "itl_s"}
@@ -283,9 +284,10 @@ def summarize(turns: list, wall_s: float) -> dict:
     spec = [t for t in turns if t.spec_verify_ct]
     rounds = sum(t.spec_verify_ct for t in spec)
     r = lambda x, k=4: None if x is None else round(x, k)  # noqa: E731
+    out = sum(t.completion_tokens for t in turns)
     return {
-        "turns": len(turns), "completion_tokens": sum(t.completion_tokens for t in turns), "wall_s": r(wall_s, 3),
-        "tokens_per_s": r(sum(t.completion_tokens for t in turns) / wall_s if wall_s > 0 else None, 3),
+        "turns": len(turns), "completion_tokens": out, "wall_s": r(wall_s, 3),
+        "tokens_per_s": r(out / wall_s if wall_s > 0 else None, 3),
         "ttft_p50_s": r(percentile(ttft, 50)), "ttft_p95_s": r(percentile(ttft, 95)),
         "ttft_turn2plus_p50_s": r(percentile(later, 50)),
         "itl_p50_ms": r(None if not itl else 1e3 * percentile(itl, 50), 3),

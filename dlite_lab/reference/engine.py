@@ -287,13 +287,14 @@ class ReferenceEngine:
         res.prefill_ms = (time.perf_counter() - t0) * 1e3
         t1 = time.perf_counter()
         use_spec = speculative and self.drafter is not None
-        while len(res.output_ids) < limit and res.output_ids[-1] not in self.eos:
+        new = [first]
+        while len(res.output_ids) < limit and self.eos.isdisjoint(new):  # until the first EOS committed
             if use_spec:
-                self._round(sess, res, temperature, top_p, gen)
+                new = self._round(sess, res, temperature, top_p, gen)
             else:
-                tok = self._pick(sess.forward([sess.tokens[-1]])[-1], temperature, top_p, gen)
-                sess.tokens.append(tok)
-                res.output_ids.append(tok)
+                new = [self._pick(sess.forward([sess.tokens[-1]])[-1], temperature, top_p, gen)]
+                sess.tokens.extend(new)
+                res.output_ids.extend(new)
         res.decode_ms = (time.perf_counter() - t1) * 1e3
         # Truncate at the first EOS / the limit (a round may have committed past them).
         out = res.output_ids
@@ -314,7 +315,9 @@ class ReferenceEngine:
         return [self.generate(list(p), max_new_tokens, seed=None if seed is None else seed + i, **kw)
                 for i, p in enumerate(prompts)]
 
-    def _round(self, sess: Session, res: GenerationResult, temperature, top_p, gen):
+    def _round(self, sess: Session, res: GenerationResult, temperature, top_p, gen) -> list:
+        """One draft + verify round; returns the tokens it committed (an EOS among them may be
+        followed by more, cut by ``generate``)."""
         ctx_len = len(sess.tokens)
         t0 = time.perf_counter()
         req = DraftRequest(
@@ -350,6 +353,7 @@ class ReferenceEngine:
         res.output_ids.extend(new)
         res.rounds.append(RoundRecord(drafts, a, ctx_len, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
                                       getattr(prop, "source", None), getattr(prop, "score", None)))
+        return new
 
 
 def accept_round(drafts: list, target_tokens: Optional[torch.Tensor] = None, *, p: Optional[torch.Tensor] = None,
