@@ -4,7 +4,7 @@ Where they go: ``SGLANG_DLITE_CONFIG``, a path to a JSON file or the JSON itself
 ``SGLANG_DLITE_CONFIG='{"max_batch_size": 48, "lookup": true}'``. Keys (``SETTINGS``, defaults in
 ``ServingOptions``): ``lookup``, ``verify_width``, ``drafter_dtype``, ``draft_cuda_graph``,
 ``round_log``, ``max_batch_size``, ``soft_batch_size``, ``soft_num_drafts``, ``tree_max_batch_size``,
-``tree_branches``, ``online``, ``corpus_tokens``, ``ops``, the CPU stand-ins' ``cpu_attention`` and
+``tree_branches``, ``online``, ``corpus_tokens``, ``ops``, ``spec_metrics``, the CPU stand-ins' ``cpu_attention`` and
 ``cpu_packed_linear``, and the debug keys ``lookup_trace``, ``tp_sync``, ``tp_check`` (serving/README.md
 says what each does). An unknown key or a bad value stops the
 launch with a message. ``SGLANG_DLITE_CONFIG`` is the only variable DLITE's serving reads (the
@@ -51,6 +51,9 @@ class ServingOptions:
     # OnlineConfig it resolves to (SERVING_DEFAULTS under what the setting gives); None: off
     online: Optional[OnlineConfig] = None
     ops: str = "auto"  # which kernels the drafter's ops run: auto | torch | cpp | cuda (ops.set_ops_mode)
+    # per-response speculation metrics (serving/spec_metrics.py) for every request: off | summary | detailed
+    # (off: only requests that ask, custom_params["dlite_spec_metrics"])
+    spec_metrics: str = "off"
     # CPU stand-ins (serving/cpu_support, read by every sglang process at start-up, speculative or not):
     # "same": sglang's own DECODE and prefill forwards attend through the project's CPU attention too (a
     # like-for-like speed comparison); "sglang": as sglang ships them. cpu_packed_linear: bf16 linears on
@@ -94,11 +97,12 @@ class ServingOptions:
 
 SETTINGS = ("lookup", "verify_width", "drafter_dtype", "draft_cuda_graph", "round_log", "max_batch_size",
             "soft_batch_size", "soft_num_drafts", "tree_max_batch_size", "tree_branches",
-            "online", "corpus_tokens", "ops", "cpu_attention", "cpu_packed_linear", "lookup_trace", "tp_sync",
-            "tp_check")
-_QUIET = ("online", "corpus_tokens", "ops", "cpu_attention", "cpu_packed_linear", "lookup_trace", "tp_sync",
-          "tp_check")  # in ``describe`` only when changed
+            "online", "corpus_tokens", "ops", "spec_metrics", "cpu_attention", "cpu_packed_linear", "lookup_trace",
+            "tp_sync", "tp_check")
+_QUIET = ("online", "corpus_tokens", "ops", "spec_metrics", "cpu_attention", "cpu_packed_linear", "lookup_trace",
+          "tp_sync", "tp_check")  # in ``describe`` only when changed
 CPU_ATTENTION = ("sglang", "same")  # the setting cpu_attention's values
+SPEC_METRICS = ("off", "summary", "detailed")  # the setting spec_metrics's values
 _DEFAULTS = {f.name: f.default for f in fields(ServingOptions)}
 
 
@@ -164,7 +168,11 @@ def _checked(o: ServingOptions) -> ServingOptions:
     mode = str(o.ops).strip().lower()
     if mode not in ops.MODES:
         raise bad("ops", f"use one of {', '.join(ops.MODES)}")
-    return replace(o, verify_width=width, drafter_dtype=dtype, ops=mode, online=online_setting(o.online))
+    spec = str(o.spec_metrics).strip().lower() if isinstance(o.spec_metrics, str) else None
+    if spec not in SPEC_METRICS:
+        raise bad("spec_metrics", f"use one of {', '.join(SPEC_METRICS)}")
+    return replace(o, verify_width=width, drafter_dtype=dtype, ops=mode, spec_metrics=spec,
+                   online=online_setting(o.online))
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -194,11 +194,57 @@ def answers(tmp_path_factory):
             srv_flush(srv)
             got["agent"] = asyncio.run(run_level(srv.base, load_workload("agent-stdlib", max_convs=2), 2, max_turns=3,
                                                  max_new_tokens=32, tools=True))[0]
+            got["spec"] = _spec_metrics_exchange(srv, client)
             out[name] = got
         yield out
     finally:
         for srv in servers.values():
             srv.stop()
+
+
+SPEC_PROMPT = [{"role": "user", "content": "List five prime numbers and say why each is prime."}]
+SPEC_COUNTERS = ("sglang:spec_decode_num_drafts_total", "sglang:spec_decode_num_draft_tokens_total",
+                 "sglang:spec_decode_num_accepted_tokens_total")
+
+
+def _counters(srv) -> dict:
+    """/metrics' acceptance counters, summed over their labels but ``position``."""
+    import re
+
+    text = requests.get(srv.base + "/metrics", timeout=60).text
+    out = {}
+    for name, labels, value in re.findall(r"^(sglang:spec_decode_num_\w+_total)(\{[^}]*\})? (\S+)$", text, re.M):
+        pos = re.search(r'position="(\d+)"', labels or "")
+        key = (name, int(pos.group(1))) if pos else name
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def _spec_metrics_exchange(srv, client) -> dict:
+    """Issue 64 item 4 over HTTP: the same greedy request asked with per-response metrics
+    (non-streamed, streamed with usage, ``/generate`` with the detailed ones), /metrics read around
+    them; then without the opt-in, and with a bad value."""
+    kw = dict(model="default", temperature=0, max_tokens=48, messages=SPEC_PROMPT)
+    opt_in = {"custom_params": {"dlite_spec_metrics": True}}
+    got = {"before": _counters(srv)}
+    r = client.chat.completions.create(extra_body=opt_in, **kw)
+    got["plain_with"] = (r.choices[0].message.content, r.usage.completion_tokens, (r.model_extra or {}).get("metrics"))
+    content, last = "", None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                extra_body=opt_in, **kw):
+        content += "".join(c.delta.content or "" for c in chunk.choices)
+        last = chunk
+    got["stream"] = (content, last.usage.completion_tokens, (last.model_extra or {}).get("metrics"))
+    g = requests.post(srv.base + "/generate", timeout=300, json={
+        "text": "The three primary colours are", "sampling_params": {
+            "temperature": 0, "max_new_tokens": 40, "custom_params": {"dlite_spec_metrics": "detailed"}}}).json()
+    got["generate"] = g["meta_info"]
+    got["after"] = _counters(srv)
+    r = client.chat.completions.create(**kw)
+    got["plain_without"] = (r.choices[0].message.content, (r.model_extra or {}).get("metrics"))
+    got["bad"] = requests.post(srv.base + "/v1/chat/completions", timeout=300, json=dict(
+        kw, custom_params={"dlite_spec_metrics": "verbose"}))
+    return got
 
 
 def _check_calls(answer, allowed):
@@ -254,3 +300,61 @@ def test_multi_turn_sessions_hit_the_prefix_cache_exactly_as_without_speculation
     assert p["output_mismatches"] == 0, p
     assert p["cache_compared"] == 4 and p["cached_tokens_mismatches"] == 0, p
     assert all(t.spec_verify_ct for t in spec) and not any(t.spec_verify_ct for t in base)
+
+
+def _check_one(m: dict, completion_tokens: int):
+    """One response's ``metrics.speculative_decoding``: its fields agree with each other and with
+    the tokens it returned."""
+    steps = m["num_spec_steps"]
+    assert steps > 0 and sum(m["acceptance_histogram"]) == steps, m
+    assert m["num_accepted_draft_tokens"] == sum(j * n for j, n in enumerate(m["acceptance_histogram"])), m
+    assert m["accepted_per_position"] == [sum(m["acceptance_histogram"][j + 1:])
+                                          for j in range(len(m["accepted_per_position"]))], m
+    assert len(m["acceptance_histogram"]) == m["num_spec_tokens"] + 1
+    assert m["num_draft_tokens"] >= m["num_accepted_draft_tokens"] > 0, m  # the shipped drafter accepts some
+    assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_draft_tokens"] / steps)
+    assert m["draft_acceptance_rate"] == pytest.approx(m["num_accepted_draft_tokens"] / m["num_draft_tokens"])
+    assert m["tau"] == pytest.approx((completion_tokens - 1) / steps)  # drafting/tau.py's one definition
+    src = m["sources"].values()
+    assert sum(s["num_spec_steps"] for s in src) == steps
+    assert sum(s["num_committed_tokens"] for s in src) == completion_tokens - 1  # every returned token, once
+    assert sum(s["num_accepted_draft_tokens"] for s in src) == m["num_accepted_draft_tokens"]
+
+
+def test_per_response_spec_metrics_reconcile_with_the_metrics_endpoint(answers):
+    """Issue 64 item 4: a request that opts in (``custom_params.dlite_spec_metrics``) gets vLLM's
+    ``metrics.speculative_decoding`` (non-streamed; the usage chunk of a stream; ``meta_info`` of
+    ``/generate``, there with the per-step lists and sglang's own ``spec_verify_ct``), and the three
+    responses' totals are exactly what /metrics' acceptance counters grew by meanwhile."""
+    spec = answers["dlite"]["spec"]
+    text, n, metrics = spec["plain_with"]
+    assert metrics and set(metrics) == {"speculative_decoding"}
+    one = metrics["speculative_decoding"]
+    _check_one(one, n)
+    s_text, s_n, s_metrics = spec["stream"]
+    assert s_text == text and s_n == n  # streamed = not, the metrics on the last chunk
+    _check_one(s_metrics["speculative_decoding"], s_n)
+    meta = spec["generate"]
+    gen = meta["dlite_spec_metrics"]
+    _check_one(gen, meta["completion_tokens"])
+    assert gen["num_spec_steps"] == meta["spec_verify_ct"]  # the steps sglang counts
+    assert gen["per_step_accepted"] and len(gen["per_step_accepted"]) == gen["num_spec_steps"]
+    assert sum(gen["per_step_draft_tokens"]) == gen["num_draft_tokens"]
+    parts = [one, s_metrics["speculative_decoding"], gen]
+    grew = {k: spec["after"].get(k, 0.0) - spec["before"].get(k, 0.0) for k in spec["after"]}
+    drafts, draft_tokens, accepted = (grew[k] for k in SPEC_COUNTERS)
+    assert drafts == sum(p["num_drafting_steps"] for p in parts)
+    assert draft_tokens == sum(p["num_draft_tokens"] for p in parts)
+    assert accepted == sum(p["num_accepted_draft_tokens"] for p in parts)
+    for pos in range(max(len(p["accepted_per_position"]) for p in parts)):
+        want = sum(p["accepted_per_position"][pos] for p in parts if pos < len(p["accepted_per_position"]))
+        assert grew.get(("sglang:spec_decode_num_accepted_tokens_per_pos_total", pos), 0.0) == want, pos
+
+
+def test_spec_metrics_change_no_output_and_only_reach_who_asks(answers):
+    spec = answers["dlite"]["spec"]
+    assert spec["plain_without"] == (spec["plain_with"][0], None)  # same text, no metrics field
+    assert answers["nospec"]["spec"]["plain_with"][0] == spec["plain_with"][0]  # greedy = the target's
+    assert answers["nospec"]["spec"]["plain_with"][2] is None  # no speculation: nothing to report
+    bad = spec["bad"]
+    assert bad.status_code == 400 and "dlite_spec_metrics" in bad.text and "summary" in bad.text, bad.text[:300]

@@ -148,20 +148,23 @@ def test_metrics_api_counts_rounds_and_sources():
     assert val("sglang:dlite_context_rows_bucket", le="3.0") == le3 + 1  # one request had 3 valid rows
     assert val("sglang:dlite_draft_ms_sum") - d0 >= 9.0  # the 10 ms sleep was between start() and the draft mark
     assert val("sglang:dlite_verify_ms_sum") - v0 < 9.0
-    # acceptance under vLLM's names: 3 requests verified 4 drafts each, accepting 0, 2 and 4
+    # acceptance under vLLM's names, recorded where sglang takes a round's result (RoundStats.consume):
+    # 3 requests verified 4 drafts each, accepting 0, 2 and 4; a 4th finished before the round (None)
+    from types import SimpleNamespace
+
+    from sglang_dlite.serving.spec_metrics import RoundStats
+
     names = ("sglang:spec_decode_num_drafts_total", "sglang:spec_decode_num_draft_tokens_total",
              "sglang:spec_decode_num_accepted_tokens_total")
     acc0 = [val(n) for n in names]
     pos0 = [val("sglang:spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(4)]
-    t.start().mark()
-    t.mark()
-    t.finish(3, None, width=5, accepted=torch.tensor([0, 2, 4]))
+    batch = SimpleNamespace(reqs=[SimpleNamespace(sampling_params=None) for _ in range(4)])
+    commit = SimpleNamespace(token_ids=[1])
+    RoundStats(torch.tensor([0, 2, 4, 3]), [4, 4, 4, 4], ["dlite"] * 4).consume(batch, [commit, commit, commit, None])
     assert [val(n) - v for n, v in zip(names, acc0)] == [3, 12, 6]
     pos = [val("sglang:spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) - v for p, v in enumerate(pos0)]
     assert pos == [2, 2, 1, 1]
-    t.start().mark()
-    t.mark()
-    t.finish(3, None, width=1, accepted=torch.tensor([0, 0, 0]))  # a round with no drafts is not a draft
+    RoundStats([0, 0, 0, 0], [0, 0, 0, 0], ["dlite"] * 4).consume(batch, [commit] * 4)  # no drafts: not a draft
     assert [val(n) - v for n, v in zip(names, acc0)] == [3, 12, 6]
 
 

@@ -13,7 +13,9 @@ sglang_dlite.serving:register``. sglang calls ``register()`` in the launcher
 5. hooks the scheduler's per-request validation so requests DLITE cannot serve
    (``return_hidden_states``) get a 400 with a message instead of a wrong answer;
 6. in the HTTP server's process: the request guards (``guards/``) and the bundled target's
-   tool-call parser ``smollm2`` (``tool_calls.py``).
+   tool-call parser ``smollm2`` (``tool_calls.py``);
+7. the per-response speculation metrics (``spec_metrics.py``, ``spec_metrics_http.py``): the
+   scheduler's output streamer, the tokenizer manager's meta_info, the OpenAI responses.
 
 No sglang source is edited. The CPU-only test stand-ins (``cpu_support/sglang_cpu``) are never
 loaded from here.
@@ -64,9 +66,10 @@ def _validate_request_hook(original, scheduler, req, *args, **kwargs):
     msg = original(scheduler, req, *args, **kwargs)
     algo = getattr(scheduler, "spec_algorithm", None)
     if msg is None and getattr(algo, "name", None) == ALGORITHM_NAME:
+        from sglang_dlite.serving.spec_metrics import request_error as spec_metrics_error  # start-up cost: as below
         from sglang_dlite.serving.verify_logits import request_error  # start-up cost: keeps this entry point light (scheduler only)
 
-        msg = request_error(req)
+        msg = request_error(req) or spec_metrics_error(req)
     return msg
 
 
@@ -120,6 +123,12 @@ def register() -> None:
         register_hooks()
     except Exception as exc:  # pragma: no cover - sglang moved the tokenizer manager / http server
         logger.warning("DLITE: could not install the request guards (%s).", exc)
+    try:  # per-response speculation metrics (issue 64 item 4): scheduler, tokenizer manager, OpenAI routes
+        from sglang_dlite.serving.spec_metrics_http import register_hooks as register_spec_metrics  # start-up cost: register() only
+
+        register_spec_metrics()
+    except Exception as exc:  # pragma: no cover - sglang moved the output streamer / tokenizer manager
+        logger.warning("DLITE: could not install the per-response speculation metrics (%s).", exc)
     try:  # the bundled target's tool-call parser: where sglang parses --tool-call-parser (launcher)
         from sglang_dlite.serving.guards.hooks import is_http_launcher  # start-up cost: keeps this entry point light (register() only)
 

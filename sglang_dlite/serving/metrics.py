@@ -16,7 +16,12 @@ Metrics (prometheus names; sglang's multiprocess collector serves them from the 
   verified), ``sglang:spec_decode_num_accepted_tokens_total`` (drafts accepted) and
   ``sglang:spec_decode_num_accepted_tokens_per_pos_total{position}`` (drafts accepted at chain
   position 0, 1, ...); acceptance rate = accepted / draft tokens, mean accepted length =
-  1 + accepted / drafts (a request that opted out, or a round with no drafts, is not a draft)
+  1 + accepted / drafts (a request that opted out, or a round with no drafts, is not a draft; a
+  token tree's drafts are its nodes, the padding rows of a batch's smaller trees not counted).
+  Recorded where sglang takes each round's result (``spec_metrics.RoundStats.consume``), for the
+  request-rounds sglang counts (``spec_verify_ct``): not the overlap scheduler's round past a
+  request's stop, nor a retracted request's, so they add up to the per-response metrics
+  (``spec_metrics.py``) to the token
 
 API for drafting code (e.g. a hybrid suffix-lookup / DLite drafter), safe to call always::
 
@@ -127,15 +132,20 @@ def record_sources(sources) -> None:
         record_source(name, sources.count(name))
 
 
-def record_acceptance(accepted, num_drafts: int) -> None:
-    """One round's acceptance: ``accepted`` drafts of each request that verified ``num_drafts``."""
-    if _M is None or num_drafts <= 0 or not accepted:
+def record_acceptance(accepted, num_drafts) -> None:
+    """Request-rounds' acceptance: request i accepted ``accepted[i]`` of the ``num_drafts[i]`` drafts
+    it verified (``num_drafts`` an int: the same for every request); one with no drafts is not a draft."""
+    if _M is None or not accepted:
         return
-    _M["drafts"].inc(len(accepted))
-    _M["draft_tokens"].inc(len(accepted) * num_drafts)
-    _M["accepted"].inc(sum(accepted))
-    for pos in range(min(num_drafts, max(accepted))):
-        _M["accepted_per_pos"].labels(position=str(pos)).inc(sum(1 for a in accepted if a > pos))
+    drafts = [num_drafts] * len(accepted) if isinstance(num_drafts, int) else num_drafts
+    rows = [(int(a), int(d)) for a, d in zip(accepted, drafts) if d > 0]
+    if not rows:
+        return
+    _M["drafts"].inc(len(rows))
+    _M["draft_tokens"].inc(sum(d for _, d in rows))
+    _M["accepted"].inc(sum(a for a, _ in rows))
+    for pos in range(max(min(a, d) for a, d in rows)):
+        _M["accepted_per_pos"].labels(position=str(pos)).inc(sum(1 for a, _ in rows if a > pos))
 
 
 def record_round(draft_ms: float, verify_ms: float, batch_size: int, context_rows=None) -> None:
@@ -169,11 +179,9 @@ class RoundTimer:
         self.pending: deque = deque()
         self.log_path = log_path
 
-    def _record(self, draft_ms: float, verify_ms: float, batch_size: int, rows, width: int, accepted=None,
-                tree: bool = False, positions=None, round_accepted=None, learn=None) -> None:
-        record_round(draft_ms, verify_ms, batch_size, rows)
-        if accepted is not None:
-            record_acceptance(accepted, width - 1)
+    def _record(self, draft_ms: float, verify_ms: float, batch_size: int, rows, width: int, tree: bool = False,
+                positions=None, round_accepted=None, learn=None) -> None:
+        record_round(draft_ms, verify_ms, batch_size, rows)  # acceptance: where sglang takes the result (spec_metrics)
         if self.log_path:
             rec = {"bs": batch_size, "width": width, "tree": tree, "draft_ms": round(draft_ms, 3),
                    "verify_ms": round(verify_ms, 3)}
@@ -198,20 +206,19 @@ class RoundTimer:
     def mark(self) -> None:
         self.marks.append(self._now())
 
-    def finish(self, batch_size: int, context_valid=None, width: int = 0, accepted=None, tree: bool = False,
+    def finish(self, batch_size: int, context_valid=None, width: int = 0, tree: bool = False,
                reqs=None, round_accepted=None, learn=None) -> None:
         """``context_valid``: [B, C] validity of the drafter's context rows (tensor) or None;
-        ``width``: tokens verified per request this round; ``accepted``: [n] drafts accepted by each
-        request that drafted (tensor) or None; ``tree``: a tree round (rounds.py: ``width`` rows
-        per request, ``accepted`` counted along the accepted root path). With the round log on,
-        ``reqs`` (the batch's requests, their output not yet extended by this round) and
-        ``round_accepted`` ([B] drafts accepted by every request, opted-out ones included; default
-        ``accepted``) log each request's output position and acceptance: tau by output position;
-        ``learn``: the online learner's fields for the round log (``OnlineServing.take_round``), logged as is."""
+        ``width``: tokens verified per request this round; ``tree``: a tree round (rounds.py:
+        ``width`` rows per request). With the round log on, ``reqs`` (the batch's requests, their
+        output not yet extended by this round) and ``round_accepted`` ([B] drafts accepted by every
+        request, opted-out ones included; a tree's along its accepted root path) log each request's
+        output position and acceptance: tau by output position; ``learn``: the online learner's
+        fields for the round log (``OnlineServing.take_round``), logged as is. Acceptance reaches
+        /metrics where sglang takes the round's result (``spec_metrics.RoundStats``), not here."""
         positions = None
-        if self.log_path and reqs is not None:
+        if self.log_path and reqs is not None and round_accepted is not None:
             positions = [len(r.output_ids) for r in reqs]
-            round_accepted = accepted if round_accepted is None else round_accepted
         else:
             round_accepted = None
         rows = None
@@ -222,27 +229,22 @@ class RoundTimer:
         if not self.cuda:
             t0, t1, t2 = self.marks[:3]
             self._record((t1 - t0) * 1e3, (t2 - t1) * 1e3, batch_size, None if rows is None else rows.tolist(), width,
-                         None if accepted is None else accepted.tolist(), tree, positions,
-                         None if round_accepted is None else round_accepted.tolist(), learn)
+                         tree, positions, None if round_accepted is None else round_accepted.tolist(), learn)
             return
         if rows is not None:
             rows = rows.to("cpu", non_blocking=True)
-        if accepted is not None:
-            accepted = accepted.to("cpu", non_blocking=True)
         if round_accepted is not None:
             round_accepted = round_accepted.to("cpu", non_blocking=True)
         end = self._now()
-        self.pending.append((self.marks[:3], end, batch_size, rows, width, accepted, tree, positions, round_accepted,
-                             learn))
+        self.pending.append((self.marks[:3], end, batch_size, rows, width, tree, positions, round_accepted, learn))
         self.poll()
 
     def poll(self) -> None:
         """Record the CUDA rounds whose events have completed (never waits)."""
         while self.pending and self.pending[0][1].query():
-            (e0, e1, e2), _, bs, rows, width, acc, tree, pos, racc, learn = self.pending.popleft()
+            (e0, e1, e2), _, bs, rows, width, tree, pos, racc, learn = self.pending.popleft()
             self._record(e0.elapsed_time(e1), e1.elapsed_time(e2), bs, None if rows is None else rows.tolist(), width,
-                         None if acc is None else acc.tolist(), tree, pos, None if racc is None else racc.tolist(),
-                         learn)
+                         tree, pos, None if racc is None else racc.tolist(), learn)
         while len(self.pending) > 64:  # never grow without bound
             self.pending.popleft()
 

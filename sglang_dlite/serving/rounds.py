@@ -80,7 +80,7 @@ class Round:
     trees: List[DraftTree] = field(default_factory=list)  # trees: per request
     layout: tuple = ()  # trees: (tokens, depths, parents) on the device
     idxs: list = field(default_factory=list)  # trees: the lookup's indices (begin_round)
-    sources: list = field(default_factory=list)  # trees: which source grew each tree
+    sources: list = field(default_factory=list)  # which source grew each tree / drafted each chain (the lookup's)
     judge: Optional[tuple] = None  # trees: a judged round of the online tree gate (others, adapted verified?)
     path_idx: Optional[torch.Tensor] = None  # trees: [B, N] the accepted path's node per committed token
     paths: list = field(default_factory=list)  # trees: the accepted drafts per request
@@ -212,8 +212,9 @@ class ChainRounds:
         accepted rows are the first a + 1 slots)."""
         w = self.w
         sources = None if w.lookup is None else w.lookup.commit_round(batch.reqs, a.tolist())
-        if sources is not None:  # /metrics: rounds drafted by each source
+        if sources is not None:  # /metrics: rounds drafted by each source; the per-response metrics
             dlite_metrics.record_sources(sources)
+            rd.sources = sources
         verify_logits.commit(batch.reqs, out, a)
 
     @staticmethod

@@ -51,10 +51,11 @@ from sglang_dlite.drafting.context import last_rows_of_segments, roll_last_rows
 from sglang_dlite.drafting.budget import DraftGate, VerifyWidthPolicy
 from sglang_dlite.serving.algorithm import capture_target_layers, check_target_supported, max_verify_width
 from sglang_dlite.serving import metrics as dlite_metrics
+from sglang_dlite.serving import spec_metrics
 from sglang_dlite.serving import verify_logits
 from sglang_dlite.serving.cuda_graphs import DrafterCudaGraphs
 from sglang_dlite.serving.info import DLiteDraftInput, DLiteVerifyInput, pack_context
-from sglang_dlite.drafting.budget import LoadPolicy
+from sglang_dlite.drafting.budget import LoadPolicy, opted_out
 from sglang_dlite.serving.online_serving import OnlineServing
 from sglang_dlite.serving.rounds import ChainRounds, TreeRounds
 from sglang_dlite.settings import ServingOptions, drafter_dtype
@@ -90,6 +91,7 @@ class DLiteWorker(BaseSpecWorker):
         tree_bs = self.options.tree_batch_size(self.device) if self.tp is None else 0  # TP: chains
         self.chains = ChainRounds(self)
         self.trees = TreeRounds(self, tree_bs, self.options.tree_branches) if tree_bs else None
+        spec_metrics.configure(self.options.spec_metrics, self.num_drafts)  # per-response metrics (and /metrics')
         if self.tp_rank == 0:
             logger.info("DLITE settings: %s", self.options.describe())
         logger.info(
@@ -292,6 +294,9 @@ class DLiteWorker(BaseSpecWorker):
         if self.gate is not None:  # a CPU: the draft and the verify have finished
             self._last_round = (bs, rd.drafted, t_round, 1.0 + float(a.float().mean()))
         kind.commit(rd, batch, a, out_tokens)  # 6) commit
+        if spec_metrics.wanted(batch.reqs):  # per request: what it verified, accepted, who drafted (host lists)
+            spec_metrics.attach(logits_output, spec_metrics.round_stats(
+                rd, a, None if opt_out is None else [opted_out(r) for r in batch.reqs]))
         commit_lens = (a + 1).to(torch.int32)
         new_seq_lens = prefix_lens + commit_lens.to(prefix_lens.dtype)
         if batch.return_logprob:  # chains only (a tree round takes no logprob batch)
@@ -301,8 +306,8 @@ class DLiteWorker(BaseSpecWorker):
         kind.carried_rows(rd, logits_output)  # 7) carry: the accepted rows first, then the last C
         new_state = self._carry(state, logits_output, a)
         if rt is not None:
-            rt.finish(bs, state[..., -1], W, a if opt_out is None else a[~opt_out], tree=rd.tree, reqs=batch.reqs,
-                      round_accepted=a, learn=None if self.online is None else self.online.take_round())
+            rt.finish(bs, state[..., -1], W, tree=rd.tree, reqs=batch.reqs, round_accepted=a,
+                      learn=None if self.online is None else self.online.take_round())
         batch.forward_mode = ForwardMode.DECODE
         return GenerationBatchResult(
             logits_output=logits_output,
