@@ -5,7 +5,7 @@ Where they go: ``SGLANG_DLITE_CONFIG``, a path to a JSON file or the JSON itself
 ``ServingOptions``): ``lookup``, ``verify_width``, ``drafter_dtype``, ``draft_cuda_graph``,
 ``round_log``, ``max_batch_size``, ``soft_batch_size``, ``soft_num_drafts``, ``tree_max_batch_size``,
 ``tree_branches``, ``online``, ``corpus_tokens``, ``ops``, ``spec_metrics``, the CPU stand-ins' ``cpu_attention`` and
-``cpu_packed_linear``, and the debug keys ``lookup_trace``, ``tp_sync``, ``tp_check`` (serving/README.md
+``cpu_packed_linear``, ``cpu_overlap``, and the debug keys ``lookup_trace``, ``tp_sync``, ``tp_check`` (serving/README.md
 says what each does). An unknown key or a bad value stops the
 launch with a message. ``SGLANG_DLITE_CONFIG`` is the only variable DLITE's serving reads (the
 other one of the product, ``SGLANG_DLITE_CACHE``, is the cache folder: ``model/bundled_target.py``).
@@ -60,6 +60,9 @@ class ServingOptions:
     # prepacked oneDNN weights in every forward (false: F.linear)
     cpu_attention: str = "sglang"
     cpu_packed_linear: bool = True
+    # on a CPU device DLITE runs sglang's non-overlap scheduler, as sglang does for its own speculative
+    # algorithms there (algorithm.py: cpu_schedule); true: the overlap scheduler a GPU runs (its tests)
+    cpu_overlap: bool = False
     corpus_tokens: int = 0  # cross-request corpus of finished requests' tokens for tree branches (drafting/corpus.py); 0: off
     lookup_trace: Optional[str] = None  # debug: a JSON-lines file of live indices + sources per round
     tp_sync: bool = True  # debug (false): no broadcast of rank 0's drafts / accepts under TP
@@ -97,9 +100,9 @@ class ServingOptions:
 
 SETTINGS = ("lookup", "verify_width", "drafter_dtype", "draft_cuda_graph", "round_log", "max_batch_size",
             "soft_batch_size", "soft_num_drafts", "tree_max_batch_size", "tree_branches",
-            "online", "corpus_tokens", "ops", "spec_metrics", "cpu_attention", "cpu_packed_linear", "lookup_trace",
-            "tp_sync", "tp_check")
-_QUIET = ("online", "corpus_tokens", "ops", "spec_metrics", "cpu_attention", "cpu_packed_linear", "lookup_trace",
+            "online", "corpus_tokens", "ops", "spec_metrics", "cpu_attention", "cpu_packed_linear", "cpu_overlap",
+            "lookup_trace", "tp_sync", "tp_check")
+_QUIET = ("online", "corpus_tokens", "ops", "spec_metrics", "cpu_attention", "cpu_packed_linear", "cpu_overlap", "lookup_trace",
           "tp_sync", "tp_check")  # in ``describe`` only when changed
 CPU_ATTENTION = ("sglang", "same")  # the setting cpu_attention's values
 SPEC_METRICS = ("off", "summary", "detailed")  # the setting spec_metrics's values
@@ -136,7 +139,7 @@ def _checked(o: ServingOptions) -> ServingOptions:
     def bad(key, want):
         return DLiteConfigError(f"DLITE setting {key}={getattr(o, key)!r}: {want} ({ENV_CONFIG}).")
 
-    for key in ("lookup", "draft_cuda_graph", "cpu_packed_linear", "tp_sync", "tp_check"):
+    for key in ("lookup", "draft_cuda_graph", "cpu_packed_linear", "cpu_overlap", "tp_sync", "tp_check"):
         if not isinstance(getattr(o, key), bool):
             raise bad(key, "must be true or false")
     def count(v) -> bool:

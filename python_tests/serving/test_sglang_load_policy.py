@@ -111,8 +111,9 @@ def _accepted(meta) -> int:
     return sum(i * c for i, c in enumerate(meta["spec_correct_drafts_histogram"]))
 
 
-def test_an_opted_out_request_decodes_draft_free_beside_speculating_ones(llama):
+def test_an_opted_out_request_decodes_draft_free_beside_speculating_ones(llama, monkeypatch):
     target, drafter, ref = llama
+    monkeypatch.setenv("SGLANG_DLITE_CONFIG", '{"cpu_overlap": true}')  # the overlap scheduler a GPU runs
     with F.engine(target, dlite=drafter, skip_tokenizer_init=True, overlap=True) as e:
         sps = [_sp(MAX_NEW[0]), _sp(MAX_NEW[1], dlite_speculate=False), _sp(MAX_NEW[2])]
         outs = e.generate(input_ids=PROMPTS, sampling_params=sps)

@@ -88,8 +88,9 @@ def nospec_outputs(llama):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
-def test_dlite_equals_nospec_equals_reference_llama(llama, nospec_outputs, overlap):
+def test_dlite_equals_nospec_equals_reference_llama(llama, nospec_outputs, overlap, monkeypatch):
     target, drafter, ref = llama
+    monkeypatch.setenv("SGLANG_DLITE_CONFIG", json.dumps({"cpu_overlap": overlap}))  # a GPU's scheduler on a CPU
     assert nospec_outputs == ref, "sglang without speculation differs from the HF reference"
     with F.engine(target, dlite=drafter, overlap=overlap, skip_tokenizer_init=True) as e:
         assert e.get_server_info()["disable_overlap_schedule"] is (not overlap)

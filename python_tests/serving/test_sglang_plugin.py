@@ -78,36 +78,6 @@ def test_conformance_with_sglang_algorithm_enum():
     assert not missing, f"DLiteSpecAlgo lacks SpeculativeAlgorithm methods: {missing}"
 
 
-@pytest.mark.parametrize(
-    "algo, device, queued, original, expected",
-    [
-        ("DLITE", "cpu", 1, False, True),    # a result waits: process it before the next forward
-        ("DLITE", "cpu", 0, False, False),   # nothing queued: the scheduler's own answer
-        ("DLITE", "cuda", 1, False, False),  # a GPU overlaps for real: untouched
-        ("NGRAM", "cpu", 1, False, False),   # another algorithm: untouched
-        ("DLITE", "cuda", 0, True, True),    # the scheduler's own True is never overridden
-    ],
-)
-def test_overlap_hook_processes_results_first_on_cpu(algo, device, queued, original, expected):
-    import collections
-
-    from sglang_dlite.serving import _overlap_hook
-
-    scheduler = types.SimpleNamespace(
-        spec_algorithm=types.SimpleNamespace(name=algo),
-        server_args=types.SimpleNamespace(device=device),
-        result_queue=collections.deque(range(queued)),
-    )
-    assert _overlap_hook(lambda s, b: original, scheduler, object()) is expected
-
-
-def test_overlap_hook_is_registered_on_sglangs_method():
-    """The hooked name must exist in the supported sglang (a rename would silently drop the hook)."""
-    from sglang.srt.managers.scheduler import Scheduler
-
-    assert callable(getattr(Scheduler, "is_disable_overlap_for_batch", None))
-
-
 # ------------------------------------------------------------------ start-up validation
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -202,6 +172,22 @@ def test_default_num_draft_tokens(tiny, monkeypatch):
     assert default_num_draft_tokens(4, cpu) == 5
     monkeypatch.setenv("SGLANG_DLITE_CONFIG", '{"lookup": false}')
     assert default_num_draft_tokens(4, cpu) == 5
+
+
+@pytest.mark.parametrize("device, setting, before, after", [
+    ("cpu", None, False, True),     # a CPU: sglang's non-overlap scheduler, as for its own algorithms
+    ("cpu", True, False, False),    # the setting cpu_overlap keeps the overlap scheduler (its tests)
+    ("cpu", None, True, True),      # already off: stays off
+    ("cuda", None, False, False),   # a GPU overlaps for real: untouched
+])
+def test_cpu_device_runs_the_non_overlap_scheduler(tiny, monkeypatch, device, setting, before, after):
+    _, target, drafter = tiny
+    monkeypatch.delenv("SGLANG_DLITE_CONFIG", raising=False)
+    if setting is not None:
+        monkeypatch.setenv("SGLANG_DLITE_CONFIG", json.dumps({"cpu_overlap": setting}))
+    args = _args(target, drafter, device=device, disable_overlap_schedule=before)
+    _validate(args)
+    assert args.disable_overlap_schedule is after
 
 
 def test_missing_or_corrupt_draft_path_fails(tiny):

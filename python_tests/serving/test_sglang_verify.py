@@ -2,7 +2,8 @@
 
 Real HTTP servers on 127.0.0.1 (bundled SmolLM2-135M-Instruct target, float32, CPU), one
 without speculation (non-overlap scheduler: exact penalties, see ``_start``) and ones with
-``--speculative-algorithm DLITE`` (the shipped drafter, overlap scheduling on; tp 1 drafting a token
+``--speculative-algorithm DLITE`` (the shipped drafter, the overlap scheduler a GPU runs: the setting
+``cpu_overlap``; tp 1 drafting a token
 tree every round, issue 46, tp 2 chains): every greedy case below must give the same tokens on all, through the HTTP
 API, sent concurrently so that greedy, sampled, penalized and grammar requests share verify
 batches; sampled cases (no seeds on this stack, see below) must be valid. Then the refusals:
@@ -82,7 +83,7 @@ def _start(target, draft, tmp, tp_size=1, chains=False):
         # round's drafts, accept lengths and bonus tokens are all-gathered and compared across
         # the ranks (the debug setting tp_check): a difference raises in the scheduler.
         cmd += ["--tp-size", str(tp_size)]
-        env.update(SGLANG_CPU_OMP_THREADS_BIND="0|1", SGLANG_DLITE_CONFIG=json.dumps({"tp_check": True}))
+        env.update(SGLANG_CPU_OMP_THREADS_BIND="0|1", SGLANG_DLITE_CONFIG=json.dumps({"tp_check": True, "cpu_overlap": True}))
     if draft:
         cmd += ["--speculative-algorithm", "DLITE", "--speculative-draft-model-path", draft,
                 "--enable-return-hidden-states"]  # so that the request reaches DLITE's refusal
@@ -92,11 +93,11 @@ def _start(target, draft, tmp, tp_size=1, chains=False):
             # from measured wall times, which made round counts depend on the machine's load
             cfg = {"tree_max_batch_size": 0} if chains else {"tree_max_batch_size": 32,
                                                              "round_log": str(tmp / "rounds_tp1.jsonl")}
-            env["SGLANG_DLITE_CONFIG"] = json.dumps({**cfg, "verify_width": "fixed"})
+            env["SGLANG_DLITE_CONFIG"] = json.dumps({**cfg, "verify_width": "fixed", "cpu_overlap": True})
     else:
         # The reference: sglang's overlap scheduler feeds its penalizers one token late (it
         # prepares step n+1 before step n's token is processed), so without speculation the
-        # exact penalty semantics are those of the non-overlap scheduler. DLITE keeps overlap on.
+        # exact penalty semantics are those of the non-overlap scheduler. DLITE keeps overlap on (cpu_overlap).
         cmd += ["--disable-overlap-schedule"]
     name = f"server_{'dlite' if draft else 'nospec'}_tp{tp_size}{'_chains' if chains else ''}.log"
     return F.HttpServer.launch(cmd, tmp / name, env=env)

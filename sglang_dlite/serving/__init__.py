@@ -15,9 +15,7 @@ sglang_dlite.serving:register``. sglang calls ``register()`` in the launcher
 6. in the HTTP server's process: the request guards (``guards/``) and the bundled target's
    tool-call parser ``smollm2`` (``tool_calls.py``);
 7. the per-response speculation metrics (``spec_metrics.py``, ``spec_metrics_http.py``): the
-   scheduler's output streamer, the tokenizer manager's meta_info, the OpenAI responses;
-8. on a CPU device, the overlap scheduler's result order (``_overlap_hook``): every batch's result
-   is processed before the next forward runs.
+   scheduler's output streamer, the tokenizer manager's meta_info, the OpenAI responses.
 
 No sglang source is edited. The CPU-only test stand-ins (``cpu_support/sglang_cpu``) are never
 loaded from here.
@@ -75,23 +73,6 @@ def _validate_request_hook(original, scheduler, req, *args, **kwargs):
     return msg
 
 
-def _overlap_hook(original, scheduler, batch, *args, **kwargs):
-    """AROUND hook on Scheduler.is_disable_overlap_for_batch (True: process the last batch's result
-    before launching ``batch``): DLITE on a CPU device always says True. The overlap scheduler
-    processes a batch's result after the next batch's forward was launched, which on a GPU costs
-    nothing (the launch is asynchronous) but on a CPU, where a forward runs to its end before
-    returning, holds every result for one more forward: a prefill's first token waited for the
-    first speculative round (draft + verify, several plain decode steps' cost), so time to first
-    token over a cached prefix read 8-16 % above no speculation's. Nothing overlaps on a CPU, so
-    processing first loses no throughput."""
-    decision = original(scheduler, batch, *args, **kwargs)
-    algo = getattr(scheduler, "spec_algorithm", None)
-    if decision or getattr(algo, "name", None) != ALGORITHM_NAME:
-        return decision
-    return (getattr(getattr(scheduler, "server_args", None), "device", None) == "cpu"
-            and len(getattr(scheduler, "result_queue", ())) > 0)  # something to process first
-
-
 def register() -> None:
     """sglang plugin entry point (idempotent)."""
     global _registered
@@ -136,16 +117,6 @@ def register() -> None:
         )
     except Exception as exc:  # pragma: no cover - sglang moved the per-request check
         logger.warning("DLITE: could not hook the scheduler's request validation (%s).", exc)
-    try:
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # optional: sglang
-
-        HookRegistry.register(
-            "sglang.srt.managers.scheduler.Scheduler.is_disable_overlap_for_batch",
-            _overlap_hook,
-            HookType.AROUND,
-        )
-    except Exception as exc:  # pragma: no cover - sglang moved the overlap decision
-        logger.warning("DLITE: could not hook the overlap scheduler's result order (%s).", exc)
     try:  # request guards + client-readable errors (issue 18): launcher / tokenizer process only
         from sglang_dlite.serving.guards import register_hooks  # start-up cost: keeps this entry point light (register() only)
 

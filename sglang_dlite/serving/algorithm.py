@@ -170,6 +170,20 @@ def validate_server_args(server_args) -> None:
         check_capture_layers(config.target_layer_ids, layers)
         check_attention_only_target(model_path)
     check_deployment(server_args)
+    cpu_schedule(server_args, options)
+
+
+def cpu_schedule(server_args, options: ServingOptions) -> None:
+    """On a CPU device, sglang's non-overlap scheduler (what sglang picks for its own speculative
+    algorithms there, ``_disable_overlap_schedule_for_cpu``), unless the setting ``cpu_overlap``.
+    A CPU forward returns only when it has run, so the overlap loop overlaps nothing: it processes
+    each result after the next round has run, which holds a prefill's first token for one round
+    (draft + verify), and it schedules that round before the result that finishes a request is seen,
+    so every finished request costs one wasted round before the next prefill (float32, turn 2 right
+    after a 128-token turn 1: time to first token 0.955 s -> 0.649 s; no speculation 0.699 s)."""
+    if str(getattr(server_args, "device", "")) == "cpu" and not options.cpu_overlap \
+            and not getattr(server_args, "disable_overlap_schedule", True):
+        server_args.disable_overlap_schedule = True
 
 
 def check_capture_layers(layer_ids, num_layers: int) -> None:
