@@ -36,6 +36,12 @@ TOOLS = [WEATHER, CALC]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 CHOICES = {"required": "required", "named": {"type": "function", "function": {"name": "calculate"}}, "auto": "auto"}
 PROMPTS = ["What's the weather in Paris?", "What is 23 * 17?"]
+# an agent's second turn: the history holds a call the model made, and under "auto" the 135M target
+# calls the tool again by itself (alone it answers the prompts above in text)
+AGENT_TURN = [{"role": "user", "content": "What's the weather in London?"},
+              {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
+                  "name": "get_weather", "arguments": json.dumps({"city": "London"})}}]},
+              {"role": "user", "content": "What's the weather in Paris?"}]
 SERVE_TAIL = ["--", "--enable-cache-report", "--max-total-tokens", "8192", "--max-running-requests", "8", "--skip-server-warmup",
               "--log-level", "warning"]
 
@@ -155,7 +161,7 @@ def srv_flush(srv):
 
 def _ask(client, choice, prompt, stream=False):
     kw = dict(model="default", temperature=0, max_tokens=64, tools=TOOLS, tool_choice=CHOICES[choice],
-              messages=[{"role": "user", "content": prompt}])
+              messages=prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
     if not stream:
         c = client.chat.completions.create(**kw).choices[0]
         calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
@@ -190,6 +196,7 @@ def answers(tmp_path_factory):
             client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", timeout=600)
             got = {(c, i, False): _ask(client, c, p) for c in CHOICES for i, p in enumerate(PROMPTS)}
             got.update({(c, 0, True): _ask(client, c, PROMPTS[0], stream=True) for c in CHOICES})
+            got.update({("auto", "agent", st): _ask(client, "auto", AGENT_TURN, stream=st) for st in (False, True)})
             got["metrics"] = requests.get(srv.base + "/metrics", timeout=60).text
             srv_flush(srv)
             got["agent"] = asyncio.run(run_level(srv.base, load_workload("agent-stdlib", max_convs=2), 2, max_turns=3,
@@ -278,6 +285,17 @@ def test_auto_answers_identically_and_any_call_is_valid(answers):
         else:
             assert a["content"] and "<tool_call>" not in a["content"], a
             assert a["finish_reason"] in ("stop", "length"), a
+
+
+def test_auto_calls_a_tool_by_itself_identically_without_speculation(answers):
+    """"auto" where the model does call: an agent's second turn (AGENT_TURN). OpenAI tool_calls,
+    valid against the schema, the same with and without speculation, streamed or not."""
+    a = answers["dlite"][("auto", "agent", False)]
+    _check_calls(a, set(SCHEMAS))
+    assert a["tool_calls"][0][0] == "get_weather" and json.loads(a["tool_calls"][0][1])["city"] == "Paris", a
+    for key in [("auto", "agent", False), ("auto", "agent", True)]:
+        assert answers["dlite"][key] == answers["nospec"][key], key
+    assert answers["dlite"][("auto", "agent", True)] == a
 
 
 def test_metrics_are_on_by_default(answers):
