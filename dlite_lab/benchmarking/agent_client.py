@@ -77,8 +77,9 @@ class Server:
 
     @classmethod
     def start(cls, mode: str, log_dir: str, *, dtype: str = "bfloat16", max_running: int = 8,
-              extra: tuple = (), timeout_s: float = 900.0) -> "Server":
-        """``sglang-dlite serve --cpu`` for ``mode`` (``MODES``), loopback only; returns once ``/health`` answers."""
+              extra: tuple = (), env: Optional[dict] = None, timeout_s: float = 900.0) -> "Server":
+        """``sglang-dlite serve --cpu`` for ``mode`` (``MODES``), loopback only; returns once ``/health`` answers.
+        ``env``: variables set for the server on top of the launcher's (e.g. its torch threads)."""
         from sglang_dlite.serving import serve  # the launcher's sglang/transformers imports: only to start one
 
         if mode not in MODES:
@@ -90,11 +91,11 @@ class Server:
         p = argparse.ArgumentParser()
         serve.add_arguments(p)
         args = p.parse_args(["--cpu", *(["--no-spec"] if mode != "dlite" else []), "--", *sglang_args])
-        cmd, env = serve.build_command(args)  # with /metrics, the bundled target's tool-call parser
+        cmd, launch_env = serve.build_command(args)  # with /metrics, the bundled target's tool-call parser
         os.makedirs(log_dir, exist_ok=True)
         log_path = os.path.join(log_dir, f"server_{mode}_{port}.log")
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, env={**launch_env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         srv = cls(f"http://127.0.0.1:{port}", mode, proc, log_path)
         srv.wait_ready(timeout_s)
         return srv
@@ -347,12 +348,14 @@ def median_rows(rows: list) -> dict:
     return out
 
 
-def write_json(path: str, payload: dict) -> None:
+def write_json(path: str, payload) -> str:
+    """``payload`` as JSON at ``path``, atomically (a temporary file, then a rename); returns ``path``."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=1)
     os.replace(tmp, path)
+    return path
 
 
 def python_info() -> dict:

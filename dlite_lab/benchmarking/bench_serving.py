@@ -34,7 +34,6 @@ first, then ``runpy`` of ``sglang.bench_serving`` unchanged; the datasets used h
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -119,15 +118,6 @@ def sharegpt_source(convs: Iterable[dict]) -> list:
     return out
 
 
-def write_json(path: str, payload) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(tmp, path)
-    return path
-
-
 def write_datasets(workloads: list, data_dir: str, *, max_convs: int, max_turns: int, num_prompts: int,
                    datasets: Iterable[str], load=load_workload) -> dict:
     """The files the datasets need ({dataset: path}; ``random-ids`` needs none), from the workloads."""
@@ -135,14 +125,14 @@ def write_datasets(workloads: list, data_dir: str, *, max_convs: int, max_turns:
     tag = "+".join(os.path.splitext(os.path.basename(w))[0] for w in workloads)
     if "multiturn" in datasets:
         convs = [c for w in workloads for c in load(w, max_convs=max_convs)]
-        paths["multiturn"] = write_json(os.path.join(data_dir, f"multiturn_{tag}.json"),
+        paths["multiturn"] = ac.write_json(os.path.join(data_dir, f"multiturn_{tag}.json"),
                                         agentic_trace(convs, max_turns, source=tag))
     if "random" in datasets:
         entries = sharegpt_source(c for w in workloads for c in load(w))
         if len(entries) < num_prompts:  # sglang's random dataset takes one prompt per entry, no more
             raise DLiteInputError(f"the random dataset's corpus from {tag} has {len(entries)} conversations, "
                                   f"fewer than --num-prompts {num_prompts}: add workloads or lower --num-prompts.")
-        paths["random"] = write_json(os.path.join(data_dir, f"random_source_{tag}.json"), entries)
+        paths["random"] = ac.write_json(os.path.join(data_dir, f"random_source_{tag}.json"), entries)
     return paths
 
 
@@ -223,22 +213,6 @@ def run_client(cmd: list, log_path: str, timeout_s: float) -> tuple:
 def tail(path: str, n: int = 3000) -> str:
     with open(path, encoding="utf-8", errors="replace") as f:
         return f.read()[-n:]
-
-
-@contextlib.contextmanager
-def server_threads(threads: int):
-    """OMP / MKL threads of the servers started inside (the launcher copies this process's environment)."""
-    keys = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-    old = {k: os.environ.get(k) for k in keys}
-    os.environ.update({k: str(threads) for k in keys})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # ----------------------------------------------------------------------------- the summary
@@ -337,10 +311,10 @@ def run(a, log=print) -> dict:
             continue
         srv = None
         try:
-            with server_threads(a.threads):
-                log(f"# starting the {mode} server (sglang-dlite serve --cpu, 127.0.0.1)")
-                srv = ac.Server.start(mode, os.path.join(a.out_dir, "logs"), dtype=a.dtype,
-                                      max_running=a.max_concurrency, timeout_s=a.server_timeout)
+            log(f"# starting the {mode} server (sglang-dlite serve --cpu, 127.0.0.1)")
+            srv = ac.Server.start(mode, os.path.join(a.out_dir, "logs"), dtype=a.dtype,
+                                  max_running=a.max_concurrency, timeout_s=a.server_timeout,
+                                  env={k: str(a.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")})
             for d, p in cells:
                 if os.path.exists(p):
                     os.remove(p)  # sglang appends: one run per file
@@ -357,12 +331,12 @@ def run(a, log=print) -> dict:
                 summary["cells"][f"{mode}|{d}"] = {"file": p, "log": log_path, "rc": rc, "wall_s": round(wall, 1),
                                                    "command": shown}
                 if res is None:
-                    write_json(summary_path, summary)  # the failed cell's command, exit code and log
+                    ac.write_json(summary_path, summary)  # the failed cell's command, exit code and log
                     raise RuntimeError(f"sglang bench_serving ({mode} x {d}) wrote no result (exit {rc}); its log "
                                        f"{log_path}:\n{tail(log_path)}\nthe server's log:\n{srv.log_tail()}")
                 results[(mode, d)] = res
                 summary["rows"] = summary_rows(results, a.modes, a.datasets)
-                write_json(summary_path, summary)
+                ac.write_json(summary_path, summary)
                 bar.update(1)
                 log(f"# {mode} x {d}: {res['output_throughput']:.2f} out tok/s, {res['completed']} requests, "
                     f"TTFT p50 {res['median_ttft_ms']:.0f} ms, TPOT p50 {res['median_tpot_ms']:.1f} ms ({wall:.0f} s)")
@@ -371,6 +345,6 @@ def run(a, log=print) -> dict:
                 srv.stop()
     bar.close()
     summary["rows"] = summary_rows(results, a.modes, a.datasets)
-    write_json(summary_path, summary)
+    ac.write_json(summary_path, summary)
     summary["path"] = summary_path
     return summary
